@@ -1,0 +1,153 @@
+// flashcte: the Neuron `attention_cte` prefill flash-attention kernel, on the CPU.
+//
+// One entry point, `attention_cte`, computes exactly the function pinned down in
+// shared/spec/SEMANTICS.md (every mode, any scale). Arguments carry the Neuron kernel's names and
+// defaults. Tensors are passed as strided views; nothing is copied that the kernel does not need
+// to repack per tile. Errors come back as a Status whose message names the argument and the rule
+// it broke; the library never throws across this header.
+#ifndef FLASHCTE_FLASHCTE_H_
+#define FLASHCTE_FLASHCTE_H_
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace flashcte {
+
+// Element types. Attention inputs are float32, bfloat16 or float16 (q, k, v, priors agree);
+// int32/int64 appear only in packing bounds.
+enum class DType : int { kFloat32, kBFloat16, kFloat16, kInt32, kInt64 };
+
+const char* dtype_name(DType dtype);
+int dtype_size(DType dtype);
+
+inline constexpr int kMaxRank = 3;
+
+// A read-only strided view. Strides are in elements, not bytes. A view with rank 0 and null data
+// is "absent" (the default of every optional argument).
+struct TensorView {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int rank = 0;
+  std::array<int64_t, kMaxRank> shape{};
+  std::array<int64_t, kMaxRank> strides{};
+
+  bool present() const { return data != nullptr || rank != 0; }
+  // A dense row-major view of `shape`.
+  static TensorView contiguous(const void* data, DType dtype, std::vector<int64_t> shape);
+};
+
+// A writable strided view (outputs).
+struct MutableTensorView {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int rank = 0;
+  std::array<int64_t, kMaxRank> shape{};
+  std::array<int64_t, kMaxRank> strides{};
+
+  bool present() const { return data != nullptr || rank != 0; }
+  static MutableTensorView contiguous(void* data, DType dtype, std::vector<int64_t> shape);
+};
+
+// Tiling of the flash recurrence. Zero means "choose for this machine". The Neuron kernel's
+// values (q_block 128, kv_tile 512, sections of 8192 over a 10240 threshold) are accepted.
+struct TileConfig {
+  int64_t q_block = 0;  // query rows resident per work item (the Neuron Q group, 128 there)
+  int64_t kv_tile = 0;  // KV columns per streamed tile (512 there)
+  // KV columns per softmax section: the running max / alpha rescale happens once per section;
+  // within a section the scores of all its tiles are computed first, as on Neuron. 0 = one tile.
+  int64_t section = 0;
+  // Sectioning only applies when the total KV length exceeds this; below it the whole KV axis
+  // is one section (Neuron: 10240). 0 = always section.
+  int64_t section_threshold = 0;
+};
+
+// Every `attention_cte` argument other than q, k, v and the outputs, with the kernel's defaults.
+struct Options {
+  float scale = 1.0f;
+  bool causal_mask = true;
+  // Prefix caching: keys are concat(k_prior[:, :prior_used_len], k) (same for values).
+  // k_prior/v_prior are laid out like k/v: (bs_kv, d, S_prior) unless tp_k, v_prior (bs_kv,
+  // S_prior, d).
+  TensorView k_prior;
+  TensorView v_prior;
+  // Empty: all of S_prior is valid. One value: the kernel's single length for the whole batch.
+  // bs_kv values: one per KV batch (an extension of the kernel).
+  std::vector<int64_t> prior_used_len;
+  TensorView sink;             // (bs, 1) float32: one extra logit per (batch*head), not scaled
+  int64_t sliding_window = 0;  // 0: none; else keep the sw most recent positions (own included)
+  bool tp_q = true;            // q is (bs, Sq, d); false: (bs, d, Sq)
+  bool tp_k = false;           // k is (bs_kv, Skv, d); false: (bs_kv, d, Skv)
+  bool tp_out = false;         // out is (bs, d, Sq); false: (bs, Sq, d)
+  bool cache_softmax = false;  // also write neg_max and sum_recip (Outputs)
+  std::optional<int64_t> cp_offset;      // global position of local query row 0
+  std::optional<int64_t> global_cp_deg;  // context-parallel degree (strided slicing stride)
+  bool cp_strided_q_slicing = false;     // local row i is global row cp_offset + i*global_cp_deg
+  // Sequence packing: per query row, allowed concatenated-KV index range [bound_min, bound_max).
+  // Shape (Sq, 1) or (Sq,), dtype int32, int64 or float32 (integral values).
+  TensorView bound_min;
+  TensorView bound_max;
+  int num_threads = 0;  // 0: OpenMP's default
+  TileConfig tiles;
+};
+
+// Outputs. `out` is required; the statistics are float32 and optional.
+// neg_max / sum_recip: rank 3 (bs, 128, Sq/128) is the Neuron layout (element [b, p, g] is query
+// row g*128 + p); rank 2 (bs, Sq) is row-major and works for any Sq. Both are required when
+// Options::cache_softmax is set. lse: (bs, Sq), lse = max + log(sum) = -(neg_max +
+// log(sum_recip)).
+// A row with no unmasked key and no sink has output 0, neg_max = +inf, sum_recip = +inf and
+// lse = -inf (the softmax of an empty row is defined as contributing nothing).
+struct Outputs {
+  MutableTensorView out;
+  MutableTensorView neg_max;
+  MutableTensorView sum_recip;
+  MutableTensorView lse;
+};
+
+struct Status {
+  bool ok = true;
+  std::string message;  // "<argument>: <rule it broke>" when !ok
+
+  static Status Ok() { return {}; }
+  static Status Error(std::string message) { return {false, std::move(message)}; }
+};
+
+// Computes attention_cte(q, k, v, ...) into `outputs`. Thread-safe; results are bitwise identical
+// for any num_threads.
+Status attention_cte(const TensorView& q, const TensorView& k, const TensorView& v,
+                     const Outputs& outputs, const Options& options = {});
+
+// What the kernel would do for these inputs, without computing it. q, k and v may have null
+// data (only shapes are read); bounds and priors' lengths are read when present.
+struct PlanSummary {
+  int64_t batch = 0;
+  int64_t kv_batch = 0;
+  int64_t seqlen_q = 0;
+  int64_t seqlen_kv = 0;  // including the used prior
+  int64_t head_dim = 0;
+  int64_t value_dim = 0;
+  TileConfig tiles;             // resolved
+  int64_t q_blocks = 0;         // per batch
+  int64_t kv_tiles = 0;         // per batch
+  int64_t sections = 0;         // per batch
+  int64_t work_items = 0;       // units handed to threads
+  int64_t tiles_full = 0;       // (q block, kv tile) pairs computed unmasked, all batches
+  int64_t tiles_masked = 0;     // computed with an element-wise mask
+  int64_t tiles_skipped = 0;    // never touched
+  double flops_done = 0;        // 4 * d-ish * computed pairs (tile granularity)
+  double flops_dense = 0;       // 4 * (d + dv)/2 * Sq * Skv * bs
+  double flops_useful = 0;      // over unmasked (query, key) pairs only
+  int threads = 0;
+};
+Status plan_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                      const Options& options, PlanSummary* summary);
+
+// Human-readable description of the SIMD target the dispatcher picked at run time.
+std::string simd_target();
+
+}  // namespace flashcte
+
+#endif  // FLASHCTE_FLASHCTE_H_

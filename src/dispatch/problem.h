@@ -1,0 +1,90 @@
+// The validated, layout-normalized form of one attention_cte call. Everything below the dispatch
+// layer reads this and never the user's arguments: transposes are folded into strides, defaults
+// are resolved, bounds are converted to int64.
+#ifndef FLASHCTE_SRC_DISPATCH_PROBLEM_H_
+#define FLASHCTE_SRC_DISPATCH_PROBLEM_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "flashcte/flashcte.h"
+
+namespace flashcte::internal {
+
+// A rank-3 tensor read as logical (batch, row, column): for q/out (b, query, channel), for k/v
+// (b, key, channel). Strides in elements, transposes already applied.
+struct View3 {
+  const void* data = nullptr;
+  int64_t batch_stride = 0;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+};
+
+struct MutView3 {
+  void* data = nullptr;
+  int64_t batch_stride = 0;
+  int64_t row_stride = 0;
+  int64_t col_stride = 0;
+};
+
+// A per-(batch, query row) float32 statistic, in either the row-major or the Neuron layout.
+struct StatView {
+  float* data = nullptr;  // null: not requested
+  bool neuron_layout = false;
+  int64_t batch_stride = 0;
+  // Row-major: element (b, i) at b*batch_stride + i*row_stride.
+  // Neuron (bs, 128, Sq/128): row i = g*128 + p at b*batch_stride + p*row_stride + g*group_stride.
+  int64_t row_stride = 0;
+  int64_t group_stride = 0;
+
+  float* at(int64_t b, int64_t i) const {
+    if (neuron_layout) return data + b * batch_stride + (i % 128) * row_stride + (i / 128) * group_stride;
+    return data + b * batch_stride + i * row_stride;
+  }
+};
+
+struct Problem {
+  DType dtype = DType::kFloat32;  // compute mode: the dtype of q, k, v (and priors, out)
+  int64_t batch = 0;              // bs: query (batch*head) count
+  int64_t kv_batch = 0;           // bs_kv
+  int64_t group = 1;              // bs / bs_kv: query heads sharing one KV batch
+  int64_t seqlen_q = 0;
+  int64_t seqlen_kv = 0;     // length of k/v (without prior)
+  int64_t seqlen_prior = 0;  // S_prior (allocated length of k_prior/v_prior), 0 without prefix
+  int64_t head_dim = 0;      // d of q and k
+  int64_t value_dim = 0;     // d of v and out
+
+  View3 q, k, v, k_prior, v_prior;
+  std::vector<int64_t> prior_used;  // per KV batch (size kv_batch); all zero without prefix
+
+  const float* sink = nullptr;  // one logit per query batch, or null
+  int64_t sink_stride = 0;
+
+  float scale = 1.0f;
+  bool causal = true;
+  int64_t sliding_window = 0;
+  // Global position of local query row i: cp_offset + i * cp_stride.
+  int64_t cp_offset = 0;
+  int64_t cp_stride = 1;
+  // Packing bounds per query row (concatenated-KV indices), empty without packing.
+  std::vector<int64_t> bound_lo, bound_hi;
+
+  MutView3 out;
+  StatView neg_max, sum_recip, lse;
+
+  TileConfig tiles;  // resolved: every field set
+  int threads = 1;
+
+  int64_t kv_total(int64_t kv_b) const { return prior_used[kv_b] + seqlen_kv; }
+  int64_t max_kv_total() const;
+};
+
+// Checks every argument against the rules of SEMANTICS.md and the API; fills `problem`.
+// With `shapes_only`, q/k/v/out data may be null (for plan_attention).
+Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
+                const Outputs& outputs, const Options& options, bool shapes_only,
+                Problem* problem);
+
+}  // namespace flashcte::internal
+
+#endif  // FLASHCTE_SRC_DISPATCH_PROBLEM_H_
