@@ -129,17 +129,17 @@ struct PlanSummary {
   int64_t seqlen_kv = 0;  // including the used prior
   int64_t head_dim = 0;
   int64_t value_dim = 0;
-  TileConfig tiles;             // resolved
-  int64_t q_blocks = 0;         // per batch
-  int64_t kv_tiles = 0;         // per batch
-  int64_t sections = 0;         // per batch
-  int64_t work_items = 0;       // units handed to threads
-  int64_t tiles_full = 0;       // (q block, kv tile) pairs computed unmasked, all batches
-  int64_t tiles_masked = 0;     // computed with an element-wise mask
-  int64_t tiles_skipped = 0;    // never touched
-  double flops_done = 0;        // 4 * d-ish * computed pairs (tile granularity)
-  double flops_dense = 0;       // 4 * (d + dv)/2 * Sq * Skv * bs
-  double flops_useful = 0;      // over unmasked (query, key) pairs only
+  TileConfig tiles;           // resolved
+  int64_t q_blocks = 0;       // per batch
+  int64_t kv_tiles = 0;       // per batch
+  int64_t sections = 0;       // per batch
+  int64_t work_items = 0;     // units handed to threads
+  int64_t tiles_full = 0;     // (q block, kv tile) pairs computed unmasked, all batches
+  int64_t tiles_masked = 0;   // computed with an element-wise mask
+  int64_t tiles_skipped = 0;  // never touched
+  double flops_done = 0;      // 2 * (d + dv) * computed pairs (tile granularity)
+  double flops_dense = 0;     // 2 * (d + dv) * Sq * Skv * bs
+  double flops_useful = 0;    // over unmasked (query, key) pairs only
   int threads = 0;
 };
 Status plan_attention(const TensorView& q, const TensorView& k, const TensorView& v,

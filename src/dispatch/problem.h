@@ -38,7 +38,8 @@ struct StatView {
   int64_t group_stride = 0;
 
   float* at(int64_t b, int64_t i) const {
-    if (neuron_layout) return data + b * batch_stride + (i % 128) * row_stride + (i / 128) * group_stride;
+    if (neuron_layout)
+      return data + b * batch_stride + (i % 128) * row_stride + (i / 128) * group_stride;
     return data + b * batch_stride + i * row_stride;
   }
 };
@@ -82,8 +83,7 @@ struct Problem {
 // Checks every argument against the rules of SEMANTICS.md and the API; fills `problem`.
 // With `shapes_only`, q/k/v/out data may be null (for plan_attention).
 Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
-                const Outputs& outputs, const Options& options, bool shapes_only,
-                Problem* problem);
+                const Outputs& outputs, const Options& options, bool shapes_only, Problem* problem);
 
 }  // namespace flashcte::internal
 

@@ -166,8 +166,7 @@ Status read_stat(const char* name, const MutableTensorView& t, int64_t bs, int64
   Status s = check_view(name, t, false, extent);
   if (!s.ok) return s;
   if (t.dtype != DType::kFloat32) {
-    return Status::Error(std::string(name) + ": dtype must be float32, got " +
-                         dtype_name(t.dtype));
+    return Status::Error(std::string(name) + ": dtype must be float32, got " + dtype_name(t.dtype));
   }
   view->data = static_cast<float*>(t.data);
   view->batch_stride = t.strides[0];
@@ -196,9 +195,10 @@ Status read_stat(const char* name, const MutableTensorView& t, int64_t bs, int64
     view->group_stride = t.strides[2];
     return Status::Ok();
   }
-  return Status::Error(std::string(name) + (allow_neuron ? ": must have rank 2 (bs, Sq) or rank 3"
-                                                           " (bs, 128, Sq/128), got rank "
-                                                         : ": must have rank 2 (bs, Sq), got rank ") +
+  return Status::Error(std::string(name) +
+                       (allow_neuron ? ": must have rank 2 (bs, Sq) or rank 3"
+                                       " (bs, 128, Sq/128), got rank "
+                                     : ": must have rank 2 (bs, Sq), got rank ") +
                        std::to_string(t.rank));
 }
 
@@ -223,8 +223,7 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
   if ((s = check_view("q", q, shapes_only, &eq)), !s.ok) return s;
   if ((s = check_view("k", k, shapes_only, &ek)), !s.ok) return s;
   if ((s = check_view("v", v, shapes_only, &ev)), !s.ok) return s;
-  if ((s = expect_rank("q", q.rank, 3, o.tp_q ? "(bs, Sq, d) with tp_q" : "(bs, d, Sq)")),
-      !s.ok)
+  if ((s = expect_rank("q", q.rank, 3, o.tp_q ? "(bs, Sq, d) with tp_q" : "(bs, d, Sq)")), !s.ok)
     return s;
   if ((s = expect_rank("k", k.rank, 3, o.tp_k ? "(bs_kv, Skv, d) with tp_k" : "(bs_kv, d, Skv)")),
       !s.ok)
@@ -319,15 +318,15 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
       return s;
     const auto& used = o.prior_used_len;
     if (!used.empty() && used.size() != 1 && static_cast<int64_t>(used.size()) != p->kv_batch) {
-      return Status::Error("prior_used_len: must hold 1 value or bs_kv = " +
-                           std::to_string(p->kv_batch) + " values, got " +
-                           std::to_string(used.size()));
+      return Status::Error(
+          "prior_used_len: must hold 1 value or bs_kv = " + std::to_string(p->kv_batch) +
+          " values, got " + std::to_string(used.size()));
     }
     for (int64_t b = 0; b < p->kv_batch; ++b) {
       const int64_t u = used.empty() ? p->seqlen_prior : used.size() == 1 ? used[0] : used[b];
       if (u < 0 || u > p->seqlen_prior) {
-        return Status::Error("prior_used_len: " + std::to_string(u) + " must be in [0, S_prior = " +
-                             std::to_string(p->seqlen_prior) + "]");
+        return Status::Error("prior_used_len: " + std::to_string(u) +
+                             " must be in [0, S_prior = " + std::to_string(p->seqlen_prior) + "]");
       }
       p->prior_used[b] = u;
     }
@@ -403,10 +402,10 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
                              std::to_string(total) + "] (the concatenated KV length)");
       }
       if (p->bound_hi[i] < p->bound_lo[i] || p->bound_hi[i] > total) {
-        return Status::Error("bound_max: row " + std::to_string(i) + " holds " +
-                             std::to_string(p->bound_hi[i]) + ", outside [bound_min = " +
-                             std::to_string(p->bound_lo[i]) + ", " + std::to_string(total) +
-                             "] (bounds are [min, max) over the concatenated KV axis)");
+        return Status::Error(
+            "bound_max: row " + std::to_string(i) + " holds " + std::to_string(p->bound_hi[i]) +
+            ", outside [bound_min = " + std::to_string(p->bound_lo[i]) + ", " +
+            std::to_string(total) + "] (bounds are [min, max) over the concatenated KV axis)");
       }
     }
   }
@@ -459,8 +458,8 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
   const struct {
     const char* name;
     Extent e;
-  } inputs[] = {{"q", eq},          {"k", ek},    {"v", ev},        {"k_prior", ekp},
-                {"v_prior", evp},   {"sink", esink}},
+  } inputs[] = {{"q", eq},        {"k", ek},        {"v", ev},
+                {"k_prior", ekp}, {"v_prior", evp}, {"sink", esink}},
     outs[] = {{"out", eout}, {"neg_max", enm}, {"sum_recip", esr}, {"lse", e_lse}};
   for (size_t a = 0; a < sizeof(outs) / sizeof(outs[0]); ++a) {
     for (const auto& in : inputs) {

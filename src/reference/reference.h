@@ -35,6 +35,22 @@ Status attention(const TensorView& q, const TensorView& k, const TensorView& v,
 Status attention_plain(const TensorView& q, const TensorView& k, const TensorView& v,
                        const Options& options, Result* result);
 
+// The same two functions restricted to the query rows `rows` (each in [0, Sq), any order), for
+// every batch: the Result has seqlen_q = rows.size() and its row r is query row rows[r]. The
+// oracle costs O(Sq * Skv * d); big test shapes check a sample of rows instead of all of them.
+Status attention_rows(const TensorView& q, const TensorView& k, const TensorView& v,
+                      const Options& options, const std::vector<int64_t>& rows, Result* result);
+Status attention_plain_rows(const TensorView& q, const TensorView& k, const TensorView& v,
+                            const Options& options, const std::vector<int64_t>& rows,
+                            Result* result);
+
+// Element `offset` (in elements) of `data`, read as the exact value its dtype encodes.
+double load_element(const void* data, DType dtype, int64_t offset);
+
+// `x` rounded to the nearest value representable in `dtype` (float32, bfloat16 or float16):
+// ties to even, subnormals kept, overflow to +-inf, NaN passes through.
+double round_to_dtype(double x, DType dtype);
+
 }  // namespace flashcte::reference
 
 #endif  // FLASHCTE_SRC_REFERENCE_REFERENCE_H_

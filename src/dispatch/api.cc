@@ -1,0 +1,150 @@
+// The public entry points: validate once, then hand the normalized problem to the schedule.
+#include <algorithm>
+#include <exception>
+#include <new>
+
+#include "flashcte/flashcte.h"
+#include "src/dispatch/problem.h"
+#include "src/kernel/plan.h"
+#include "src/schedule/schedule.h"
+#include "src/simd/ops.h"
+
+namespace flashcte {
+namespace {
+
+template <class View, class Ptr>
+View make_contiguous(Ptr data, DType dtype, const std::vector<int64_t>& shape) {
+  View t;
+  t.data = data;
+  t.dtype = dtype;
+  t.rank = static_cast<int>(std::min<size_t>(shape.size(), kMaxRank));
+  int64_t stride = 1;
+  for (int i = t.rank - 1; i >= 0; --i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = stride;
+    stride *= shape[i];
+  }
+  return t;
+}
+
+}  // namespace
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+  }
+  return "unknown";
+}
+
+int dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+    case DType::kFloat16:
+      return 2;
+    case DType::kInt64:
+      return 8;
+    default:
+      return 4;
+  }
+}
+
+TensorView TensorView::contiguous(const void* data, DType dtype, std::vector<int64_t> shape) {
+  return make_contiguous<TensorView>(data, dtype, shape);
+}
+
+MutableTensorView MutableTensorView::contiguous(void* data, DType dtype,
+                                                std::vector<int64_t> shape) {
+  return make_contiguous<MutableTensorView>(data, dtype, shape);
+}
+
+Status attention_cte(const TensorView& q, const TensorView& k, const TensorView& v,
+                     const Outputs& outputs, const Options& options) {
+  try {
+    internal::Problem problem;
+    Status s = internal::validate(q, k, v, outputs, options, false, &problem);
+    if (!s.ok) return s;
+    internal::resolve_tiles(&problem);
+    internal::run_all(problem);
+    return Status::Ok();
+  } catch (const std::bad_alloc&) {
+    return Status::Error("memory: allocation of scratch or plan buffers failed");
+  } catch (const std::exception& e) {
+    return Status::Error(std::string("internal: ") + e.what());
+  }
+}
+
+Status plan_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                      const Options& options, PlanSummary* summary) {
+  if (summary == nullptr) return Status::Error("summary: must not be null");
+  try {
+    // A shape-only out view so validation can check it like a real call.
+    internal::Problem p;
+    Outputs outputs;
+    MutableTensorView& out = outputs.out;
+    out.dtype = q.dtype;
+    out.rank = 3;
+    const int64_t bs = q.rank == 3 ? q.shape[0] : 0;
+    const int64_t sq = q.rank == 3 ? q.shape[options.tp_q ? 1 : 2] : 0;
+    const int64_t dv = v.rank == 3 ? v.shape[2] : 0;
+    out.shape =
+        options.tp_out ? std::array<int64_t, 3>{bs, dv, sq} : std::array<int64_t, 3>{bs, sq, dv};
+    out.strides = {out.shape[1] * out.shape[2], out.shape[2], 1};
+    Options o = options;
+    o.cache_softmax = false;  // statistics do not change the plan
+    Status s = internal::validate(q, k, v, outputs, o, true, &p);
+    if (!s.ok) return s;
+    internal::resolve_tiles(&p);
+
+    PlanSummary& r = *summary;
+    r = PlanSummary{};
+    r.batch = p.batch;
+    r.kv_batch = p.kv_batch;
+    r.seqlen_q = p.seqlen_q;
+    r.seqlen_kv = p.max_kv_total();
+    r.head_dim = p.head_dim;
+    r.value_dim = p.value_dim;
+    r.tiles = p.tiles;
+    r.q_blocks = internal::num_q_blocks(p);
+    r.kv_tiles = (r.seqlen_kv + p.tiles.kv_tile - 1) / p.tiles.kv_tile;
+    const int64_t section = p.kv_batch > 0 ? internal::section_length(p, 0) : p.tiles.section;
+    r.sections = (r.seqlen_kv + section - 1) / section;
+    const std::vector<internal::WorkItem> items = internal::make_work_items(p);
+    r.work_items = static_cast<int64_t>(items.size());
+    r.threads = internal::resolve_threads(p, r.work_items);
+    const double pair_flops = 2.0 * static_cast<double>(p.head_dim + p.value_dim);
+    std::vector<internal::RowInterval> iv(static_cast<size_t>(p.tiles.q_block));
+    internal::BlockPlan plan;
+    for (const internal::WorkItem& item : items) {
+      const int64_t row0 = item.q_block * p.tiles.q_block;
+      const int64_t rows = std::min(p.tiles.q_block, p.seqlen_q - row0);
+      double useful = 0;
+      for (int64_t i = 0; i < rows; ++i) {
+        iv[i] = internal::row_interval(p, item.kv_batch, row0 + i);
+        useful += static_cast<double>(iv[i].hi - iv[i].lo);
+      }
+      internal::plan_block(p, item.kv_batch, iv.data(), rows, &plan);
+      r.tiles_full += plan.tiles_full * p.group;
+      r.tiles_masked += plan.tiles_masked * p.group;
+      r.tiles_skipped += plan.tiles_skipped * p.group;
+      r.flops_done += pair_flops * static_cast<double>(rows * plan.computed_columns * p.group);
+      r.flops_useful += pair_flops * useful * static_cast<double>(p.group);
+      r.flops_dense += pair_flops * static_cast<double>(rows * p.kv_total(item.kv_batch) * p.group);
+    }
+    return Status::Ok();
+  } catch (const std::bad_alloc&) {
+    return Status::Error("memory: allocation of plan buffers failed");
+  }
+}
+
+std::string simd_target() { return simd::ops().target; }
+
+}  // namespace flashcte

@@ -1,0 +1,97 @@
+#include "src/kernel/plan.h"
+
+#include <algorithm>
+
+namespace flashcte::internal {
+namespace {
+
+// Query rows per work item. TODO(tuning, issue 3): measured choice; 48 is 8 register blocks of
+// the 6-row MM1 micro-kernel.
+constexpr int64_t kDefaultQBlock = 48;
+// KV columns per tile: 256 keys x d=128 x 4 B = 128 KiB of packed K plus as much V, which stays
+// in the 512 KiB L2 of Zen 3 while every head of the GQA group streams over it.
+constexpr int64_t kDefaultKvTile = 256;
+
+}  // namespace
+
+void resolve_tiles(Problem* p) {
+  TileConfig& t = p->tiles;
+  if (t.q_block == 0) t.q_block = kDefaultQBlock;
+  if (t.kv_tile == 0) {
+    t.kv_tile = kDefaultKvTile;
+    if (t.section > 0 && t.section % t.kv_tile != 0) t.kv_tile = t.section;
+  }
+  if (t.section == 0) t.section = t.kv_tile;
+}
+
+RowInterval row_interval(const Problem& p, int64_t kv_b, int64_t i) {
+  const int64_t prior = p.prior_used[kv_b];
+  const int64_t q_pos = p.cp_offset + i * p.cp_stride;
+  RowInterval r{0, prior + p.seqlen_kv};
+  // kv_pos(j) = j - prior; diff = kv_pos - q_pos.
+  if (p.causal) r.hi = std::min(r.hi, q_pos + prior + 1);  // masked when diff > 0
+  if (p.sliding_window > 0) {
+    r.lo = std::max(r.lo, q_pos + prior - p.sliding_window + 1);  // masked when diff <= -sw
+  }
+  if (!p.bound_lo.empty()) {
+    r.lo = std::max(r.lo, p.bound_lo[i]);
+    r.hi = std::min(r.hi, p.bound_hi[i]);
+  }
+  if (r.hi < r.lo) r.hi = r.lo;
+  return r;
+}
+
+int64_t section_length(const Problem& p, int64_t kv_b) {
+  const int64_t total = p.kv_total(kv_b);
+  const TileConfig& t = p.tiles;
+  if (t.section_threshold > 0 && total <= t.section_threshold) {
+    // One section over the whole KV axis, rounded up to the tile grid.
+    return std::max<int64_t>(t.kv_tile, (total + t.kv_tile - 1) / t.kv_tile * t.kv_tile);
+  }
+  return t.section;
+}
+
+int64_t num_q_blocks(const Problem& p) {
+  return (p.seqlen_q + p.tiles.q_block - 1) / p.tiles.q_block;
+}
+
+void plan_block(const Problem& p, int64_t kv_b, const RowInterval* iv, int64_t rows,
+                BlockPlan* plan) {
+  plan->tiles.clear();
+  plan->sections.clear();
+  plan->tiles_full = plan->tiles_masked = plan->tiles_skipped = plan->computed_columns = 0;
+  const int64_t total = p.kv_total(kv_b);
+  const int64_t section = section_length(p, kv_b);
+  const int64_t tile = p.tiles.kv_tile;
+  for (int64_t s0 = 0; s0 < total; s0 += section) {
+    const int64_t s1 = std::min(total, s0 + section);
+    const int64_t first = static_cast<int64_t>(plan->tiles.size());
+    for (int64_t c0 = s0; c0 < s1; c0 += tile) {
+      const int64_t c1 = std::min(s1, c0 + tile);
+      // Union of the rows' intersections with [c0, c1), and whether every row covers it.
+      int64_t lo = c1, hi = c0;
+      bool every_row_covers = true;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t a = std::max(iv[r].lo, c0), b = std::min(iv[r].hi, c1);
+        if (a < b) {
+          lo = std::min(lo, a);
+          hi = std::max(hi, b);
+        }
+      }
+      if (lo >= hi) {
+        ++plan->tiles_skipped;
+        continue;
+      }
+      for (int64_t r = 0; r < rows && every_row_covers; ++r) {
+        every_row_covers = iv[r].lo <= lo && iv[r].hi >= hi;
+      }
+      plan->tiles.push_back({lo, hi, !every_row_covers});
+      ++(every_row_covers ? plan->tiles_full : plan->tiles_masked);
+      plan->computed_columns += hi - lo;
+    }
+    const int64_t end = static_cast<int64_t>(plan->tiles.size());
+    if (end > first) plan->sections.push_back({s0, first, end});
+  }
+}
+
+}  // namespace flashcte::internal

@@ -1,0 +1,33 @@
+// Work items and their split over threads. A work item is one query block of one GQA group
+// (every query head sharing a KV batch), so each packed K/V tile serves the whole group. Items
+// are costed by the query-key pairs they really compute (causal triangles, windows and packing
+// make them uneven), handed out largest first, and each is computed by exactly one thread with
+// the same code: results are bitwise identical for any thread count.
+#ifndef FLASHCTE_SRC_SCHEDULE_SCHEDULE_H_
+#define FLASHCTE_SRC_SCHEDULE_SCHEDULE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "src/dispatch/problem.h"
+
+namespace flashcte::internal {
+
+struct WorkItem {
+  int64_t kv_batch = 0;
+  int64_t q_block = 0;
+  double cost = 0;  // relative cost: unmasked pairs plus per-row overhead
+};
+
+// All work items of the problem, most expensive first (ties in a fixed order).
+std::vector<WorkItem> make_work_items(const Problem& p);
+
+// The number of threads the run will use.
+int resolve_threads(const Problem& p, int64_t num_items);
+
+// Runs every work item on the resolved thread count.
+void run_all(const Problem& p);
+
+}  // namespace flashcte::internal
+
+#endif  // FLASHCTE_SRC_SCHEDULE_SCHEDULE_H_

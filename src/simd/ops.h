@@ -1,0 +1,59 @@
+// The vector building blocks of the kernel, one table per instruction set. The kernel layer
+// fetches the table once per call (ops()) and calls through it per tile: each call does at least
+// a few thousand FLOPs, so the indirect call costs nothing measurable, and tests can switch the
+// Highway target between calls (hwy::SetSupportedTargetsForTest) to cover every target.
+//
+// All buffers are float32 and packed by the kernel layer:
+//   Q block  [rows][ldq]      row-major, one query row per row
+//   K tile   [d][ldk]         transposed, key j of the tile in column j (the Neuron k_sb (d, 512))
+//   S / P    [rows][lds]      scores, then probabilities in place
+//   V tile   [n][ldv]         row-major, key j in row j (the Neuron v_sb (128, d))
+//   O        [rows][ldo]      float32 accumulators of one head
+// Leading dimensions are multiples of kPadFloats plus kPadFloats of margin, so that a kernel may
+// read and write whole vectors past the last valid column (see each function).
+#ifndef FLASHCTE_SRC_SIMD_OPS_H_
+#define FLASHCTE_SRC_SIMD_OPS_H_
+
+#include <cstdint>
+
+namespace flashcte::simd {
+
+// Column padding unit: 16 floats = one 64-byte cache line = two AVX2 or one AVX-512 vector, so
+// every target's whole vectors fit inside the padding.
+inline constexpr int64_t kPadFloats = 16;
+
+inline int64_t padded(int64_t n) { return (n + kPadFloats - 1) / kPadFloats * kPadFloats; }
+// Leading dimension for n columns that kernels may overrun by up to one vector.
+inline int64_t leading_dim(int64_t n) { return padded(n) + kPadFloats; }
+
+struct Ops {
+  const char* target;
+
+  // MM1: S[r][c] = scale * sum_k Q[r][k] * K[k][c] for r < rows, c < cols. May also write
+  // columns up to the next vector multiple of cols (callers keep only [0, cols)); reads K the
+  // same way, so K needs finite values there (the packers zero the padding).
+  void (*qk)(const float* q, int64_t ldq, int64_t rows, const float* k, int64_t ldk, int64_t cols,
+             int64_t d, float scale, float* s, int64_t lds);
+
+  // max_c s[c] for c < n (n >= 1); -inf when every entry is -inf.
+  float (*row_max)(const float* s, int64_t n);
+
+  // The fused exp-and-sum (the Neuron activation_reduce): s[c] = exp(s[c] + bias) in place for
+  // c < n, returning the sum of the results. bias is the negated running max, so the shift is
+  // the FMA's addend. With round_bf16, the stored values are rounded to bfloat16 (as the Neuron
+  // engine's P feeding MM2) while the sum keeps float32 values. Writes exactly n entries.
+  float (*exp_sum)(float* s, int64_t n, float bias, bool round_bf16);
+
+  // MM2 with the rescale folded in: O[r][:] = alpha[r] * O[r][:] + sum_{j<n} P[r][j] * V[j][:]
+  // for r < rows, over dv_pad columns (a multiple of kPadFloats). alpha may be null (= 1).
+  void (*pv)(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv,
+             int64_t dv_pad, const float* alpha, float* o, int64_t ldo);
+};
+
+// The table for the best target Highway supports on this CPU (respecting
+// hwy::SetSupportedTargetsForTest).
+const Ops& ops();
+
+}  // namespace flashcte::simd
+
+#endif  // FLASHCTE_SRC_SIMD_OPS_H_
