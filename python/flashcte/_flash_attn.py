@@ -1,0 +1,304 @@
+"""FlashAttention's interface (flash_attn_func, flash_attn_varlen_func) mapped onto attention_cte.
+
+Layouts: q ``(batch, seqlen_q, heads, d)``, k/v ``(batch, seqlen_k, heads_k, d)``; varlen packs
+the sequences: ``(total, heads, d)``. The heads axis is not foldable with the batch axis into one
+strided axis, so each batch element is one attention_cte call on the views ``q[b]`` read as
+``(heads, seqlen_q, d)`` (k with ``tp_k``), written straight into the output's
+``(heads, seqlen_q, dv)`` view: nothing is copied. Varlen is a single call per problem: the
+heads are the batch axis and the sequences become per-row packing bounds.
+
+Masks follow FlashAttention: with ``seqlen_q != seqlen_k`` the causal diagonal is aligned to the
+bottom-right corner, and query ``i`` sees keys ``j`` with
+``i + seqlen_k - seqlen_q - window_size[0] <= j <= i + seqlen_k - seqlen_q + window_size[1]``
+(``-1`` meaning unbounded; ``causal`` sets the right bound to 0). Rows that see no key output 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._attention import _call
+from ._tensors import Tensor, empty, give_back, transpose
+
+ArrayLike = Any
+
+
+def _unsupported(softcap: float, alibi_slopes: Any) -> None:
+    if softcap is not None and float(softcap) != 0.0:
+        raise NotImplementedError(
+            "softcap: not supported yet (the flashcte C++ library has no logit soft-capping; "
+            "a later release adds it); pass softcap=0.0"
+        )
+    if alibi_slopes is not None:
+        raise NotImplementedError(
+            "alibi_slopes: not supported yet (the flashcte C++ library has no ALiBi bias; "
+            "a later release adds it); pass alibi_slopes=None"
+        )
+
+
+def _window(window_size: Any, causal: bool) -> tuple[int, int]:
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"window_size: must be a pair of ints (left, right), got {window_size!r}"
+        ) from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: entries must be >= -1 (-1: unbounded), got {window_size!r}")
+    if causal:
+        right = 0
+    return left, right
+
+
+def _bounds(seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row allowed key range [lo, hi) of one sequence, FlashAttention's bottom-right
+    alignment, clipped to [0, seqlen_k]; empty rows get lo == hi."""
+    diag = np.arange(seqlen_q, dtype=np.int64) + (seqlen_k - seqlen_q)
+    lo = np.zeros(seqlen_q, np.int64) if left < 0 else np.clip(diag - left, 0, seqlen_k)
+    hi = (
+        np.full(seqlen_q, seqlen_k, np.int64)
+        if right < 0
+        else np.clip(diag + right + 1, 0, seqlen_k)
+    )
+    return lo, np.maximum(hi, lo)
+
+
+def _check_heads(qt: Tensor, kt: Tensor, vt: Tensor, axis: int) -> None:
+    heads, heads_k = qt.shape[axis], kt.shape[axis]
+    if vt.shape[axis] != heads_k:
+        raise ValueError(
+            f"v: has {vt.shape[axis]} heads (shape {vt.shape}), k has {heads_k} (shape {kt.shape})"
+        )
+    if heads_k == 0 or heads % heads_k:
+        raise ValueError(
+            f"k: {heads_k} heads must divide q's {heads} heads (grouped-query attention); "
+            f"q shape {qt.shape}, k shape {kt.shape}"
+        )
+    if kt.shape[axis + 1] != qt.shape[axis + 1]:
+        raise ValueError(
+            f"k: head_dim {kt.shape[axis + 1]} differs from q's {qt.shape[axis + 1]} "
+            f"(q shape {qt.shape}, k shape {kt.shape})"
+        )
+
+
+def _inputs(q: Any, k: Any, v: Any, rank: int, layout: str) -> tuple[Tensor, Tensor, Tensor]:
+    tensors = []
+    for name, x, lay in (("q", q, "q"), ("k", k, "k"), ("v", v, "k")):
+        t = Tensor(name, x)
+        if t.ndim != rank:
+            raise ValueError(
+                f"{name}: must have rank {rank} {layout.format(h='heads' if lay == 'q' else 'heads_k')}"
+                f", got rank {t.ndim} (shape {t.shape})"
+            )
+        tensors.append(t)
+    return tensors[0], tensors[1], tensors[2]
+
+
+def flash_attn_func(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    return_softmax_lse: bool = False,
+    *,
+    num_threads: int | None = None,
+) -> ArrayLike | tuple[ArrayLike, ArrayLike]:
+    """FlashAttention's ``flash_attn_func`` on the CPU.
+
+    Args:
+        q: ``(batch, seqlen_q, heads, d)``.
+        k: ``(batch, seqlen_k, heads_k, d)``; ``heads_k`` divides ``heads`` (GQA/MQA: query head
+            ``h`` reads KV head ``h // (heads // heads_k)``).
+        v: ``(batch, seqlen_k, heads_k, dv)``.
+            float32, float16 or bfloat16; numpy arrays or DLPack tensors (torch included), read
+            in place whatever their strides.
+        softmax_scale: defaults to ``1 / sqrt(d)``.
+        causal: causal mask aligned to the bottom-right corner when ``seqlen_q != seqlen_k``
+            (for seqlen_q=2, seqlen_k=5 the mask is [[1,1,1,1,0],[1,1,1,1,1]]; for seqlen_q=5,
+            seqlen_k=2 it is [[0,0],[0,0],[0,0],[1,0],[1,1]]).
+        window_size: ``(left, right)``, -1 for unbounded: query ``i`` sees keys
+            ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``. With
+            ``causal`` the right bound is 0.
+        softcap: must be 0.0: logit soft-capping is not supported yet (NotImplementedError).
+        alibi_slopes: must be None: ALiBi is not supported yet (NotImplementedError).
+        return_softmax_lse: also return the log-sum-exp of the scaled scores.
+        num_threads: OpenMP threads; None for OpenMP's default.
+
+    Returns:
+        ``out`` ``(batch, seqlen_q, heads, dv)`` in q's dtype and kind, or ``(out, lse)`` with
+        ``lse`` float32 ``(batch, heads, seqlen_q)``. A query row that sees no key outputs 0
+        and has ``lse = -inf`` (FlashAttention's CUDA kernels store +inf there; -inf is the
+        log of an empty sum and merges correctly when combining partial results).
+
+    Raises:
+        NotImplementedError: softcap != 0 or alibi_slopes given.
+        TypeError, ValueError: bad inputs; the message names the argument.
+    """
+    _unsupported(softcap, alibi_slopes)
+    qt, kt, vt = _inputs(q, k, v, 4, "(batch, seqlen, {h}, head_dim)")
+    _check_heads(qt, kt, vt, 2)
+    batch, seqlen_q, heads, d = qt.shape
+    seqlen_k, dv = kt.shape[1], vt.shape[3]
+    for t in (kt, vt):
+        if t.shape[0] != batch:
+            raise ValueError(f"{t.name}: batch {t.shape[0]} differs from q's batch {batch}")
+    if vt.shape[1] != seqlen_k:
+        raise ValueError(f"v: seqlen {vt.shape[1]} differs from k's seqlen {seqlen_k}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    left, right = _window(window_size, causal)
+
+    mask: dict = {"causal_mask": False}
+    if causal and seqlen_k >= seqlen_q:
+        # The kernel's own causal/window masks with a shifted query position.
+        mask = {
+            "causal_mask": True,
+            "cp_offset": seqlen_k - seqlen_q,
+            "sliding_window": left + 1 if left >= 0 else 0,
+        }
+    elif left >= 0 or right >= 0:
+        lo, hi = _bounds(seqlen_q, seqlen_k, left, right)
+        mask["bound_min"], mask["bound_max"] = lo, hi
+
+    out = empty(qt, (batch, seqlen_q, heads, dv))
+    lse = empty(qt, (batch, heads, seqlen_q), "float32") if return_softmax_lse else None
+    for b in range(batch):
+        _call(
+            _view(qt, b),
+            _view(kt, b),
+            _view(vt, b),
+            transpose(out[b], 0, 1),
+            lse=None if lse is None else lse[b],
+            scale=scale,
+            tp_k=True,
+            num_threads=num_threads,
+            **mask,
+        )
+    if return_softmax_lse:
+        return give_back(qt, out), give_back(qt, lse)
+    return give_back(qt, out)
+
+
+def _view(t: Tensor, b: int | None) -> Tensor:
+    """(seqlen, heads, d) of batch element b (or the whole varlen tensor) as (heads, seqlen, d)."""
+    view = Tensor.__new__(Tensor)
+    view.name, view.kind, view.source = t.name, t.kind, t.source
+    view.arr = transpose(t.arr if b is None else t.arr[b], 0, 1)
+    return view
+
+
+def _cu_seqlens(name: str, x: Any) -> np.ndarray:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim != 1 or a.size < 1 or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{name}: must be a 1-D integer array of batch + 1 offsets, got {a!r}")
+    a = a.astype(np.int64)
+    if a[0] != 0 or np.any(np.diff(a) < 0):
+        raise ValueError(f"{name}: must start at 0 and never decrease, got {a.tolist()}")
+    return a
+
+
+def flash_attn_varlen_func(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    return_softmax_lse: bool = False,
+    *,
+    num_threads: int | None = None,
+) -> ArrayLike | tuple[ArrayLike, ArrayLike]:
+    """FlashAttention's ``flash_attn_varlen_func`` on the CPU: packed variable-length sequences.
+
+    Args:
+        q: ``(total_q, heads, d)``: the batch's query sequences back to back.
+        k: ``(total_k, heads_k, d)``; ``heads_k`` divides ``heads`` (GQA/MQA).
+        v: ``(total_k, heads_k, dv)``.
+        cu_seqlens_q, cu_seqlens_k: ``(batch + 1,)`` integer offsets (int32 in FlashAttention):
+            sequence ``s`` is rows ``[cu[s], cu[s + 1])``. Query rows past ``cu_seqlens_q[-1]``
+            output 0.
+        max_seqlen_q, max_seqlen_k: the longest sequences; checked against the offsets (an
+            understated maximum raises ValueError), otherwise unused.
+        softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax_lse,
+        num_threads: as in :func:`flash_attn_func`, per sequence (the causal diagonal is aligned
+            to each sequence's bottom-right corner).
+
+    Returns:
+        ``out`` ``(total_q, heads, dv)``, or ``(out, lse)`` with ``lse`` float32
+        ``(heads, total_q)``.
+
+    One attention_cte call covers the whole batch: heads are its batch axis and each query
+    row's allowed key range (sequence, causal diagonal and window) is a packing bound.
+    """
+    _unsupported(softcap, alibi_slopes)
+    qt, kt, vt = _inputs(q, k, v, 3, "(total, {h}, head_dim)")
+    _check_heads(qt, kt, vt, 1)
+    total_q, heads, d = qt.shape
+    total_k, dv = kt.shape[0], vt.shape[2]
+    if vt.shape[0] != total_k:
+        raise ValueError(f"v: total {vt.shape[0]} differs from k's total {total_k}")
+    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    if cu_q.size != cu_k.size:
+        raise ValueError(
+            f"cu_seqlens_k: holds {cu_k.size} offsets, cu_seqlens_q {cu_q.size} (batch + 1 each)"
+        )
+    if cu_q[-1] > total_q:
+        raise ValueError(f"cu_seqlens_q: ends at {cu_q[-1]} past q's total {total_q}")
+    if cu_k[-1] > total_k:
+        raise ValueError(f"cu_seqlens_k: ends at {cu_k[-1]} past k's total {total_k}")
+    len_q, len_k = np.diff(cu_q), np.diff(cu_k)
+    if len_q.size and int(len_q.max()) > int(max_seqlen_q):
+        raise ValueError(
+            f"max_seqlen_q: {max_seqlen_q} is less than the longest query sequence {int(len_q.max())}"
+        )
+    if len_k.size and int(len_k.max()) > int(max_seqlen_k):
+        raise ValueError(
+            f"max_seqlen_k: {max_seqlen_k} is less than the longest key sequence {int(len_k.max())}"
+        )
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    left, right = _window(window_size, causal)
+
+    lo = np.zeros(total_q, np.int64)
+    hi = np.zeros(total_q, np.int64)
+    for s in range(len_q.size):
+        qs, ks = int(cu_q[s]), int(cu_k[s])
+        row_lo, row_hi = _bounds(int(len_q[s]), int(len_k[s]), left, right)
+        lo[qs : qs + len_q[s]] = row_lo + ks
+        hi[qs : qs + len_q[s]] = row_hi + ks
+
+    out = empty(qt, (total_q, heads, dv))
+    lse = empty(qt, (heads, total_q), "float32") if return_softmax_lse else None
+    _call(
+        _view(qt, None),
+        _view(kt, None),
+        _view(vt, None),
+        transpose(out, 0, 1),
+        lse=lse,
+        scale=scale,
+        causal_mask=False,
+        tp_k=True,
+        bound_min=lo,
+        bound_max=hi,
+        num_threads=num_threads,
+    )
+    if return_softmax_lse:
+        return give_back(qt, out), give_back(qt, lse)
+    return give_back(qt, out)

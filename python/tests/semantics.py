@@ -1,0 +1,196 @@
+"""A float64 numpy transcription of shared/spec/SEMANTICS.md, written for these tests alone.
+
+It shares no code with the library or with src/reference: it materialises the score matrix of
+one (batch*head) at a time, builds the mask from the spec's rules verbatim and takes the softmax
+in float64. Plus FlashAttention's conventions (bottom-right causal, windows) as an independent
+mask, for flash_attn_func / flash_attn_varlen_func.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover
+    ml_dtypes = None
+    BF16 = None
+
+
+def f64(x) -> np.ndarray:
+    """Any numpy array (bfloat16 included) as float64."""
+    x = np.asarray(x)
+    if BF16 is not None and x.dtype == BF16:
+        x = x.astype(np.float32)
+    return x.astype(np.float64)
+
+
+def attention_cte_ref(
+    q,
+    k,
+    v,
+    scale=1.0,
+    causal_mask=True,
+    k_prior=None,
+    v_prior=None,
+    prior_used_len=None,
+    sink=None,
+    sliding_window=0,
+    tp_q=True,
+    tp_k=False,
+    cp_offset=None,
+    global_cp_deg=None,
+    cp_strided_q_slicing=False,
+    bound_min=None,
+    bound_max=None,
+):
+    """Returns (out (bs, Sq, dv), neg_max (bs, Sq), sum_recip (bs, Sq), lse (bs, Sq)), float64.
+
+    Empty rows (no unmasked key, no sink): out 0, neg_max +inf, sum_recip +inf, lse -inf.
+    """
+    # 1. Undo the transposes.
+    q = f64(q) if tp_q else f64(q).transpose(0, 2, 1)
+    k = f64(k) if tp_k else f64(k).transpose(0, 2, 1)
+    v = f64(v)
+    bs, sq, _ = q.shape
+    bs_kv, _skv, _ = k.shape
+    dv = v.shape[2]
+    group = bs // bs_kv
+    if k_prior is not None:
+        kp = f64(k_prior) if tp_k else f64(k_prior).transpose(0, 2, 1)
+        vp = f64(v_prior)
+    if prior_used_len is None:
+        used = [kp.shape[1] if k_prior is not None else 0] * bs_kv
+    elif np.ndim(prior_used_len) == 0:
+        used = [int(prior_used_len)] * bs_kv
+    else:
+        used = [int(u) for u in prior_used_len]
+        if len(used) == 1:
+            used = used * bs_kv
+
+    # 2. Positions.
+    i = np.arange(sq)
+    offset = 0 if cp_offset is None else cp_offset
+    if cp_strided_q_slicing:
+        q_pos = offset + i * global_cp_deg
+    else:
+        q_pos = offset + i
+    sink_vals = None if sink is None else f64(sink).reshape(-1)
+    if bound_min is not None:
+        bmin = f64(bound_min).reshape(-1)
+        bmax = f64(bound_max).reshape(-1)
+
+    out = np.zeros((bs, sq, dv))
+    neg_max = np.full((bs, sq), np.inf)
+    sum_recip = np.full((bs, sq), np.inf)
+    lse = np.full((bs, sq), -np.inf)
+    for b in range(bs):
+        kb = b // group
+        p = used[kb]
+        if k_prior is not None:
+            keys = np.concatenate([kp[kb, :p], k[kb]], axis=0)
+            vals = np.concatenate([vp[kb, :p], v[kb]], axis=0)
+        else:
+            keys, vals = k[kb], v[kb]
+        j = np.arange(keys.shape[0])
+        kv_pos = j - p
+        diff = kv_pos[None, :] - q_pos[:, None]
+        # 3. The mask.
+        masked = np.zeros(diff.shape, bool)
+        if causal_mask:
+            masked |= diff > 0
+        if sliding_window > 0:
+            masked |= diff <= -sliding_window
+        if bound_min is not None:
+            masked |= (j[None, :] < bmin[:, None]) | (j[None, :] >= bmax[:, None])
+        # 4. Scores.
+        s = scale * (q[b] @ keys.T)
+        s[masked] = -np.inf
+        # 5. Sink column (not scaled, no value vector).
+        if sink_vals is not None:
+            s = np.concatenate([s, np.full((sq, 1), sink_vals[b])], axis=1)
+        # 6., 7. Softmax, output, statistics.
+        m = s.max(axis=1) if s.shape[1] else np.full(sq, -np.inf)
+        live = np.isfinite(m)
+        e = np.exp(s[live] - m[live, None])
+        total = e.sum(axis=1)
+        pv = e[:, : vals.shape[0]] @ vals
+        out[b, live] = pv / total[:, None]
+        neg_max[b, live] = -m[live]
+        sum_recip[b, live] = 1.0 / total
+        lse[b, live] = m[live] + np.log(total)
+    return out, neg_max, sum_recip, lse
+
+
+def neuron_layout(stat: np.ndarray) -> np.ndarray:
+    """(bs, Sq) -> the kernel's (bs, 128, Sq/128): element [b, p, g] is row g*128 + p."""
+    bs, sq = stat.shape
+    return stat.reshape(bs, sq // 128, 128).transpose(0, 2, 1)
+
+
+def fa_mask(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1)) -> np.ndarray:
+    """FlashAttention's allowed (query, key) pairs: bottom-right aligned diagonal; query i sees
+    keys [i + Sk - Sq - left, i + Sk - Sq + right] (-1: unbounded); causal means right = 0."""
+    left, right = window
+    if causal:
+        right = 0
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    diag = i + seqlen_k - seqlen_q
+    ok = np.ones((seqlen_q, seqlen_k), bool)
+    if left >= 0:
+        ok &= j >= diag - left
+    if right >= 0:
+        ok &= j <= diag + right
+    return ok
+
+
+def masked_softmax_attention(q, k, v, allowed, scale):
+    """One head: q (Sq, d), k (Sk, d), v (Sk, dv), allowed (Sq, Sk) -> (out, lse), float64."""
+    s = scale * (f64(q) @ f64(k).T)
+    s[~allowed] = -np.inf
+    out = np.zeros((s.shape[0], np.shape(v)[1]))
+    lse = np.full(s.shape[0], -np.inf)
+    m = s.max(axis=1) if s.shape[1] else np.full(s.shape[0], -np.inf)
+    live = np.isfinite(m)
+    e = np.exp(s[live] - m[live, None])
+    total = e.sum(axis=1)
+    out[live] = (e @ f64(v)) / total[:, None]
+    lse[live] = m[live] + np.log(total)
+    return out, lse
+
+
+def flash_attn_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
+    """q (B, Sq, H, d), k/v (B, Sk, Hk, d): (out (B, Sq, H, dv), lse (B, H, Sq)), float64."""
+    batch, sq, heads, d = q.shape
+    sk, heads_k = k.shape[1], k.shape[2]
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    allowed = fa_mask(sq, sk, causal, window_size)
+    out = np.zeros((batch, sq, heads, v.shape[3]))
+    lse = np.zeros((batch, heads, sq))
+    for b in range(batch):
+        for h in range(heads):
+            hk = h // (heads // heads_k)
+            out[b, :, h], lse[b, h] = masked_softmax_attention(
+                q[b, :, h], k[b, :, hk], v[b, :, hk], allowed, scale
+            )
+    return out, lse
+
+
+def flash_attn_varlen_ref(
+    q, k, v, cu_q, cu_k, softmax_scale=None, causal=False, window_size=(-1, -1)
+):
+    """Per sequence flash_attn_ref; rows outside every sequence are 0 with lse -inf."""
+    total_q, heads, _d = q.shape
+    out = np.zeros((total_q, heads, v.shape[2]))
+    lse = np.full((heads, total_q), -np.inf)
+    for s in range(len(cu_q) - 1):
+        qs, qe, ks, ke = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        o, l = flash_attn_ref(
+            q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], softmax_scale, causal, window_size
+        )
+        out[qs:qe] = o[0]
+        lse[:, qs:qe] = l[0]
+    return out, lse

@@ -1,0 +1,243 @@
+"""Bad input raises TypeError/ValueError whose message names the argument."""
+
+from __future__ import annotations
+
+import flashcte
+import numpy as np
+import pytest
+from semantics import BF16
+
+
+def qkv(bs=2, bs_kv=1, sq=8, skv=8, d=4, dtype=np.float32):
+    q = np.zeros((bs, sq, d), dtype)
+    k = np.zeros((bs_kv, d, skv), dtype)
+    v = np.zeros((bs_kv, skv, d), dtype)
+    return q, k, v
+
+
+def raises(exc, prefix, fn, *args, **kwargs):
+    with pytest.raises(exc) as info:
+        fn(*args, **kwargs)
+    assert str(info.value).startswith(prefix), str(info.value)
+    return str(info.value)
+
+
+def test_wrong_rank():
+    q, k, v = qkv()
+    raises(ValueError, "q: must have rank 3", flashcte.attention_cte, q[0], k, v)
+    raises(ValueError, "q: must have rank 3", flashcte.attention_cte, q[None], k, v)
+    raises(ValueError, "k: must have rank 3", flashcte.attention_cte, q, k[0], v)
+    raises(ValueError, "v: must have rank 3", flashcte.attention_cte, q, k, v[0])
+    raises(ValueError, "k: rank must be at most 3", flashcte.attention_cte, q, k[None, None], v)
+    x = np.zeros((1, 4, 2, 8), np.float32)
+    raises(ValueError, "q: must have rank 4", flashcte.flash_attn_func, x[0], x, x)
+    raises(ValueError, "v: must have rank 4", flashcte.flash_attn_func, x, x, x[0])
+    cu = np.array([0, 4])
+    raises(
+        ValueError,
+        "k: must have rank 3",
+        flashcte.flash_attn_varlen_func,
+        x[0],
+        x,
+        x[0],
+        cu,
+        cu,
+        4,
+        4,
+    )
+
+
+def test_dtypes():
+    q, k, v = qkv()
+    raises(
+        TypeError,
+        "k: dtype float16 differs from q's dtype float32",
+        flashcte.attention_cte,
+        q,
+        k.astype(np.float16),
+        v,
+    )
+    raises(TypeError, "v: dtype", flashcte.attention_cte, q, k, v.astype(np.float16))
+    raises(
+        TypeError,
+        "q: dtype must be float32, float16 or bfloat16, got float64",
+        flashcte.attention_cte,
+        q.astype(np.float64),
+        k,
+        v,
+    )
+    raises(TypeError, "k: dtype must be", flashcte.attention_cte, q, k.astype(np.int32), v)
+    if BF16 is not None:
+        raises(TypeError, "v: dtype bfloat16 differs", flashcte.attention_cte, q, k, v.astype(BF16))
+    x = np.zeros((1, 4, 2, 8), np.float32)
+    raises(
+        TypeError, "k: dtype float16 differs", flashcte.flash_attn_func, x, x.astype(np.float16), x
+    )
+    raises(TypeError, "q: expected a numpy array", flashcte.attention_cte, q.tolist(), k, v)
+    raises(TypeError, "sink: dtype", flashcte.attention_cte, q, k, v, sink=np.array(["a", "b"]))
+    raises(
+        TypeError,
+        "bound_min: dtype",
+        flashcte.attention_cte,
+        q,
+        k,
+        v,
+        bound_min=np.zeros(8, np.complex64),
+        bound_max=np.zeros(8, np.int64),
+    )
+
+
+def test_shapes_and_heads():
+    q, k, v = qkv(bs=3, bs_kv=2)
+    raises(
+        ValueError, "q: bs = 3 must be a multiple of k's bs_kv = 2", flashcte.attention_cte, q, k, v
+    )
+    q, k, v = qkv()
+    raises(ValueError, "k: head dim", flashcte.attention_cte, q, k[:, :3], v)
+    raises(ValueError, "v: shape", flashcte.attention_cte, q, k, v[:, :5])
+    x = np.zeros((1, 4, 6, 8), np.float32)
+    y = np.zeros((1, 4, 4, 8), np.float32)
+    raises(ValueError, "k: 4 heads must divide q's 6 heads", flashcte.flash_attn_func, x, y, y)
+    raises(ValueError, "v: has 6 heads", flashcte.flash_attn_func, x, y, x)
+    raises(ValueError, "k: batch 2 differs", flashcte.flash_attn_func, x, np.concatenate([x, x]), x)
+    raises(ValueError, "k: head_dim 4 differs", flashcte.flash_attn_func, x, x[..., :4], x)
+
+
+def test_options():
+    q, k, v = qkv()
+    kp = np.zeros((1, 4, 6), np.float32)
+    vp = np.zeros((1, 6, 4), np.float32)
+    raises(
+        ValueError,
+        "prior_used_len: 7 must be in [0, S_prior = 6]",
+        flashcte.attention_cte,
+        q,
+        k,
+        v,
+        k_prior=kp,
+        v_prior=vp,
+        prior_used_len=7,
+    )
+    raises(
+        ValueError,
+        "prior_used_len: given without k_prior",
+        flashcte.attention_cte,
+        q,
+        k,
+        v,
+        prior_used_len=3,
+    )
+    raises(
+        TypeError,
+        "prior_used_len: must be an int",
+        flashcte.attention_cte,
+        q,
+        k,
+        v,
+        k_prior=kp,
+        v_prior=vp,
+        prior_used_len=[1.5],
+    )
+    raises(ValueError, "v_prior: is required", flashcte.attention_cte, q, k, v, k_prior=kp)
+    raises(ValueError, "sink: shape", flashcte.attention_cte, q, k, v, sink=np.zeros((3, 1)))
+    raises(
+        ValueError,
+        "sliding_window: must be >= 0",
+        flashcte.attention_cte,
+        q,
+        k,
+        v,
+        sliding_window=-1,
+    )
+    raises(ValueError, "cp_offset: must be >= 0", flashcte.attention_cte, q, k, v, cp_offset=-2)
+    raises(
+        ValueError,
+        "global_cp_deg: is required with cp_strided_q_slicing",
+        flashcte.attention_cte,
+        q,
+        k,
+        v,
+        cp_offset=1,
+        cp_strided_q_slicing=True,
+    )
+    raises(
+        ValueError, "bound_max: is required", flashcte.attention_cte, q, k, v, bound_min=np.zeros(8)
+    )
+    raises(
+        ValueError,
+        "bound_min: shape",
+        flashcte.attention_cte,
+        q,
+        k,
+        v,
+        bound_min=np.zeros(7, np.int64),
+        bound_max=np.zeros(7, np.int64),
+    )
+    raises(
+        ValueError,
+        "bound_max: row 0 holds 9",
+        flashcte.attention_cte,
+        q,
+        k,
+        v,
+        bound_min=np.zeros(8, np.int64),
+        bound_max=np.full(8, 9),
+    )
+    raises(
+        ValueError,
+        "bound_min: row 2 holds 0.5",
+        flashcte.attention_cte,
+        q,
+        k,
+        v,
+        bound_min=np.array([0, 0, 0.5, 0, 0, 0, 0, 0]),
+        bound_max=np.full(8, 8),
+    )
+    raises(
+        ValueError,
+        "bound_min: row 1 holds",
+        flashcte.attention_cte,
+        q,
+        k,
+        v,
+        bound_min=np.array([0, 1.5, 0, 0, 0, 0, 0, 0], np.float32),
+        bound_max=np.full(8, 8),
+    )
+    raises(ValueError, "num_threads: must be >= 0", flashcte.attention_cte, q, k, v, num_threads=-1)
+    raises(
+        TypeError,
+        "sliding_window: must be an int",
+        flashcte.attention_cte,
+        q,
+        k,
+        v,
+        sliding_window=1.5,
+    )
+    raises(ValueError, "scale: must be finite", flashcte.attention_cte, q, k, v, scale=float("nan"))
+    x = np.zeros((1, 4, 2, 8), np.float32)
+    raises(
+        TypeError, "window_size: must be a pair", flashcte.flash_attn_func, x, x, x, window_size=3
+    )
+    raises(
+        ValueError,
+        "window_size: entries must be >= -1",
+        flashcte.flash_attn_func,
+        x,
+        x,
+        x,
+        window_size=(-2, 0),
+    )
+
+
+def test_dlpack_bfloat16_not_through_numpy():
+    """A non-torch DLPack producer that numpy cannot read raises TypeError naming the argument."""
+
+    class Opaque:
+        def __dlpack__(self, **kwargs):
+            raise BufferError("unsupported dtype")
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    q, k, _v = qkv()
+    raises(TypeError, "v: cannot read this DLPack tensor", flashcte.attention_cte, q, k, Opaque())
