@@ -1,0 +1,343 @@
+// `flashcte bench`: one configuration, timed for flashcte and, on request, for two peers:
+//   materialized  what a user writes without a flash kernel: per head, OpenBLAS sgemm Q.K^T into
+//                 a full Sq x Skv score matrix, a (vectorized) masked row softmax, sgemm P.V.
+//                 float32 only; bfloat16/float16 inputs are widened once, outside the timing.
+//   sgemm         the roofline: one square OpenBLAS sgemm with about attention's FLOP count.
+// Attention impls report GFLOP/s over the useful FLOPs, 4*d*heads*(unmasked query-key pairs), so
+// a dense peer that also computes the masked half is charged for it; sgemm reports 2MNK/time.
+// With --impl all the reps are interleaved (A, B, C, A, B, C, ...) so drift of clocks and
+// temperature hits every impl alike; each impl is warmed up once and the medians are reported.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flashcte/flashcte.h"
+#include "tools/args.h"
+#include "tools/attention_flags.h"
+#include "tools/commands.h"
+#include "tools/tensors.h"
+
+#if FLASHCTE_HAVE_OPENBLAS
+#include <cblas.h>
+
+#include "tools/bench_softmax.h"
+#endif
+#include <omp.h>
+
+namespace flashcte::tools {
+namespace {
+
+constexpr char kCommand[] = "bench";
+constexpr int64_t kMaxLength = int64_t{1} << 24;
+
+struct Config {
+  int64_t sq, skv, d, heads, kv_heads;
+  bool causal;
+  DType dtype;
+  int threads;
+  float scale;
+};
+
+double PeakRssMiB() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+std::string JsonString(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) >= 0x20) out += c;
+  }
+  return out + "\"";
+}
+
+class Impl {
+ public:
+  virtual ~Impl() = default;
+  virtual const char* name() const = 0;
+  // Allocates and fills this impl's buffers.
+  virtual bool Setup(std::string* error) = 0;
+  virtual bool Run(std::string* error) = 0;
+  virtual double Flops() const = 0;
+  // Extra `"key": value` pairs for the JSON line, each starting with a comma.
+  virtual std::string ExtraJson() const { return ""; }
+  virtual bool UsesOpenBlas() const { return false; }
+};
+
+class FlashImpl : public Impl {
+ public:
+  explicit FlashImpl(const Config& c) : c_(c) {}
+  const char* name() const override { return "flashcte"; }
+  bool Setup(std::string*) override {
+    q_ = HostTensor(c_.dtype, {c_.heads, c_.sq, c_.d});
+    k_ = HostTensor(c_.dtype, {c_.kv_heads, c_.d, c_.skv});
+    v_ = HostTensor(c_.dtype, {c_.kv_heads, c_.skv, c_.d});
+    out_ = HostTensor(c_.dtype, {c_.heads, c_.sq, c_.d});
+    FillUniform(&q_, 1, 0.0f, 1.0f);
+    FillUniform(&k_, 2, 0.0f, 1.0f);
+    FillUniform(&v_, 3, 0.0f, 1.0f);
+    options_.scale = c_.scale;
+    options_.causal_mask = c_.causal;
+    options_.num_threads = c_.threads;
+    return true;
+  }
+  bool Run(std::string* error) override {
+    Outputs outputs;
+    outputs.out = out_.mutable_view();
+    const Status s = attention_cte(q_.view(), k_.view(), v_.view(), outputs, options_);
+    if (!s.ok) *error = "attention_cte: " + s.message;
+    return s.ok;
+  }
+  double Flops() const override {
+    return 4.0 * c_.d * c_.heads * UnmaskedPairs(c_.sq, c_.skv, c_.causal);
+  }
+  std::string ExtraJson() const override {
+    return ",\"compute_dtype\":" + JsonString(dtype_name(c_.dtype)) +
+           ",\"simd\":" + JsonString(simd_target());
+  }
+
+ private:
+  Config c_;
+  HostTensor q_, k_, v_, out_;
+  Options options_;
+};
+
+#if FLASHCTE_HAVE_OPENBLAS
+class MaterializedImpl : public Impl {
+ public:
+  explicit MaterializedImpl(const Config& c) : c_(c) {}
+  const char* name() const override { return "materialized"; }
+  bool UsesOpenBlas() const override { return true; }
+  bool Setup(std::string*) override {
+    // Same inputs as flashcte (same seeds, rounded to the dtype), then widened to float32.
+    HostTensor q(c_.dtype, {c_.heads, c_.sq, c_.d});
+    HostTensor k(c_.dtype, {c_.kv_heads, c_.d, c_.skv});
+    HostTensor v(c_.dtype, {c_.kv_heads, c_.skv, c_.d});
+    FillUniform(&q, 1, 0.0f, 1.0f);
+    FillUniform(&k, 2, 0.0f, 1.0f);
+    FillUniform(&v, 3, 0.0f, 1.0f);
+    q_ = ToFloat32(q);
+    k_ = ToFloat32(k);
+    v_ = ToFloat32(v);
+    scores_.assign(static_cast<size_t>(c_.sq * c_.skv), 0.0f);
+    out_.assign(static_cast<size_t>(c_.heads * c_.sq * c_.d), 0.0f);
+    return true;
+  }
+  bool Run(std::string*) override {
+    const int64_t group = c_.heads / c_.kv_heads;
+    const int64_t sq = c_.sq, skv = c_.skv, d = c_.d;
+    for (int64_t h = 0; h < c_.heads; ++h) {
+      const float* q = q_.data() + h * sq * d;
+      const float* k = k_.data() + (h / group) * d * skv;  // (d, Skv): the Neuron default layout
+      const float* v = v_.data() + (h / group) * skv * d;
+      float* o = out_.data() + h * sq * d;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, sq, skv, d, c_.scale, q, d, k, skv,
+                  0.0f, scores_.data(), skv);
+      MaskedSoftmaxRows(scores_.data(), sq, skv, skv, c_.causal, c_.threads);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, sq, d, skv, 1.0f, scores_.data(), skv,
+                  v, d, 0.0f, o, d);
+    }
+    return true;
+  }
+  double Flops() const override {
+    return 4.0 * c_.d * c_.heads * UnmaskedPairs(c_.sq, c_.skv, c_.causal);
+  }
+  std::string ExtraJson() const override {
+    std::string s = ",\"compute_dtype\":\"float32\"";
+    if (c_.dtype != DType::kFloat32) {
+      s += ",\"input_conversion\":" +
+           JsonString(std::string(dtype_name(c_.dtype)) + " inputs widened to float32 once, " +
+                      "outside the timing");
+    }
+    return s + ",\"openblas_core\":" + JsonString(openblas_get_corename());
+  }
+
+ private:
+  Config c_;
+  std::vector<float> q_, k_, v_, scores_, out_;
+};
+
+class SgemmImpl : public Impl {
+ public:
+  explicit SgemmImpl(const Config& c, double attention_flops) : c_(c) {
+    // A square GEMM of about the attention's useful FLOPs (2n^3 ~ flops), a multiple of 256
+    // within [256, 4096] so it stays in OpenBLAS's steady state and in memory.
+    const double n = std::cbrt(attention_flops / 2.0);
+    n_ = std::clamp<int64_t>(static_cast<int64_t>(n / 256.0) * 256, 256, 4096);
+  }
+  const char* name() const override { return "sgemm"; }
+  bool UsesOpenBlas() const override { return true; }
+  bool Setup(std::string*) override {
+    HostTensor a(DType::kFloat32, {n_, n_}), b(DType::kFloat32, {n_, n_});
+    FillUniform(&a, 4, 0.0f, 1.0f);
+    FillUniform(&b, 5, 0.0f, 1.0f);
+    a_ = ToFloat32(a);
+    b_ = ToFloat32(b);
+    c_out_.assign(static_cast<size_t>(n_ * n_), 0.0f);
+    return true;
+  }
+  bool Run(std::string*) override {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n_, n_, n_, 1.0f, a_.data(), n_,
+                b_.data(), n_, 0.0f, c_out_.data(), n_);
+    return true;
+  }
+  double Flops() const override { return 2.0 * n_ * n_ * n_; }
+  std::string ExtraJson() const override {
+    return ",\"compute_dtype\":\"float32\",\"m\":" + std::to_string(n_) +
+           ",\"n\":" + std::to_string(n_) + ",\"k\":" + std::to_string(n_) +
+           ",\"openblas_core\":" + JsonString(openblas_get_corename());
+  }
+
+ private:
+  Config c_;
+  int64_t n_;
+  std::vector<float> a_, b_, c_out_;
+};
+#endif  // FLASHCTE_HAVE_OPENBLAS
+
+std::vector<FlagSpec> BenchFlagSpecs() {
+  return {
+      {"sq", FlagKind::kInt, "query length (default 4096)", 1, kMaxLength},
+      {"skv", FlagKind::kInt, "KV length (default --sq)", 1, kMaxLength},
+      {"d", FlagKind::kInt, "head dim (default 128)", 1, 1024},
+      {"heads", FlagKind::kInt, "query heads (default 32)", 1, 4096},
+      {"kv-heads", FlagKind::kInt, "KV heads, dividing --heads (default 8)", 1, 4096},
+      {"causal", FlagKind::kBool, "causal mask (default true)"},
+      {"dtype", FlagKind::kChoice, "flashcte's compute dtype (default float32)", 0, 0,
+       "float32|bfloat16|float16|fp32|bf16|fp16"},
+      {"threads", FlagKind::kInt, "threads for every impl (0: OpenMP's default)", 0, 4096},
+      {"reps", FlagKind::kInt, "timed repetitions per impl after one warm-up (default 5)", 1,
+       100000},
+      {"impl", FlagKind::kChoice, "what to time (default flashcte)", 0, 0,
+       "flashcte|materialized|sgemm|all"},
+      {"json", FlagKind::kBool, "one JSON object per impl and line"},
+  };
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+int BenchCommand(const std::vector<std::string>& args) {
+  ParsedFlags f;
+  std::string error;
+  const std::vector<FlagSpec> specs = BenchFlagSpecs();
+  if (!ParseFlags(args, specs, &f, &error)) return UsageError(kCommand, error);
+  if (f.help_requested()) {
+    std::printf(
+        "usage: flashcte bench [--sq N --skv N --d N --heads N --kv-heads N --causal B "
+        "--dtype D\n                       --threads T --reps R --impl I --json]\n\n"
+        "Times one configuration (q (heads, Sq, d), k (kv_heads, d, Skv), v (kv_heads, Skv, d),\n"
+        "uniform [0, 1) inputs, scale 1/sqrt(d)). Reports the median over --reps after one\n"
+        "warm-up; GFLOP/s counts 4*d*heads*(unmasked query-key pairs) for attention impls and\n"
+        "2MNK for sgemm. peak_rss_mib is the process's ru_maxrss after the impl's warm-up (impls\n"
+        "are set up in the order flashcte, materialized, sgemm, so a later impl's figure\n"
+        "includes the earlier ones' buffers).\n\nflags:\n%s",
+        FlagsHelp(specs).c_str());
+    return kExitOk;
+  }
+  Config c;
+  c.sq = f.integer("sq", 4096);
+  c.skv = f.integer("skv", c.sq);
+  c.d = f.integer("d", 128);
+  c.heads = f.integer("heads", 32);
+  c.kv_heads = f.integer("kv-heads", 8);
+  c.causal = f.boolean("causal", true);
+  c.dtype = DType::kFloat32;
+  if (f.has("dtype")) ParseFloatDType(f.text("dtype"), &c.dtype);
+  c.threads = static_cast<int>(f.integer("threads", 0));
+  if (c.threads == 0) c.threads = omp_get_max_threads();
+  c.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+  if (c.heads % c.kv_heads != 0) {
+    return UsageError(kCommand, "--kv-heads: " + std::to_string(c.kv_heads) +
+                                    " must divide --heads = " + std::to_string(c.heads));
+  }
+  const int reps = static_cast<int>(f.integer("reps", 5));
+  const std::string which = f.text("impl", "flashcte");
+  const bool json = f.boolean("json", false);
+
+  std::vector<std::unique_ptr<Impl>> impls;
+  if (which == "flashcte" || which == "all") impls.push_back(std::make_unique<FlashImpl>(c));
+#if FLASHCTE_HAVE_OPENBLAS
+  openblas_set_num_threads(c.threads);
+  const double attention_flops = 4.0 * c.d * c.heads * UnmaskedPairs(c.sq, c.skv, c.causal);
+  if (which == "materialized" || which == "all") {
+    impls.push_back(std::make_unique<MaterializedImpl>(c));
+  }
+  if (which == "sgemm" || which == "all") {
+    impls.push_back(std::make_unique<SgemmImpl>(c, attention_flops));
+  }
+#else
+  if (which != "flashcte" && which != "all") {
+    return RuntimeError(kCommand, "--impl " + which + ": this build has no OpenBLAS");
+  }
+  if (which == "all") {
+    std::fprintf(stderr, "flashcte bench: no OpenBLAS in this build; timing flashcte only\n");
+  }
+#endif
+
+  // Set up and warm up each impl in turn, noting the process's peak RSS after each.
+  std::vector<double> rss(impls.size());
+  for (size_t i = 0; i < impls.size(); ++i) {
+    if (!impls[i]->Setup(&error) || !impls[i]->Run(&error)) {
+      return RuntimeError(kCommand, std::string(impls[i]->name()) + ": " + error);
+    }
+    rss[i] = PeakRssMiB();
+  }
+  std::vector<std::vector<double>> ms(impls.size());
+  for (int r = 0; r < reps; ++r) {
+    for (size_t i = 0; i < impls.size(); ++i) {
+      // OpenBLAS's idle workers spin for up to ~0.1 s after a call, and OpenMP's for a moment;
+      // when impls alternate, let them go to sleep so they do not steal cores from the next one.
+      if (impls.size() > 1) std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      const auto start = std::chrono::steady_clock::now();
+      if (!impls[i]->Run(&error)) {
+        return RuntimeError(kCommand, std::string(impls[i]->name()) + ": " + error);
+      }
+      ms[i].push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count());
+    }
+  }
+  if (!json) {
+    std::printf("%-13s %-9s %6s %6s %5s %5s/%-3s %3s %11s %9s %9s\n", "impl", "dtype", "sq", "skv",
+                "d", "heads", "kv", "thr", "median_ms", "GFLOP/s", "rss_MiB");
+  }
+  for (size_t i = 0; i < impls.size(); ++i) {
+    const double median = Median(ms[i]);
+    const double gflops = impls[i]->Flops() / (median * 1e-3) * 1e-9;
+    if (json) {
+      std::printf(
+          "{\"impl\":\"%s\",\"dtype\":\"%s\",\"causal\":%s,\"sq\":%lld,\"skv\":%lld,\"d\":%lld,"
+          "\"heads\":%lld,\"kv_heads\":%lld,\"threads\":%d,\"median_ms\":%.4f,\"gflops\":%.3f,"
+          "\"peak_rss_mib\":%.1f,\"reps\":%d,\"min_ms\":%.4f,\"flops\":%.6g%s}\n",
+          impls[i]->name(), dtype_name(c.dtype), c.causal ? "true" : "false",
+          static_cast<long long>(c.sq), static_cast<long long>(c.skv), static_cast<long long>(c.d),
+          static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads), c.threads, median,
+          gflops, rss[i], reps, *std::min_element(ms[i].begin(), ms[i].end()), impls[i]->Flops(),
+          impls[i]->ExtraJson().c_str());
+    } else {
+      std::printf("%-13s %-9s %6lld %6lld %5lld %5lld/%-3lld %3d %11.3f %9.2f %9.1f\n",
+                  impls[i]->name(), dtype_name(c.dtype), static_cast<long long>(c.sq),
+                  static_cast<long long>(c.skv), static_cast<long long>(c.d),
+                  static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads), c.threads,
+                  median, gflops, rss[i]);
+    }
+  }
+  return kExitOk;
+}
+
+}  // namespace flashcte::tools
