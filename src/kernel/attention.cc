@@ -4,7 +4,7 @@
 //     pack the section's computed K tiles ([d][keys], the k_sb layout) and V tiles once, for
 //       every head of the GQA group ("Q resident, KV streams");
 //     for each query head of the group:
-//       MM1   S = scale * Q.K^T per tile, masked element-wise only on tiles that straddle a
+//       MM1   S = (scale * Q).K^T per tile, masked element-wise only on tiles that straddle a
 //             row's interval (plan.h);
 //       max   neg_new = min(neg_run, -rowmax(S))       the negated running max, as on Neuron
 //             alpha   = exp(-neg_run + neg_new)         = exp(m_old - m_new)
@@ -31,17 +31,26 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// Query rows whose scores are live at once (the S buffer's height). The work item's q_block rows
+// share each packed K/V tile; they are computed kSubRows at a time so that S stays small.
+// 48 = 8 blocks of the 6-row MM1 micro-kernel and 12 of the 4-row MM2 one; a sub-block of
+// 48 x 256 scores is 48 KiB, L1/L2 resident.
+constexpr int64_t kSubRows = 48;
+
 // Per-thread buffers, grown on demand and kept across calls so that the hot path allocates
 // nothing once warm.
 struct Scratch {
-  std::vector<float> q;      // [q_block][d]
-  std::vector<float> k;      // [d][ldk]       one section of K, transposed
-  std::vector<float> v;      // [section][ldv] one section of V
-  std::vector<float> s;      // [q_block][lds] scores / probabilities of one head
-  std::vector<float> o;      // [group][q_block][ldo]
-  std::vector<float> state;  // [group][3][q_block]: neg_run, sum, alpha
+  std::vector<float> q;        // [q_block][d]
+  std::vector<float> k;        // [d][ldk]       one section of K, transposed
+  std::vector<float> v;        // [section][ldv] one section of V
+  std::vector<float> s;        // [q_block][lds] scores / probabilities of one head
+  std::vector<float> o;        // [group][q_block][ldo]
+  std::vector<float> state;    // [group][3][q_block]: neg_run, sum, alpha
+  std::vector<float> convert;  // one row or column being converted
   std::vector<RowInterval> intervals;
-  BlockPlan plan;
+  BlockPlan plan;                    // the whole work item: what gets packed
+  std::vector<BlockPlan> sub_plans;  // each sub-block: what it computes
+  std::vector<size_t> sub_cursor;    // next section of each sub-block
 };
 
 Scratch& thread_scratch() {
@@ -54,38 +63,80 @@ void ensure(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-// Packs keys [begin, end) of the concatenated axis of KV batch kv_b: K transposed into
-// k[c][j - base] (ldk), V into v[(j - base) * ldv + c].
-void pack_kv(const Problem& p, int64_t kv_b, int64_t begin, int64_t end, int64_t base, float* k,
-             int64_t ldk, float* v, int64_t ldv) {
-  const int64_t prior = p.prior_used[kv_b];
-  const int64_t d = p.head_dim, dv = p.value_dim;
-  for (int64_t j = begin; j < end; ++j) {
-    const bool from_prior = j < prior;
-    const View3& kt = from_prior ? p.k_prior : p.k;
-    const View3& vt = from_prior ? p.v_prior : p.v;
-    const int64_t row = from_prior ? j : j - prior;
-    const int64_t koff = kv_b * kt.batch_stride + row * kt.row_stride;
-    const int64_t voff = kv_b * vt.batch_stride + row * vt.row_stride;
-    const int64_t col = j - base;
-    for (int64_t c = 0; c < d; ++c) {
-      k[c * ldk + col] = load_as_float(kt.data, koff + c * kt.col_stride, p.dtype);
+// Copies the rows x cols matrix src(r, c) = base[r * row_stride + c * col_stride] (dtype) into
+// dst[r * dst_row + c * dst_col] as float32. Runs along whichever source axis is contiguous go
+// through the vector converter; the scatter into dst is then one scalar store per element.
+void pack_matrix(const simd::Ops& ops, const void* base, DType dtype, int64_t row_stride,
+                 int64_t col_stride, int64_t rows, int64_t cols, float* dst, int64_t dst_row,
+                 int64_t dst_col, std::vector<float>& tmp) {
+  const char* bytes = static_cast<const char*>(base);
+  const int64_t size = dtype_size(dtype);
+  if (col_stride == 1 || (row_stride != 1 && cols > 1)) {
+    // Contiguous (or neither) along columns: convert row by row.
+    ensure(tmp, cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      const char* src = bytes + r * row_stride * size;
+      float* out = dst + r * dst_row;
+      if (col_stride == 1 && dst_col == 1) {
+        ops.to_float(src, dtype, cols, out);
+        continue;
+      }
+      if (col_stride == 1) {
+        ops.to_float(src, dtype, cols, tmp.data());
+      } else {
+        for (int64_t c = 0; c < cols; ++c) tmp[c] = load_as_float(src, c * col_stride, dtype);
+      }
+      for (int64_t c = 0; c < cols; ++c) out[c * dst_col] = tmp[c];
     }
-    float* vrow = v + col * ldv;
-    for (int64_t c = 0; c < dv; ++c) {
-      vrow[c] = load_as_float(vt.data, voff + c * vt.col_stride, p.dtype);
+    return;
+  }
+  // Contiguous along rows: convert column by column.
+  ensure(tmp, rows);
+  for (int64_t c = 0; c < cols; ++c) {
+    const char* src = bytes + c * col_stride * size;
+    float* out = dst + c * dst_col;
+    if (dst_row == 1) {
+      ops.to_float(src, dtype, rows, out);
+      continue;
     }
+    ops.to_float(src, dtype, rows, tmp.data());
+    for (int64_t r = 0; r < rows; ++r) out[r * dst_row] = tmp[r];
   }
 }
 
-void pack_q(const Problem& p, int64_t b, int64_t row0, int64_t rows, float* q) {
-  const int64_t d = p.head_dim;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t off = b * p.q.batch_stride + (row0 + r) * p.q.row_stride;
-    for (int64_t c = 0; c < d; ++c) {
-      q[r * d + c] = load_as_float(p.q.data, off + c * p.q.col_stride, p.dtype);
-    }
+const void* element(const View3& t, DType dtype, int64_t b, int64_t row) {
+  return static_cast<const char*>(t.data) +
+         (b * t.batch_stride + row * t.row_stride) * dtype_size(dtype);
+}
+
+// Packs keys [begin, end) of KV batch kv_b's concatenated axis: K transposed into
+// k[c * ldk + (j - base)], V into v[(j - base) * ldv + c].
+void pack_kv(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
+             int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp) {
+  const int64_t prior = p.prior_used[kv_b];
+  // The prior part [begin, min(end, prior)) and the new part [max(begin, prior), end).
+  for (int part = 0; part < 2; ++part) {
+    const int64_t j0 = part == 0 ? begin : std::max(begin, prior);
+    const int64_t j1 = part == 0 ? std::min(end, prior) : end;
+    if (j0 >= j1) continue;
+    const View3& kt = part == 0 ? p.k_prior : p.k;
+    const View3& vt = part == 0 ? p.v_prior : p.v;
+    const int64_t row0 = part == 0 ? j0 : j0 - prior;
+    pack_matrix(ops, element(kt, p.dtype, kv_b, row0), p.dtype, kt.row_stride, kt.col_stride,
+                j1 - j0, p.head_dim, k + (j0 - base), 1, ldk, tmp);
+    pack_matrix(ops, element(vt, p.dtype, kv_b, row0), p.dtype, vt.row_stride, vt.col_stride,
+                j1 - j0, p.value_dim, v + (j0 - base) * ldv, ldv, 1, tmp);
   }
+}
+
+// Packs query rows [row0, row0 + rows) of batch b, multiplied by scale: (scale * q) . k differs
+// from scale * (q . k) by one float32 rounding, and MM1's epilogue stays a plain store.
+void pack_q(const Problem& p, const simd::Ops& ops, int64_t b, int64_t row0, int64_t rows, float* q,
+            std::vector<float>& tmp) {
+  pack_matrix(ops, element(p.q, p.dtype, b, row0), p.dtype, p.q.row_stride, p.q.col_stride, rows,
+              p.head_dim, q, p.head_dim, 1, tmp);
+  if (p.scale == 1.0f) return;
+  for (int64_t i = 0; i < rows * p.head_dim; ++i) q[i] *= p.scale;
 }
 
 void write_row(const Problem& p, int64_t b, int64_t i, const float* o, float neg_run, float sum) {
@@ -112,6 +163,66 @@ void write_row(const Problem& p, int64_t b, int64_t i, const float* o, float neg
   if (p.lse.data) *p.lse.at(b, i) = lse;
 }
 
+// One head's rows (a sub-block of the work item) through one softmax section: MM1, the mask of
+// straddling tiles, the negated running max and alpha, the fused exp-and-sum, MM2.
+struct HeadRows {
+  const float* q;                // [rows][d]
+  const RowInterval* intervals;  // [rows]
+  float* neg_run;                // [rows]
+  float* sum;                    // [rows]
+  float* alpha;                  // [rows]
+  float* o;                      // [rows][ldo]
+  int64_t rows;
+};
+
+void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const TileWork* tiles,
+                     int64_t num_tiles, int64_t sec_begin, int64_t ldk, int64_t ldv,
+                     const HeadRows& hr) {
+  const int64_t d = p.head_dim, lds = ldk, ldo = ldv, rows = hr.rows;
+  float* s = sc.s.data();
+  float* row_max = hr.alpha;  // alpha is free until the max is known
+  std::fill(row_max, row_max + rows, -kInf);
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t off = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
+    // Unmasked tiles fold the row max into MM1's epilogue; masked ones take it after masking.
+    ops.qk(hr.q, d, rows, sc.k.data() + off, ldk, n, d, s + off, lds,
+           tiles[t].masked ? nullptr : row_max);
+    if (!tiles[t].masked) continue;
+    for (int64_t r = 0; r < rows; ++r) {
+      // Columns [lo, hi) of this tile, relative to the tile, are the row's unmasked ones.
+      float* srow = s + r * lds + off;
+      const int64_t lo = std::clamp(hr.intervals[r].lo - tiles[t].begin, int64_t{0}, n);
+      const int64_t hi = std::clamp(hr.intervals[r].hi - tiles[t].begin, lo, n);
+      std::fill(srow, srow + lo, -kInf);
+      std::fill(srow + hi, srow + n, -kInf);
+      if (hi > lo) row_max[r] = std::max(row_max[r], ops.row_max(srow + lo, hi - lo));
+    }
+  }
+
+  const bool round_p = p.dtype == DType::kBFloat16;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* srow = s + r * lds;
+    const float neg_new = std::min(hr.neg_run[r], -row_max[r]);
+    hr.alpha[r] = hr.neg_run[r] == kInf ? 0.0f : std::exp(neg_new - hr.neg_run[r]);
+    // A row with nothing unmasked yet keeps bias 0 so that exp(-inf + 0) = 0, not NaN.
+    const float bias = neg_new == kInf ? 0.0f : neg_new;
+    float section_sum = 0.0f;
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      section_sum += ops.exp_sum(srow + (tiles[t].begin - sec_begin), tiles[t].end - tiles[t].begin,
+                                 bias, round_p);
+    }
+    hr.sum[r] = hr.alpha[r] * hr.sum[r] + section_sum;
+    hr.neg_run[r] = neg_new;
+  }
+
+  // MM2, with alpha folded into the first tile of the section.
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t off = tiles[t].begin - sec_begin;
+    ops.pv(s + off, lds, rows, tiles[t].end - tiles[t].begin, sc.v.data() + off * ldv, ldv, ldv,
+           t == 0 ? hr.alpha : nullptr, hr.o, ldo);
+  }
+}
+
 }  // namespace
 
 void run_work_item(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t q_block) {
@@ -122,22 +233,33 @@ void run_work_item(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t
   const int64_t section = section_length(p, kv_b);
   const int64_t ldk = simd::leading_dim(section), lds = ldk;
   const int64_t ldv = simd::padded(p.value_dim), ldo = ldv;
+  const int64_t subs = (rows + kSubRows - 1) / kSubRows;
 
+  // The item's plan decides what is packed; each sub-block's own plan what it computes.
   ensure(sc.intervals, rows);
   for (int64_t r = 0; r < rows; ++r) sc.intervals[r] = row_interval(p, kv_b, row0 + r);
   plan_block(p, kv_b, sc.intervals.data(), rows, &sc.plan);
+  if (sc.sub_plans.size() < static_cast<size_t>(subs)) sc.sub_plans.resize(subs);
+  for (int64_t sb = 0; sb < subs; ++sb) {
+    const int64_t r0 = sb * kSubRows;
+    plan_block(p, kv_b, sc.intervals.data() + r0, std::min(kSubRows, rows - r0), &sc.sub_plans[sb]);
+  }
 
-  ensure(sc.q, rows * d);
+  ensure(sc.q, group * rows * d);
   ensure(sc.k, d * ldk);
   ensure(sc.v, (section + simd::kPadFloats) * ldv);
-  ensure(sc.s, rows * lds);
+  ensure(sc.s, std::min(kSubRows, rows) * lds);
   ensure(sc.o, group * rows * ldo);
   ensure(sc.state, group * 3 * rows);
+  ensure(sc.sub_cursor, subs);
+  std::fill(sc.sub_cursor.begin(), sc.sub_cursor.begin() + subs, 0);
 
-  // Initial state: the sink is a column of logit sink[b] with no value, so it seeds the max and
-  // contributes exp(sink - sink) = 1 to the sum (the kernel appends it in section 0).
+  // Q resident: every head's rows packed once. Initial state: the sink is a column of logit
+  // sink[b] with no value, so it seeds the max and contributes exp(sink - sink) = 1 to the sum
+  // (the kernel appends it in section 0).
   for (int64_t h = 0; h < group; ++h) {
     const int64_t b = kv_b * group + h;
+    pack_q(p, ops, b, row0, rows, &sc.q[h * rows * d], sc.convert);
     float* neg_run = &sc.state[(h * 3 + 0) * rows];
     float* sum = &sc.state[(h * 3 + 1) * rows];
     const float sink = p.sink ? p.sink[b * p.sink_stride] : 0.0f;
@@ -146,65 +268,29 @@ void run_work_item(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t
     std::fill(&sc.o[h * rows * ldo], &sc.o[(h + 1) * rows * ldo], 0.0f);
   }
 
-  const bool round_p = p.dtype == DType::kBFloat16;
   for (const SectionWork& sec : sc.plan.sections) {
-    const TileWork* tiles = sc.plan.tiles.data() + sec.first_tile;
-    const int64_t num_tiles = sec.end_tile - sec.first_tile;
-    for (int64_t t = 0; t < num_tiles; ++t) {
-      pack_kv(p, kv_b, tiles[t].begin, tiles[t].end, sec.begin, sc.k.data(), ldk, sc.v.data(), ldv);
+    for (int64_t t = sec.first_tile; t < sec.end_tile; ++t) {
+      pack_kv(p, ops, kv_b, sc.plan.tiles[t].begin, sc.plan.tiles[t].end, sec.begin, sc.k.data(),
+              ldk, sc.v.data(), ldv, sc.convert);
     }
-    for (int64_t h = 0; h < group; ++h) {
-      const int64_t b = kv_b * group + h;
-      float* neg_run = &sc.state[(h * 3 + 0) * rows];
-      float* sum = &sc.state[(h * 3 + 1) * rows];
-      float* alpha = &sc.state[(h * 3 + 2) * rows];
-      float* o = &sc.o[h * rows * ldo];
-      pack_q(p, b, row0, rows, sc.q.data());
-
-      // MM1 and the element-wise mask of straddling tiles.
-      for (int64_t t = 0; t < num_tiles; ++t) {
-        const int64_t off = tiles[t].begin - sec.begin;
-        ops.qk(sc.q.data(), d, rows, sc.k.data() + off, ldk, tiles[t].end - tiles[t].begin, d,
-               p.scale, sc.s.data() + off, lds);
-        if (!tiles[t].masked) continue;
-        for (int64_t r = 0; r < rows; ++r) {
-          float* srow = sc.s.data() + r * lds;
-          const RowInterval iv = sc.intervals[r];
-          for (int64_t j = tiles[t].begin; j < std::min(iv.lo, tiles[t].end); ++j) {
-            srow[j - sec.begin] = -kInf;
-          }
-          for (int64_t j = std::max(iv.hi, tiles[t].begin); j < tiles[t].end; ++j) {
-            srow[j - sec.begin] = -kInf;
-          }
-        }
-      }
-
-      // Section max, the negated running max, alpha, and the fused exp-and-sum.
-      for (int64_t r = 0; r < rows; ++r) {
-        float* srow = sc.s.data() + r * lds;
-        float row_max = -kInf;
-        for (int64_t t = 0; t < num_tiles; ++t) {
-          row_max = std::max(row_max, ops.row_max(srow + (tiles[t].begin - sec.begin),
-                                                  tiles[t].end - tiles[t].begin));
-        }
-        const float neg_new = std::min(neg_run[r], -row_max);
-        alpha[r] = neg_run[r] == kInf ? 0.0f : std::exp(neg_new - neg_run[r]);
-        // A row with nothing unmasked yet keeps bias 0 so that exp(-inf + 0) = 0, not NaN.
-        const float bias = neg_new == kInf ? 0.0f : neg_new;
-        float section_sum = 0.0f;
-        for (int64_t t = 0; t < num_tiles; ++t) {
-          section_sum += ops.exp_sum(srow + (tiles[t].begin - sec.begin),
-                                     tiles[t].end - tiles[t].begin, bias, round_p);
-        }
-        sum[r] = alpha[r] * sum[r] + section_sum;
-        neg_run[r] = neg_new;
-      }
-
-      // MM2, with alpha folded into the first tile of the section.
-      for (int64_t t = 0; t < num_tiles; ++t) {
-        const int64_t off = tiles[t].begin - sec.begin;
-        ops.pv(sc.s.data() + off, lds, rows, tiles[t].end - tiles[t].begin, sc.v.data() + off * ldv,
-               ldv, ldv, t == 0 ? alpha : nullptr, o, ldo);
+    for (int64_t sb = 0; sb < subs; ++sb) {
+      // The sub-block's sections are a subset of the item's, in the same order.
+      const BlockPlan& sp = sc.sub_plans[sb];
+      size_t& cursor = sc.sub_cursor[sb];
+      if (cursor >= sp.sections.size() || sp.sections[cursor].begin != sec.begin) continue;
+      const SectionWork& ss = sp.sections[cursor++];
+      const int64_t r0 = sb * kSubRows;
+      for (int64_t h = 0; h < group; ++h) {
+        HeadRows hr;
+        hr.rows = std::min(kSubRows, rows - r0);
+        hr.q = &sc.q[(h * rows + r0) * d];
+        hr.intervals = sc.intervals.data() + r0;
+        hr.neg_run = &sc.state[(h * 3 + 0) * rows + r0];
+        hr.sum = &sc.state[(h * 3 + 1) * rows + r0];
+        hr.alpha = &sc.state[(h * 3 + 2) * rows + r0];
+        hr.o = &sc.o[(h * rows + r0) * ldo];
+        process_section(p, ops, sc, sp.tiles.data() + ss.first_tile, ss.end_tile - ss.first_tile,
+                        sec.begin, ldk, ldv, hr);
       }
     }
   }

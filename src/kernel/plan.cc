@@ -7,7 +7,7 @@ namespace {
 
 // Query rows per work item. TODO(tuning, issue 3): measured choice; 48 is 8 register blocks of
 // the 6-row MM1 micro-kernel.
-constexpr int64_t kDefaultQBlock = 48;
+constexpr int64_t kDefaultQBlock = 192;
 // KV columns per tile: 256 keys x d=128 x 4 B = 128 KiB of packed K plus as much V, which stays
 // in the 512 KiB L2 of Zen 3 while every head of the GQA group streams over it.
 constexpr int64_t kDefaultKvTile = 256;

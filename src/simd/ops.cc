@@ -12,6 +12,7 @@
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/simd/ops.cc"
+#include <cstring>
 #include <limits>
 
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -33,13 +34,43 @@ constexpr int64_t kRows = 6;
 
 // --- MM1 -------------------------------------------------------------------------------------
 
+// Stores one row's two accumulators and folds their valid lanes (the first `valid` of the 2N)
+// into that row's running max vector.
+HWY_INLINE void StoreRow2(DF df, hn::Vec<DF> a0, hn::Vec<DF> a1, float* s, int64_t valid,
+                          float* max_vec) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  hn::StoreU(a0, df, s);
+  hn::StoreU(a1, df, s + N);
+  if (max_vec == nullptr) return;
+  const auto neg_inf = hn::Set(df, -std::numeric_limits<float>::infinity());
+  // The first vector is always whole (callers only use 2 vectors when more than N remain).
+  const auto m1 = valid >= 2 * N ? a1 : hn::IfThenElse(hn::FirstN(df, valid - N), a1, neg_inf);
+  hn::Store(hn::Max(hn::Load(df, max_vec), hn::Max(a0, m1)), df, max_vec);
+}
+
+HWY_INLINE void StoreRow1(DF df, hn::Vec<DF> a0, float* s, int64_t valid, float* max_vec) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  hn::StoreU(a0, df, s);
+  if (max_vec == nullptr) return;
+  const auto neg_inf = hn::Set(df, -std::numeric_limits<float>::infinity());
+  const auto m0 = valid >= N ? a0 : hn::IfThenElse(hn::FirstN(df, valid), a0, neg_inf);
+  hn::Store(hn::Max(hn::Load(df, max_vec), m0), df, max_vec);
+}
+
+// R rows of S = Q.K^T over `cols` columns. With max_vecs (R vectors), also folds each row's
+// scores into its max vector: the row max fused into MM1's epilogue while the scores are still
+// in registers. Q arrives pre-scaled (the packer multiplies by scale), so the epilogue has no
+// multiply and no live scale register (which made GCC spill an operand on AVX2).
 template <int64_t R>
 HWY_INLINE void QkBlock(const float* HWY_RESTRICT q, int64_t ldq, const float* HWY_RESTRICT k,
-                        int64_t ldk, int64_t cols, int64_t d, float scale, float* HWY_RESTRICT s,
-                        int64_t lds) {
+                        int64_t ldk, int64_t cols, int64_t d, float* HWY_RESTRICT s, int64_t lds,
+                        float* max_vecs) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  const auto vscale = hn::Set(df, scale);
+  float* mv[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (max_vecs) {
+    for (int64_t r = 0; r < R; ++r) mv[r] = max_vecs + r * N;
+  }
   int64_t c = 0;
   // Two vectors while more than one vector of columns remains; the second may run past cols
   // into the padding (see ops.h).
@@ -81,19 +112,14 @@ HWY_INLINE void QkBlock(const float* HWY_RESTRICT q, int64_t ldq, const float* H
         a51 = hn::MulAdd(bc, b1, a51);
       }
     }
+    const int64_t valid = cols - c;
     float* sc = s + c;
-    hn::StoreU(hn::Mul(a00, vscale), df, sc);
-    hn::StoreU(hn::Mul(a01, vscale), df, sc + N);
-    if (R > 1) hn::StoreU(hn::Mul(a10, vscale), df, sc + lds);
-    if (R > 1) hn::StoreU(hn::Mul(a11, vscale), df, sc + lds + N);
-    if (R > 2) hn::StoreU(hn::Mul(a20, vscale), df, sc + 2 * lds);
-    if (R > 2) hn::StoreU(hn::Mul(a21, vscale), df, sc + 2 * lds + N);
-    if (R > 3) hn::StoreU(hn::Mul(a30, vscale), df, sc + 3 * lds);
-    if (R > 3) hn::StoreU(hn::Mul(a31, vscale), df, sc + 3 * lds + N);
-    if (R > 4) hn::StoreU(hn::Mul(a40, vscale), df, sc + 4 * lds);
-    if (R > 4) hn::StoreU(hn::Mul(a41, vscale), df, sc + 4 * lds + N);
-    if (R > 5) hn::StoreU(hn::Mul(a50, vscale), df, sc + 5 * lds);
-    if (R > 5) hn::StoreU(hn::Mul(a51, vscale), df, sc + 5 * lds + N);
+    StoreRow2(df, a00, a01, sc, valid, mv[0]);
+    if (R > 1) StoreRow2(df, a10, a11, sc + lds, valid, mv[1]);
+    if (R > 2) StoreRow2(df, a20, a21, sc + 2 * lds, valid, mv[2]);
+    if (R > 3) StoreRow2(df, a30, a31, sc + 3 * lds, valid, mv[3]);
+    if (R > 4) StoreRow2(df, a40, a41, sc + 4 * lds, valid, mv[4]);
+    if (R > 5) StoreRow2(df, a50, a51, sc + 5 * lds, valid, mv[5]);
   }
   // At most one vector of columns is left (c < cols <= c + N): compute it whole.
   for (; c < cols; c += N) {
@@ -110,39 +136,60 @@ HWY_INLINE void QkBlock(const float* HWY_RESTRICT q, int64_t ldq, const float* H
       if (R > 4) a4 = hn::MulAdd(hn::Set(df, qx[4 * ldq]), b0, a4);
       if (R > 5) a5 = hn::MulAdd(hn::Set(df, qx[5 * ldq]), b0, a5);
     }
+    const int64_t valid = cols - c;
     float* sc = s + c;
-    hn::StoreU(hn::Mul(a0, vscale), df, sc);
-    if (R > 1) hn::StoreU(hn::Mul(a1, vscale), df, sc + lds);
-    if (R > 2) hn::StoreU(hn::Mul(a2, vscale), df, sc + 2 * lds);
-    if (R > 3) hn::StoreU(hn::Mul(a3, vscale), df, sc + 3 * lds);
-    if (R > 4) hn::StoreU(hn::Mul(a4, vscale), df, sc + 4 * lds);
-    if (R > 5) hn::StoreU(hn::Mul(a5, vscale), df, sc + 5 * lds);
+    StoreRow1(df, a0, sc, valid, mv[0]);
+    if (R > 1) StoreRow1(df, a1, sc + lds, valid, mv[1]);
+    if (R > 2) StoreRow1(df, a2, sc + 2 * lds, valid, mv[2]);
+    if (R > 3) StoreRow1(df, a3, sc + 3 * lds, valid, mv[3]);
+    if (R > 4) StoreRow1(df, a4, sc + 4 * lds, valid, mv[4]);
+    if (R > 5) StoreRow1(df, a5, sc + 5 * lds, valid, mv[5]);
+  }
+}
+
+template <int64_t R>
+HWY_INLINE void QkRows(const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t cols,
+                       int64_t d, float* s, int64_t lds, float* row_max) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  HWY_ALIGN float max_vecs[R * hn::MaxLanes(df)];
+  if (row_max) {
+    for (int64_t i = 0; i < R * N; ++i) max_vecs[i] = -std::numeric_limits<float>::infinity();
+  }
+  QkBlock<R>(q, ldq, k, ldk, cols, d, s, lds, row_max ? max_vecs : nullptr);
+  if (row_max) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float m = hn::GetLane(hn::MaxOfLanes(df, hn::Load(df, max_vecs + r * N)));
+      row_max[r] = m > row_max[r] ? m : row_max[r];
+    }
   }
 }
 
 void Qk(const float* q, int64_t ldq, int64_t rows, const float* k, int64_t ldk, int64_t cols,
-        int64_t d, float scale, float* s, int64_t lds) {
+        int64_t d, float* s, int64_t lds, float* row_max) {
   int64_t r = 0;
   for (; r + kRows <= rows; r += kRows) {
-    QkBlock<kRows>(q + r * ldq, ldq, k, ldk, cols, d, scale, s + r * lds, lds);
+    QkRows<kRows>(q + r * ldq, ldq, k, ldk, cols, d, s + r * lds, lds,
+                  row_max ? row_max + r : nullptr);
   }
   const float* qr = q + r * ldq;
   float* sr = s + r * lds;
+  float* mr = row_max ? row_max + r : nullptr;
   switch (rows - r) {
     case 1:
-      QkBlock<1>(qr, ldq, k, ldk, cols, d, scale, sr, lds);
+      QkRows<1>(qr, ldq, k, ldk, cols, d, sr, lds, mr);
       break;
     case 2:
-      QkBlock<2>(qr, ldq, k, ldk, cols, d, scale, sr, lds);
+      QkRows<2>(qr, ldq, k, ldk, cols, d, sr, lds, mr);
       break;
     case 3:
-      QkBlock<3>(qr, ldq, k, ldk, cols, d, scale, sr, lds);
+      QkRows<3>(qr, ldq, k, ldk, cols, d, sr, lds, mr);
       break;
     case 4:
-      QkBlock<4>(qr, ldq, k, ldk, cols, d, scale, sr, lds);
+      QkRows<4>(qr, ldq, k, ldk, cols, d, sr, lds, mr);
       break;
     case 5:
-      QkBlock<5>(qr, ldq, k, ldk, cols, d, scale, sr, lds);
+      QkRows<5>(qr, ldq, k, ldk, cols, d, sr, lds, mr);
       break;
     default:
       break;
@@ -196,6 +243,33 @@ float ExpSum(float* s, int64_t n, float bias, bool round_bf16) {
   const auto vbias1 = hn::Set(d1, bias);
   for (; c < n; ++c) total += hn::GetLane(ExpStep(d1, s + c, vbias1, round_bf16));
   return total;
+}
+
+// --- conversion ------------------------------------------------------------------------------
+
+template <typename T>
+HWY_INLINE void PromoteRow(const T* HWY_RESTRICT src, int64_t n, float* HWY_RESTRICT dst) {
+  const DF df;
+  const hn::Rebind<T, DF> dh;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, src + i)), df, dst + i);
+  const hn::CappedTag<float, 1> d1;
+  const hn::Rebind<T, decltype(d1)> dh1;
+  for (; i < n; ++i) hn::StoreU(hn::PromoteTo(d1, hn::LoadU(dh1, src + i)), d1, dst + i);
+}
+
+void ToFloat(const void* src, DType dtype, int64_t n, float* dst) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      PromoteRow(static_cast<const hwy::bfloat16_t*>(src), n, dst);
+      break;
+    case DType::kFloat16:
+      PromoteRow(static_cast<const hwy::float16_t*>(src), n, dst);
+      break;
+    default:
+      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  }
 }
 
 // --- MM2 -------------------------------------------------------------------------------------
@@ -283,7 +357,7 @@ void Pv(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, in
 }
 
 const Ops* GetOps() {
-  static const Ops table = {hwy::TargetName(HWY_TARGET), &Qk, &RowMax, &ExpSum, &Pv};
+  static const Ops table = {hwy::TargetName(HWY_TARGET), &Qk, &RowMax, &ExpSum, &ToFloat, &Pv};
   return &table;
 }
 

@@ -16,6 +16,8 @@
 
 #include <cstdint>
 
+#include "flashcte/flashcte.h"
+
 namespace flashcte::simd {
 
 // Column padding unit: 16 floats = one 64-byte cache line = two AVX2 or one AVX-512 vector, so
@@ -29,11 +31,12 @@ inline int64_t leading_dim(int64_t n) { return padded(n) + kPadFloats; }
 struct Ops {
   const char* target;
 
-  // MM1: S[r][c] = scale * sum_k Q[r][k] * K[k][c] for r < rows, c < cols. May also write
-  // columns up to the next vector multiple of cols (callers keep only [0, cols)); reads K the
-  // same way, so K needs finite values there (the packers zero the padding).
+  // MM1: S[r][c] = sum_k Q[r][k] * K[k][c] for r < rows, c < cols (Q pre-scaled). May also
+  // write columns up to the next vector multiple of cols (callers use only [0, cols)) and reads
+  // K the same way. With row_max non-null, also row_max[r] = max(row_max[r], max_c S[r][c]):
+  // the row max fused into MM1's epilogue.
   void (*qk)(const float* q, int64_t ldq, int64_t rows, const float* k, int64_t ldk, int64_t cols,
-             int64_t d, float scale, float* s, int64_t lds);
+             int64_t d, float* s, int64_t lds, float* row_max);
 
   // max_c s[c] for c < n (n >= 1); -inf when every entry is -inf.
   float (*row_max)(const float* s, int64_t n);
@@ -43,6 +46,10 @@ struct Ops {
   // the FMA's addend. With round_bf16, the stored values are rounded to bfloat16 (as the Neuron
   // engine's P feeding MM2) while the sum keeps float32 values. Writes exactly n entries.
   float (*exp_sum)(float* s, int64_t n, float bias, bool round_bf16);
+
+  // dst[i] = float(src[i]) for i < n, src contiguous of dtype float32, bfloat16 or float16
+  // (F16C on x86). Used by the packers, which run once per tile.
+  void (*to_float)(const void* src, DType dtype, int64_t n, float* dst);
 
   // MM2 with the rescale folded in: O[r][:] = alpha[r] * O[r][:] + sum_{j<n} P[r][j] * V[j][:]
   // for r < rows, over dv_pad columns (a multiple of kPadFloats). alpha may be null (= 1).
