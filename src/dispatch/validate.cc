@@ -293,8 +293,8 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
   if (o.k_prior.present()) {
     const TensorView& kp = o.k_prior;
     const TensorView& vp = o.v_prior;
-    if ((s = check_view("k_prior", kp, false, &ekp)), !s.ok) return s;
-    if ((s = check_view("v_prior", vp, false, &evp)), !s.ok) return s;
+    if ((s = check_view("k_prior", kp, shapes_only, &ekp)), !s.ok) return s;
+    if ((s = check_view("v_prior", vp, shapes_only, &evp)), !s.ok) return s;
     if ((s = expect_rank("k_prior", kp.rank, 3, "laid out like k")), !s.ok) return s;
     if ((s = expect_rank("v_prior", vp.rank, 3, "(bs_kv, S_prior, dv)")), !s.ok) return s;
     if (kp.dtype != q.dtype) {
@@ -426,7 +426,8 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
   if ((s = expect_dim("out", out.shape.data(), 3, os, p->seqlen_q, "Sq")), !s.ok) return s;
   if ((s = expect_dim("out", out.shape.data(), 3, oc, p->value_dim, "dv")), !s.ok) return s;
   p->out = {out.data, out.strides[0], out.strides[os], out.strides[oc]};
-  for (int i = 0; i < 3; ++i) {
+  const bool out_empty = out.shape[0] == 0 || out.shape[1] == 0 || out.shape[2] == 0;
+  for (int i = 0; i < 3 && !out_empty; ++i) {
     if (out.shape[i] > 1 && out.strides[i] == 0) {
       return Status::Error("out: stride " + std::to_string(i) +
                            " is 0, so distinct elements would overlap");
