@@ -36,7 +36,7 @@ struct TensorView {
 
   bool present() const { return data != nullptr || rank != 0; }
   // A dense row-major view of `shape`.
-  static TensorView contiguous(const void* data, DType dtype, std::vector<int64_t> shape);
+  static TensorView contiguous(const void* data, DType dtype, const std::vector<int64_t>& shape);
 };
 
 // A writable strided view (outputs).
@@ -48,7 +48,7 @@ struct MutableTensorView {
   std::array<int64_t, kMaxRank> strides{};
 
   bool present() const { return data != nullptr || rank != 0; }
-  static MutableTensorView contiguous(void* data, DType dtype, std::vector<int64_t> shape);
+  static MutableTensorView contiguous(void* data, DType dtype, const std::vector<int64_t>& shape);
 };
 
 // Tiling of the flash recurrence. Zero means "choose for this machine". The Neuron kernel's

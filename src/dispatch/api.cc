@@ -57,12 +57,13 @@ int dtype_size(DType dtype) {
   }
 }
 
-TensorView TensorView::contiguous(const void* data, DType dtype, std::vector<int64_t> shape) {
+TensorView TensorView::contiguous(const void* data, DType dtype,
+                                  const std::vector<int64_t>& shape) {
   return make_contiguous<TensorView>(data, dtype, shape);
 }
 
 MutableTensorView MutableTensorView::contiguous(void* data, DType dtype,
-                                                std::vector<int64_t> shape) {
+                                                const std::vector<int64_t>& shape) {
   return make_contiguous<MutableTensorView>(data, dtype, shape);
 }
 

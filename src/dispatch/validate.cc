@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "src/dispatch/problem.h"
@@ -347,6 +348,13 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
     }
     p->sink = static_cast<const float*>(t.data);
     p->sink_stride = t.strides[0];
+    for (int64_t b = 0; b < p->batch; ++b) {
+      const float x = p->sink[b * p->sink_stride];
+      if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) {
+        return Status::Error("sink: entry " + std::to_string(b) + " is " + std::to_string(x) +
+                             "; a sink logit must be finite or -inf (no sink)");
+      }
+    }
   }
 
   // --- scalars ---

@@ -262,9 +262,10 @@ void run_work_item(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t
     pack_q(p, ops, b, row0, rows, &sc.q[h * rows * d], sc.convert);
     float* neg_run = &sc.state[(h * 3 + 0) * rows];
     float* sum = &sc.state[(h * 3 + 1) * rows];
-    const float sink = p.sink ? p.sink[b * p.sink_stride] : 0.0f;
-    std::fill(neg_run, neg_run + rows, p.sink ? -sink : kInf);
-    std::fill(sum, sum + rows, p.sink ? 1.0f : 0.0f);
+    // A sink of -inf is no sink (validation refuses +inf and NaN).
+    const float sink = p.sink ? p.sink[b * p.sink_stride] : -kInf;
+    std::fill(neg_run, neg_run + rows, -sink);
+    std::fill(sum, sum + rows, sink == -kInf ? 0.0f : 1.0f);
     std::fill(&sc.o[h * rows * ldo], &sc.o[(h + 1) * rows * ldo], 0.0f);
   }
 

@@ -246,7 +246,7 @@ Status check_rows(const Problem& p, const std::vector<int64_t>& rows) {
 // SEMANTICS steps 2-7 in float64, one materialized score row per query row.
 void compute_exact(const Problem& p, const std::vector<int64_t>& rows, Result* res) {
   init_result(p, rows.size(), res);
-  const int64_t group = p.bs / p.bs_kv;
+  const int64_t group = p.bs_kv > 0 ? p.bs / p.bs_kv : 1;  // bs_kv == 0 only when bs == 0
   std::vector<double> scores;
   for (int64_t b = 0; b < p.bs; ++b) {
     const int64_t kb = b / group;
@@ -286,12 +286,11 @@ void compute_exact(const Problem& p, const std::vector<int64_t>& rows, Result* r
 
 // The same steps as a framework would run them in the input dtype without a flash kernel: float32
 // arithmetic with a rounding to the dtype after Q.K^T (scaled), after the softmax and after P.V.
-void compute_plain(const Problem& p, DType dtype, const std::vector<int64_t>& rows,
-                   Result* res) {
+void compute_plain(const Problem& p, DType dtype, const std::vector<int64_t>& rows, Result* res) {
   const auto round = [dtype](float x) { return static_cast<float>(round_to_dtype(x, dtype)); };
   constexpr float kInfF = std::numeric_limits<float>::infinity();
   init_result(p, rows.size(), res);
-  const int64_t group = p.bs / p.bs_kv;
+  const int64_t group = p.bs_kv > 0 ? p.bs / p.bs_kv : 1;  // bs_kv == 0 only when bs == 0
   std::vector<float> scores, probs;
   std::vector<float> acc(p.dv);
   for (int64_t b = 0; b < p.bs; ++b) {

@@ -47,10 +47,9 @@ void run_all(const Problem& p) {
   const std::vector<WorkItem> items = make_work_items(p);
   const int64_t n = static_cast<int64_t>(items.size());
   const simd::Ops& ops = simd::ops();
-  const int threads = resolve_threads(p, n);
   // Largest first with dynamic hand-out: the longest-processing-time rule, which keeps the
   // causal triangle's long rows from landing on one thread at the end.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(resolve_threads(p, n))
   for (int64_t i = 0; i < n; ++i) {
     run_work_item(p, ops, items[i].kv_batch, items[i].q_block);
   }

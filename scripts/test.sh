@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Every test: formatting and lint, the Release build with warnings as errors and its CTest suite
+# (GoogleTest grid, CLI tests, the installed-package consumer), the Python package's pytest
+# suite, and the sanitizer + fuzzing run. This is what CI runs (.ci/run).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+JOBS="$(nproc)"
+start=$SECONDS
+section() { printf '\n== %s (%ds)\n' "$1" $((SECONDS - start)); }
+
+section "dependencies"
+scripts/install_deps.sh
+
+section "clang-format"
+git ls-files '*.cc' '*.h' | xargs clang-format --dry-run --Werror
+
+section "build (Release, -Werror)"
+cmake -S . -B build/ci -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCTE_WERROR=ON >/dev/null
+cmake --build build/ci -j "$JOBS"
+
+section "clang-tidy"
+scripts/lint.sh build/ci
+
+section "ctest"
+ctest --test-dir build/ci -LE long --output-on-failure -j "$JOBS"
+
+section "python"
+python/run_tests.sh -q
+
+section "done"

