@@ -91,6 +91,26 @@ struct Options {
   TensorView bound_max;
   int num_threads = 0;  // 0: OpenMP's default
   TileConfig tiles;
+
+  // --- Beyond the Neuron kernel: FlashAttention-family score modifiers and mask conveniences.
+  // All combine with every mode above. Scores are built in this order:
+  //   S = scale * q.k  ->  softcap  ->  + alibi  ->  + key_bias  ->  masks (-inf).
+  float softcap = 0.0f;  // > 0: S -> softcap * tanh(S / softcap) (Gemma 2, Grok)
+  // ALiBi: (bs,) or (bs, 1) float32, one slope per query (batch*head): S += -slope * |q_pos -
+  // kv_pos| with the positions of SEMANTICS.md step 2.
+  TensorView alibi_slopes;
+  // Additive bias per key: (bs, L) float32 over the concatenated KV axis (L = the longest
+  // prior_used_len + Skv); -inf masks a key. Row b reads its first prior_used_len(b) + Skv.
+  TensorView key_bias;
+  // FlashAttention's window_size = (left, right): key j is kept for query i only when
+  // -left <= kv_pos - q_pos <= right; -1 is unbounded. Intersected with causal_mask (right 0)
+  // and sliding_window (left sw - 1).
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  // FlashAttention's causal alignment for Sq != Skv: the last query row sits at the position of
+  // the last key, i.e. every query position moves by Skv - Sq (rows that end up before key 0
+  // see nothing under causal). Added to the context-parallel positions.
+  bool bottom_right = false;
 };
 
 // Outputs. `out` is required; the statistics are float32 and optional.

@@ -22,11 +22,11 @@ namespace flashcte {
 
 // optimum-neuron's FlashAttentionStrategy.
 enum class NeuronStrategy : int {
-  kNone,                  // compiler-native matmul / softmax / matmul
-  kUnshardedKernel,       // attention kernel on one logical core
-  kShardedKernel,         // attention kernel split over the LNC cores
-  kLargeDUnshardedKernel, // flash_fwd_large_d (head dim > 128, d-tiled), one core
-  kLargeDShardedKernel,   // flash_fwd_large_d split over the LNC cores
+  kNone,                   // compiler-native matmul / softmax / matmul
+  kUnshardedKernel,        // attention kernel on one logical core
+  kShardedKernel,          // attention kernel split over the LNC cores
+  kLargeDUnshardedKernel,  // flash_fwd_large_d (head dim > 128, d-tiled), one core
+  kLargeDShardedKernel,    // flash_fwd_large_d split over the LNC cores
 };
 
 // NxD Inference's strategies for the prefill kernel (SEMANTICS.md abbreviates the names; the

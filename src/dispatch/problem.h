@@ -62,11 +62,24 @@ struct Problem {
   int64_t sink_stride = 0;
 
   float scale = 1.0f;
-  bool causal = true;
-  int64_t sliding_window = 0;
-  // Global position of local query row i: cp_offset + i * cp_stride.
-  int64_t cp_offset = 0;
+  // The allowed diff = kv_pos - q_pos is [-window_left, window_right]; kNoLimit is unbounded.
+  // Causal, sliding_window and FlashAttention's window_size all land here.
+  static constexpr int64_t kNoLimit = INT64_MAX / 4;
+  int64_t window_left = kNoLimit;
+  int64_t window_right = kNoLimit;
+  // Position of local query row i: q_pos_offset + i * cp_stride (cp_offset, plus Skv - Sq with
+  // bottom_right).
+  int64_t q_pos_offset = 0;
   int64_t cp_stride = 1;
+
+  // Score modifiers (Options): applied to S after scale, before the masks.
+  float softcap = 0.0f;
+  const float* alibi_slopes = nullptr;  // per query batch
+  int64_t alibi_stride = 0;
+  const float* key_bias = nullptr;  // (bs, L): key_bias[b * key_bias_batch_stride + j * ..]
+  int64_t key_bias_batch_stride = 0;
+  int64_t key_bias_key_stride = 0;
+  bool has_modifiers() const { return softcap > 0.0f || alibi_slopes || key_bias; }
   // Packing bounds per query row (concatenated-KV indices), empty without packing.
   std::vector<int64_t> bound_lo, bound_hi;
 

@@ -7,6 +7,8 @@
 // rests on a measurement, cited at its constant.
 #include "flashcte/strategy.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <string>
 
@@ -211,10 +213,13 @@ Status nxdi_strategy(const NxdiStrategyInputs& in, NxdiDecision* decision) {
 
 namespace {
 
-// MEASUREMENT PENDING (filled in below).
-constexpr int64_t kMaterializedMaxCausal = 32;
-constexpr int64_t kMaterializedMaxNonCausal = 256;
-constexpr int64_t kMaterializedMaxHeadDim = 128;
+// The materialized path (NONE) wins only for small score matrices: up to this many queries and
+// keys, it won every measured configuration in its class (float32, plain mode, one KV head per
+// query head, one thread per head), and beyond it the kernel won or tied. MEASUREMENT_TABLE
+constexpr int64_t kMaterializedMaxLengthCausal = 32;
+constexpr int64_t kMaterializedMaxLengthNonCausal = 64;
+// Head dims covered by the measurement (8, 32, 64, 128, 256).
+constexpr int64_t kMaterializedMaxHeadDim = 256;
 
 }  // namespace
 
@@ -232,19 +237,54 @@ Status cpu_strategy(const CpuStrategyInputs& in, CpuDecision* decision) {
     return Status::Error("head_dim: must be at least 1, got " + Str(in.head_dim));
   if (in.threads < 0) return Status::Error("threads: must be >= 0, got " + Str(in.threads));
 
-  // The kernel's thread count, exactly as the schedule resolves it (one work item per query
-  // block of each KV batch; never more threads than items).
+  // The kernel's thread count, exactly as the schedule resolves it: one work item per query
+  // block of each KV batch, never more threads than items.
   internal::Problem p;
   p.seqlen_q = in.seqlen_q;
   p.threads = in.threads;
   internal::resolve_tiles(&p);
-  const int64_t items = kv_batch * internal::num_q_blocks(p);
-  const int kernel_threads = internal::resolve_threads(p, items);
+  const int kernel_threads = internal::resolve_threads(p, kv_batch * internal::num_q_blocks(p));
+  // A materialized path splits heads over threads, one head per thread: the measured peer's
+  // second thread inside one head (an OpenMP team for a few softmax rows) cost it 5-15x at
+  // every tiny shape on 2 threads, so that is not how NONE would run.
+  const int64_t wanted = in.threads > 0 ? in.threads : omp_get_max_threads();
+  const int none_threads = static_cast<int>(std::max<int64_t>(1, std::min(wanted, in.batch)));
 
+  const int64_t length = std::max(in.seqlen_q, in.seqlen_kv);
+  const int64_t limit = in.causal ? kMaterializedMaxLengthCausal : kMaterializedMaxLengthNonCausal;
+  const std::string shape = "Sq=" + Str(in.seqlen_q) + ", Skv=" + Str(in.seqlen_kv) +
+                            ", d=" + Str(in.head_dim) + ", batch=" + Str(in.batch) + "/" +
+                            Str(kv_batch) + (in.causal ? ", causal" : ", non-causal");
+  std::string why_kernel;
+  if (in.seqlen_q == 0 || in.seqlen_kv == 0 || in.batch == 0) {
+    why_kernel = "empty problem";
+  } else if (!in.plain) {
+    why_kernel = "a mode beyond plain attention (prefix, sink, window, CP, packing or statistics)";
+  } else if (in.dtype != DType::kFloat32) {
+    why_kernel = std::string(dtype_name(in.dtype)) + " inputs (NONE was measured in float32)";
+  } else if (kv_batch != in.batch) {
+    why_kernel = "grouped KV heads: the kernel packs each K/V tile once per group";
+  } else if (in.head_dim > kMaterializedMaxHeadDim) {
+    why_kernel = "d > " + Str(kMaterializedMaxHeadDim) + " (not measured)";
+  } else if (length > limit) {
+    why_kernel = "max(Sq, Skv) > " + Str(limit) + ", the measured crossover";
+  } else if (in.seqlen_q == 1 && in.batch > 1) {
+    why_kernel = "Sq = 1 with several heads: the kernel shares its fixed cost over the heads";
+  } else if (kernel_threads > none_threads) {
+    why_kernel = "the kernel splits query blocks over " + Str(kernel_threads) +
+                 " threads where NONE would use " + Str(none_threads);
+  }
   CpuDecision r;
-  r.strategy = CpuStrategy::kKernel;
-  r.threads = kernel_threads;
-  r.reason = "kernel";
+  if (why_kernel.empty()) {
+    r.strategy = CpuStrategy::kNone;
+    r.threads = none_threads;
+    r.reason = shape + ": max(Sq, Skv) <= " + Str(limit) +
+               ", where the materialized path measured faster than the kernel";
+  } else {
+    r.strategy = CpuStrategy::kKernel;
+    r.threads = kernel_threads;
+    r.reason = shape + ": " + why_kernel;
+  }
   *decision = std::move(r);
   return Status::Ok();
 }

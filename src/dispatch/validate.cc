@@ -214,7 +214,7 @@ int64_t Problem::max_kv_total() const {
 Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
                 const Outputs& outputs, const Options& o, bool shapes_only, Problem* p) {
   *p = Problem{};
-  Extent eq, ek, ev, ekp, evp, esink, eout, enm, esr, e_lse;
+  Extent eq, ek, ev, ekp, evp, esink, eout, enm, esr, e_lse, ealibi, ebias;
   Status s;
 
   // --- q, k, v: presence, rank, dtype ---
@@ -362,14 +362,28 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
     return Status::Error("scale: must be finite, got " + std::to_string(o.scale));
   }
   p->scale = o.scale;
-  p->causal = o.causal_mask;
   if (o.sliding_window < 0) {
     return Status::Error("sliding_window: must be >= 0 (0 disables it), got " +
                          std::to_string(o.sliding_window));
   }
-  p->sliding_window = o.sliding_window;
+  if (o.window_left < -1) {
+    return Status::Error("window_left: must be >= 0, or -1 for unbounded, got " +
+                         std::to_string(o.window_left));
+  }
+  if (o.window_right < -1) {
+    return Status::Error("window_right: must be >= 0, or -1 for unbounded, got " +
+                         std::to_string(o.window_right));
+  }
+  // Every window form is one allowed range of diff = kv_pos - q_pos (SEMANTICS.md step 3).
+  const int64_t kNoLimit = Problem::kNoLimit;
+  p->window_left = o.window_left >= 0 ? std::min(o.window_left, kNoLimit) : kNoLimit;
+  p->window_right = o.window_right >= 0 ? std::min(o.window_right, kNoLimit) : kNoLimit;
+  if (o.causal_mask) p->window_right = std::min<int64_t>(p->window_right, 0);
+  if (o.sliding_window > 0) {
+    p->window_left = std::min(p->window_left, std::min(o.sliding_window, kNoLimit) - 1);
+  }
 
-  // --- context parallelism ---
+  // --- context parallelism and the query positions ---
   if (o.global_cp_deg && *o.global_cp_deg < 1) {
     return Status::Error("global_cp_deg: must be >= 1, got " + std::to_string(*o.global_cp_deg));
   }
@@ -383,15 +397,64 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
   if (o.global_cp_deg && !o.cp_offset) {
     return Status::Error("cp_offset: is required when global_cp_deg is given");
   }
-  p->cp_offset = o.cp_offset.value_or(0);
   p->cp_stride = o.cp_strided_q_slicing ? *o.global_cp_deg : 1;
+  // Positions stay below 2^60 in magnitude so that interval arithmetic never overflows.
+  constexpr int64_t kMaxPosition = int64_t{1} << 60;
+  if (o.cp_offset && *o.cp_offset > kMaxPosition) {
+    return Status::Error("cp_offset: " + std::to_string(*o.cp_offset) + " exceeds 2^60");
+  }
+  p->q_pos_offset = o.cp_offset.value_or(0) + (o.bottom_right ? p->seqlen_kv - p->seqlen_q : 0);
   {
-    // The largest query position must fit comfortably in int64 arithmetic.
     int64_t last = 0;
     if (__builtin_mul_overflow(std::max<int64_t>(p->seqlen_q - 1, 0), p->cp_stride, &last) ||
-        __builtin_add_overflow(last, p->cp_offset, &last) || last > (int64_t{1} << 60)) {
-      return Status::Error("cp_offset: query positions cp_offset + i*global_cp_deg overflow");
+        __builtin_add_overflow(last, p->q_pos_offset, &last) || last > kMaxPosition) {
+      return Status::Error(
+          "global_cp_deg: query positions cp_offset + i*global_cp_deg exceed "
+          "2^60");
     }
+  }
+
+  // --- score modifiers ---
+  if (!(o.softcap >= 0.0f) || std::isinf(o.softcap)) {
+    return Status::Error("softcap: must be finite and >= 0 (0 disables it), got " +
+                         std::to_string(o.softcap));
+  }
+  p->softcap = o.softcap;
+  if (o.alibi_slopes.present()) {
+    const TensorView& t = o.alibi_slopes;
+    if ((s = check_view("alibi_slopes", t, false, &ealibi)), !s.ok) return s;
+    if (t.dtype != DType::kFloat32) {
+      return Status::Error(std::string("alibi_slopes: dtype must be float32, got ") +
+                           dtype_name(t.dtype));
+    }
+    if (!((t.rank == 2 && t.shape[1] == 1) || t.rank == 1) || t.shape[0] != p->batch) {
+      return Status::Error("alibi_slopes: shape " + shape_str(t.shape.data(), t.rank) +
+                           " must be (bs,) or (bs, 1) with bs = " + std::to_string(p->batch));
+    }
+    p->alibi_slopes = static_cast<const float*>(t.data);
+    p->alibi_stride = t.strides[0];
+    for (int64_t b = 0; b < p->batch; ++b) {
+      if (!std::isfinite(p->alibi_slopes[b * p->alibi_stride])) {
+        return Status::Error("alibi_slopes: entry " + std::to_string(b) + " is not finite");
+      }
+    }
+  }
+  if (o.key_bias.present()) {
+    const TensorView& t = o.key_bias;
+    if ((s = check_view("key_bias", t, false, &ebias)), !s.ok) return s;
+    if (t.dtype != DType::kFloat32) {
+      return Status::Error(std::string("key_bias: dtype must be float32, got ") +
+                           dtype_name(t.dtype));
+    }
+    const int64_t total = p->max_kv_total();
+    if (t.rank != 2 || t.shape[0] != p->batch || t.shape[1] != total) {
+      return Status::Error("key_bias: shape " + shape_str(t.shape.data(), t.rank) +
+                           " must be (bs, prior_used_len + Skv) = (" + std::to_string(p->batch) +
+                           ", " + std::to_string(total) + ")");
+    }
+    p->key_bias = static_cast<const float*>(t.data);
+    p->key_bias_batch_stride = t.strides[0];
+    p->key_bias_key_stride = t.strides[1];
   }
 
   // --- packing ---
@@ -467,8 +530,14 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
   const struct {
     const char* name;
     Extent e;
-  } inputs[] = {{"q", eq},        {"k", ek},        {"v", ev},
-                {"k_prior", ekp}, {"v_prior", evp}, {"sink", esink}},
+  } inputs[] = {{"q", eq},
+                {"k", ek},
+                {"v", ev},
+                {"k_prior", ekp},
+                {"v_prior", evp},
+                {"sink", esink},
+                {"alibi_slopes", ealibi},
+                {"key_bias", ebias}},
     outs[] = {{"out", eout}, {"neg_max", enm}, {"sum_recip", esr}, {"lse", e_lse}};
   for (size_t a = 0; a < sizeof(outs) / sizeof(outs[0]); ++a) {
     for (const auto& in : inputs) {

@@ -51,6 +51,7 @@ struct Scratch {
   BlockPlan plan;                    // the whole work item: what gets packed
   std::vector<BlockPlan> sub_plans;  // each sub-block: what it computes
   std::vector<size_t> sub_cursor;    // next section of each sub-block
+  bool v_nonfinite = false;          // the packed V section holds a NaN or Inf
 };
 
 Scratch& thread_scratch() {
@@ -61,6 +62,14 @@ Scratch& thread_scratch() {
 template <class T>
 void ensure(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
+}
+
+// True when every value is finite: x - x is 0 for finite x and NaN for Inf or NaN, and the sum
+// has no branch to mispredict.
+bool all_finite(const float* x, int64_t n) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) acc += x[i] - x[i];
+  return acc == 0.0f;
 }
 
 // Copies the rows x cols matrix src(r, c) = base[r * row_stride + c * col_stride] (dtype) into
@@ -126,6 +135,10 @@ void pack_kv(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t begin
                 j1 - j0, p.head_dim, k + (j0 - base), 1, ldk, tmp);
     pack_matrix(ops, element(vt, p.dtype, kv_b, row0), p.dtype, vt.row_stride, vt.col_stride,
                 j1 - j0, p.value_dim, v + (j0 - base) * ldv, ldv, 1, tmp);
+    // MM2 runs over the padded width: keep the padding zero (stale values could be NaN).
+    for (int64_t j = j0; j < j1; ++j) {
+      std::fill(v + (j - base) * ldv + p.value_dim, v + (j - base + 1) * ldv, 0.0f);
+    }
   }
 }
 
@@ -166,6 +179,9 @@ void write_row(const Problem& p, int64_t b, int64_t i, const float* o, float neg
 // One head's rows (a sub-block of the work item) through one softmax section: MM1, the mask of
 // straddling tiles, the negated running max and alpha, the fused exp-and-sum, MM2.
 struct HeadRows {
+  int64_t b;                     // query batch
+  int64_t row0;                  // global index of the first row (positions, key_bias)
+  int64_t prior;                 // prior_used_len of the KV batch
   const float* q;                // [rows][d]
   const RowInterval* intervals;  // [rows]
   float* neg_run;                // [rows]
@@ -175,6 +191,26 @@ struct HeadRows {
   int64_t rows;
 };
 
+// softcap, ALiBi and key_bias on the rows x n scores of the tile starting at key j0.
+void apply_modifiers(const Problem& p, const simd::Ops& ops, const HeadRows& hr, int64_t j0,
+                     int64_t n, float* s, int64_t lds) {
+  const float slope = p.alibi_slopes ? p.alibi_slopes[hr.b * p.alibi_stride] : 0.0f;
+  const float* bias = p.key_bias ? p.key_bias + hr.b * p.key_bias_batch_stride : nullptr;
+  for (int64_t r = 0; r < hr.rows; ++r) {
+    float* srow = s + r * lds;
+    if (p.softcap > 0.0f) ops.softcap(srow, n, p.softcap);
+    if (p.alibi_slopes) {
+      const int64_t q_pos = p.q_pos_offset + (hr.row0 + r) * p.cp_stride;
+      ops.alibi(srow, n, slope, static_cast<float>(j0 - hr.prior - q_pos));
+    }
+    if (bias && p.key_bias_key_stride == 1) {
+      ops.add(srow, bias + j0, n);
+    } else if (bias) {
+      for (int64_t c = 0; c < n; ++c) srow[c] += bias[(j0 + c) * p.key_bias_key_stride];
+    }
+  }
+}
+
 void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const TileWork* tiles,
                      int64_t num_tiles, int64_t sec_begin, int64_t ldk, int64_t ldv,
                      const HeadRows& hr) {
@@ -182,12 +218,22 @@ void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const 
   float* s = sc.s.data();
   float* row_max = hr.alpha;  // alpha is free until the max is known
   std::fill(row_max, row_max + rows, -kInf);
+  const bool modify = p.has_modifiers();
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int64_t off = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
-    // Unmasked tiles fold the row max into MM1's epilogue; masked ones take it after masking.
+    // Unmodified, unmasked tiles fold the row max into MM1's epilogue; the others take it once
+    // the scores are final.
+    const bool fused_max = !tiles[t].masked && !modify;
     ops.qk(hr.q, d, rows, sc.k.data() + off, ldk, n, d, s + off, lds,
-           tiles[t].masked ? nullptr : row_max);
-    if (!tiles[t].masked) continue;
+           fused_max ? row_max : nullptr);
+    if (fused_max) continue;
+    if (modify) apply_modifiers(p, ops, hr, tiles[t].begin, n, s + off, lds);
+    if (!tiles[t].masked) {
+      for (int64_t r = 0; r < rows; ++r) {
+        row_max[r] = std::max(row_max[r], ops.row_max(s + r * lds + off, n));
+      }
+      continue;
+    }
     for (int64_t r = 0; r < rows; ++r) {
       // Columns [lo, hi) of this tile, relative to the tile, are the row's unmasked ones.
       float* srow = s + r * lds + off;
@@ -217,9 +263,20 @@ void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const 
 
   // MM2, with alpha folded into the first tile of the section.
   for (int64_t t = 0; t < num_tiles; ++t) {
-    const int64_t off = tiles[t].begin - sec_begin;
-    ops.pv(s + off, lds, rows, tiles[t].end - tiles[t].begin, sc.v.data() + off * ldv, ldv, ldv,
-           t == 0 ? hr.alpha : nullptr, hr.o, ldo);
+    const int64_t off = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
+    const float* v = sc.v.data() + off * ldv;
+    if (!(tiles[t].masked && sc.v_nonfinite)) {
+      ops.pv(s + off, lds, rows, n, v, ldv, ldv, t == 0 ? hr.alpha : nullptr, hr.o, ldo);
+      continue;
+    }
+    // A NaN or Inf value must reach only the rows that attend its key: 0 * NaN is NaN, so
+    // each row contracts over its own unmasked columns only (rare: non-finite inputs).
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t lo = std::clamp(hr.intervals[r].lo - tiles[t].begin, int64_t{0}, n);
+      const int64_t hi = std::clamp(hr.intervals[r].hi - tiles[t].begin, lo, n);
+      ops.pv(s + r * lds + off + lo, lds, 1, hi - lo, v + lo * ldv, ldv, ldv,
+             t == 0 ? hr.alpha + r : nullptr, hr.o + r * ldo, ldo);
+    }
   }
 }
 
@@ -270,9 +327,13 @@ void run_work_item(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t
   }
 
   for (const SectionWork& sec : sc.plan.sections) {
+    sc.v_nonfinite = false;
     for (int64_t t = sec.first_tile; t < sec.end_tile; ++t) {
-      pack_kv(p, ops, kv_b, sc.plan.tiles[t].begin, sc.plan.tiles[t].end, sec.begin, sc.k.data(),
-              ldk, sc.v.data(), ldv, sc.convert);
+      const TileWork& tile = sc.plan.tiles[t];
+      pack_kv(p, ops, kv_b, tile.begin, tile.end, sec.begin, sc.k.data(), ldk, sc.v.data(), ldv,
+              sc.convert);
+      sc.v_nonfinite |=
+          !all_finite(sc.v.data() + (tile.begin - sec.begin) * ldv, (tile.end - tile.begin) * ldv);
     }
     for (int64_t sb = 0; sb < subs; ++sb) {
       // The sub-block's sections are a subset of the item's, in the same order.
@@ -283,6 +344,9 @@ void run_work_item(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t
       const int64_t r0 = sb * kSubRows;
       for (int64_t h = 0; h < group; ++h) {
         HeadRows hr;
+        hr.b = kv_b * group + h;
+        hr.row0 = row0 + r0;
+        hr.prior = p.prior_used[kv_b];
         hr.rows = std::min(kSubRows, rows - r0);
         hr.q = &sc.q[(h * rows + r0) * d];
         hr.intervals = sc.intervals.data() + r0;

@@ -26,13 +26,13 @@ void resolve_tiles(Problem* p) {
 
 RowInterval row_interval(const Problem& p, int64_t kv_b, int64_t i) {
   const int64_t prior = p.prior_used[kv_b];
-  const int64_t q_pos = p.cp_offset + i * p.cp_stride;
+  const int64_t q_pos = p.q_pos_offset + i * p.cp_stride;
+  // kv_pos(j) = j - prior must satisfy -window_left <= kv_pos - q_pos <= window_right: causal is
+  // window_right 0 (prior tokens have negative positions, so they are never causally masked),
+  // a sliding window sw is window_left sw - 1.
   RowInterval r{0, prior + p.seqlen_kv};
-  // kv_pos(j) = j - prior; diff = kv_pos - q_pos.
-  if (p.causal) r.hi = std::min(r.hi, q_pos + prior + 1);  // masked when diff > 0
-  if (p.sliding_window > 0) {
-    r.lo = std::max(r.lo, q_pos + prior - p.sliding_window + 1);  // masked when diff <= -sw
-  }
+  if (p.window_right < Problem::kNoLimit) r.hi = std::min(r.hi, q_pos + prior + p.window_right + 1);
+  if (p.window_left < Problem::kNoLimit) r.lo = std::max(r.lo, q_pos + prior - p.window_left);
   if (!p.bound_lo.empty()) {
     r.lo = std::max(r.lo, p.bound_lo[i]);
     r.hi = std::min(r.hi, p.bound_hi[i]);

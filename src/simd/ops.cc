@@ -221,7 +221,8 @@ HWY_INLINE V RoundToBf16(D d, V x) {
 
 template <class D>
 HWY_INLINE hn::Vec<D> ExpStep(D d, float* p, hn::Vec<D> bias, bool round_bf16) {
-  const auto e = hn::Exp(d, hn::Add(hn::LoadU(d, p), bias));
+  const auto x = hn::Add(hn::LoadU(d, p), bias);
+  const auto e = hn::IfThenElse(hn::IsNaN(x), x, hn::Exp(d, x));
   hn::StoreU(round_bf16 ? RoundToBf16(d, e) : e, d, p);
   return e;
 }
@@ -243,6 +244,49 @@ float ExpSum(float* s, int64_t n, float bias, bool round_bf16) {
   const auto vbias1 = hn::Set(d1, bias);
   for (; c < n; ++c) total += hn::GetLane(ExpStep(d1, s + c, vbias1, round_bf16));
   return total;
+}
+
+// --- score modifiers ---------------------------------------------------------------------------
+
+template <class D>
+HWY_INLINE void SoftcapStep(D d, float* p, float cap) {
+  const auto v = hn::LoadU(d, p);
+  hn::StoreU(hn::Mul(hn::Set(d, cap), hn::Tanh(d, hn::Div(v, hn::Set(d, cap)))), d, p);
+}
+
+void Softcap(float* s, int64_t n, float cap) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t c = 0;
+  for (; c + N <= n; c += N) SoftcapStep(df, s + c, cap);
+  const hn::CappedTag<float, 1> d1;
+  for (; c < n; ++c) SoftcapStep(d1, s + c, cap);
+}
+
+void Alibi(float* s, int64_t n, float slope, float d0) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const auto neg_slope = hn::Set(df, -slope);
+  auto dist = hn::Add(hn::Iota(df, 0.0f), hn::Set(df, d0));
+  const auto step = hn::Set(df, static_cast<float>(N));
+  int64_t c = 0;
+  for (; c + N <= n; c += N, dist = hn::Add(dist, step)) {
+    hn::StoreU(hn::MulAdd(neg_slope, hn::Abs(dist), hn::LoadU(df, s + c)), df, s + c);
+  }
+  for (; c < n; ++c) {
+    const float x = d0 + static_cast<float>(c);
+    s[c] += -slope * (x < 0 ? -x : x);
+  }
+}
+
+void AddRow(float* s, const float* bias, int64_t n) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t c = 0;
+  for (; c + N <= n; c += N) {
+    hn::StoreU(hn::Add(hn::LoadU(df, s + c), hn::LoadU(df, bias + c)), df, s + c);
+  }
+  for (; c < n; ++c) s[c] += bias[c];
 }
 
 // --- conversion ------------------------------------------------------------------------------
@@ -357,7 +401,8 @@ void Pv(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, in
 }
 
 const Ops* GetOps() {
-  static const Ops table = {hwy::TargetName(HWY_TARGET), &Qk, &RowMax, &ExpSum, &ToFloat, &Pv};
+  static const Ops table = {
+      hwy::TargetName(HWY_TARGET), &Qk, &RowMax, &ExpSum, &Softcap, &Alibi, &AddRow, &ToFloat, &Pv};
   return &table;
 }
 

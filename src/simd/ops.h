@@ -42,10 +42,17 @@ struct Ops {
   float (*row_max)(const float* s, int64_t n);
 
   // The fused exp-and-sum (the Neuron activation_reduce): s[c] = exp(s[c] + bias) in place for
-  // c < n, returning the sum of the results. bias is the negated running max, so the shift is
-  // the FMA's addend. With round_bf16, the stored values are rounded to bfloat16 (as the Neuron
-  // engine's P feeding MM2) while the sum keeps float32 values. Writes exactly n entries.
+  // c < n, returning the sum of the results. A NaN score stays NaN (so do the sum and the row's
+  // output): Highway's Exp alone would turn it into 0. bias is the negated running max, so the
+  // shift is the FMA's addend. With round_bf16, the stored values are rounded to bfloat16 (as the
+  // Neuron engine's P feeding MM2) while the sum keeps float32 values. Writes exactly n entries.
   float (*exp_sum)(float* s, int64_t n, float bias, bool round_bf16);
+
+  // Score modifiers, applied to one row of a tile after MM1 (Options order):
+  //   s[c] = cap * tanh(s[c] / cap);  s[c] -= slope * |d0 + c|;  s[c] += bias[c].
+  void (*softcap)(float* s, int64_t n, float cap);
+  void (*alibi)(float* s, int64_t n, float slope, float d0);
+  void (*add)(float* s, const float* bias, int64_t n);
 
   // dst[i] = float(src[i]) for i < n, src contiguous of dtype float32, bfloat16 or float16
   // (F16C on x86). Used by the packers, which run once per tile.
