@@ -12,6 +12,7 @@
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/simd/ops.cc"
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -33,166 +34,123 @@ using DF = hn::ScalableTag<float>;
 constexpr int64_t kRows = 6;
 
 // --- MM1 -------------------------------------------------------------------------------------
+//
+// Loop order (GotoBLAS): column panel outer, row blocks inner. A panel of K (d x 2N floats:
+// 8 KiB at d = 128 on AVX2) stays in L1 while every row block of the sub-block streams its Q
+// rows past it; row-block-outer re-read all of K (128 KiB) from L2 per 6 rows.
 
-// Stores one row's two accumulators and folds their valid lanes (the first `valid` of the 2N)
-// into that row's running max vector.
-HWY_INLINE void StoreRow2(DF df, hn::Vec<DF> a0, hn::Vec<DF> a1, float* s, int64_t valid,
-                          float* max_vec) {
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  hn::StoreU(a0, df, s);
-  hn::StoreU(a1, df, s + N);
-  if (max_vec == nullptr) return;
-  const auto neg_inf = hn::Set(df, -std::numeric_limits<float>::infinity());
-  // The first vector is always whole (callers only use 2 vectors when more than N remain).
-  const auto m1 = valid >= 2 * N ? a1 : hn::IfThenElse(hn::FirstN(df, valid - N), a1, neg_inf);
-  hn::Store(hn::Max(hn::Load(df, max_vec), hn::Max(a0, m1)), df, max_vec);
-}
+// Rows of Q whose max vectors a call keeps on the stack; callers pass at most this many rows at
+// a time (Qk loops over groups).
+constexpr int64_t kMaxPanelRows = 48;
 
-HWY_INLINE void StoreRow1(DF df, hn::Vec<DF> a0, float* s, int64_t valid, float* max_vec) {
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  hn::StoreU(a0, df, s);
-  if (max_vec == nullptr) return;
-  const auto neg_inf = hn::Set(df, -std::numeric_limits<float>::infinity());
-  const auto m0 = valid >= N ? a0 : hn::IfThenElse(hn::FirstN(df, valid), a0, neg_inf);
-  hn::Store(hn::Max(hn::Load(df, max_vec), m0), df, max_vec);
-}
-
-// R rows of S = Q.K^T over `cols` columns. With max_vecs (R vectors), also folds each row's
-// scores into its max vector: the row max fused into MM1's epilogue while the scores are still
-// in registers. Q arrives pre-scaled (the packer multiplies by scale), so the epilogue has no
-// multiply and no live scale register (which made GCC spill an operand on AVX2).
-template <int64_t R>
-HWY_INLINE void QkBlock(const float* HWY_RESTRICT q, int64_t ldq, const float* HWY_RESTRICT k,
-                        int64_t ldk, int64_t cols, int64_t d, float* HWY_RESTRICT s, int64_t lds,
+// One 2-vector (or, with kCols = 1, 1-vector) column panel for R rows: acc[r] = Q[r] . K[:, panel].
+// `valid` columns of the panel are real; the rest is padding whose scores are stored but kept
+// out of the max.
+template <int64_t R, int64_t kCols>
+HWY_INLINE void QkPanel(const float* HWY_RESTRICT q, int64_t ldq, const float* HWY_RESTRICT k,
+                        int64_t ldk, int64_t d, float* HWY_RESTRICT s, int64_t lds, int64_t valid,
                         float* max_vecs) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  float* mv[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
-  if (max_vecs) {
-    for (int64_t r = 0; r < R; ++r) mv[r] = max_vecs + r * N;
+  hn::Vec<DF> acc[R][kCols];
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int64_t c = 0; c < kCols; ++c) acc[r][c] = hn::Zero(df);
   }
-  int64_t c = 0;
-  // Two vectors while more than one vector of columns remains; the second may run past cols
-  // into the padding (see ops.h).
-  for (; c + N < cols; c += 2 * N) {
-    auto a00 = hn::Zero(df), a01 = hn::Zero(df), a10 = hn::Zero(df), a11 = hn::Zero(df);
-    auto a20 = hn::Zero(df), a21 = hn::Zero(df), a30 = hn::Zero(df), a31 = hn::Zero(df);
-    auto a40 = hn::Zero(df), a41 = hn::Zero(df), a50 = hn::Zero(df), a51 = hn::Zero(df);
-    const float* kc = k + c;
-    for (int64_t x = 0; x < d; ++x) {
-      const auto b0 = hn::LoadU(df, kc + x * ldk);
-      const auto b1 = hn::LoadU(df, kc + x * ldk + N);
-      const float* qx = q + x;
-      auto bc = hn::Set(df, qx[0]);
-      a00 = hn::MulAdd(bc, b0, a00);
-      a01 = hn::MulAdd(bc, b1, a01);
-      if (R > 1) {
-        bc = hn::Set(df, qx[ldq]);
-        a10 = hn::MulAdd(bc, b0, a10);
-        a11 = hn::MulAdd(bc, b1, a11);
-      }
-      if (R > 2) {
-        bc = hn::Set(df, qx[2 * ldq]);
-        a20 = hn::MulAdd(bc, b0, a20);
-        a21 = hn::MulAdd(bc, b1, a21);
-      }
-      if (R > 3) {
-        bc = hn::Set(df, qx[3 * ldq]);
-        a30 = hn::MulAdd(bc, b0, a30);
-        a31 = hn::MulAdd(bc, b1, a31);
-      }
-      if (R > 4) {
-        bc = hn::Set(df, qx[4 * ldq]);
-        a40 = hn::MulAdd(bc, b0, a40);
-        a41 = hn::MulAdd(bc, b1, a41);
-      }
-      if (R > 5) {
-        bc = hn::Set(df, qx[5 * ldq]);
-        a50 = hn::MulAdd(bc, b0, a50);
-        a51 = hn::MulAdd(bc, b1, a51);
-      }
+  for (int64_t x = 0; x < d; ++x) {
+    hn::Vec<DF> b[kCols];
+#pragma GCC unroll 2
+    for (int64_t c = 0; c < kCols; ++c) b[c] = hn::LoadU(df, k + x * ldk + c * N);
+#pragma GCC unroll 6
+    for (int64_t r = 0; r < R; ++r) {
+      const auto a = hn::Set(df, q[r * ldq + x]);
+#pragma GCC unroll 2
+      for (int64_t c = 0; c < kCols; ++c) acc[r][c] = hn::MulAdd(a, b[c], acc[r][c]);
     }
-    const int64_t valid = cols - c;
-    float* sc = s + c;
-    StoreRow2(df, a00, a01, sc, valid, mv[0]);
-    if (R > 1) StoreRow2(df, a10, a11, sc + lds, valid, mv[1]);
-    if (R > 2) StoreRow2(df, a20, a21, sc + 2 * lds, valid, mv[2]);
-    if (R > 3) StoreRow2(df, a30, a31, sc + 3 * lds, valid, mv[3]);
-    if (R > 4) StoreRow2(df, a40, a41, sc + 4 * lds, valid, mv[4]);
-    if (R > 5) StoreRow2(df, a50, a51, sc + 5 * lds, valid, mv[5]);
   }
-  // At most one vector of columns is left (c < cols <= c + N): compute it whole.
-  for (; c < cols; c += N) {
-    auto a0 = hn::Zero(df), a1 = hn::Zero(df), a2 = hn::Zero(df);
-    auto a3 = hn::Zero(df), a4 = hn::Zero(df), a5 = hn::Zero(df);
-    const float* kc = k + c;
-    for (int64_t x = 0; x < d; ++x) {
-      const auto b0 = hn::LoadU(df, kc + x * ldk);
-      const float* qx = q + x;
-      a0 = hn::MulAdd(hn::Set(df, qx[0]), b0, a0);
-      if (R > 1) a1 = hn::MulAdd(hn::Set(df, qx[ldq]), b0, a1);
-      if (R > 2) a2 = hn::MulAdd(hn::Set(df, qx[2 * ldq]), b0, a2);
-      if (R > 3) a3 = hn::MulAdd(hn::Set(df, qx[3 * ldq]), b0, a3);
-      if (R > 4) a4 = hn::MulAdd(hn::Set(df, qx[4 * ldq]), b0, a4);
-      if (R > 5) a5 = hn::MulAdd(hn::Set(df, qx[5 * ldq]), b0, a5);
+  const auto neg_inf = hn::Set(df, -std::numeric_limits<float>::infinity());
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < R; ++r) {
+    auto m = neg_inf;
+#pragma GCC unroll 2
+    for (int64_t c = 0; c < kCols; ++c) {
+      hn::StoreU(acc[r][c], df, s + r * lds + c * N);
+      const int64_t lanes = valid - c * N;  // >= 1 for c == 0
+      m = hn::Max(
+          m, lanes >= N ? acc[r][c]
+                        : hn::IfThenElse(hn::FirstN(df, static_cast<size_t>(lanes > 0 ? lanes : 0)),
+                                         acc[r][c], neg_inf));
     }
-    const int64_t valid = cols - c;
-    float* sc = s + c;
-    StoreRow1(df, a0, sc, valid, mv[0]);
-    if (R > 1) StoreRow1(df, a1, sc + lds, valid, mv[1]);
-    if (R > 2) StoreRow1(df, a2, sc + 2 * lds, valid, mv[2]);
-    if (R > 3) StoreRow1(df, a3, sc + 3 * lds, valid, mv[3]);
-    if (R > 4) StoreRow1(df, a4, sc + 4 * lds, valid, mv[4]);
-    if (R > 5) StoreRow1(df, a5, sc + 5 * lds, valid, mv[5]);
+    if (max_vecs) {
+      float* mv = max_vecs + r * N;
+      hn::Store(hn::Max(hn::Load(df, mv), m), df, mv);
+    }
   }
 }
 
 template <int64_t R>
-HWY_INLINE void QkRows(const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t cols,
-                       int64_t d, float* s, int64_t lds, float* row_max) {
-  const DF df;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  HWY_ALIGN float max_vecs[R * hn::MaxLanes(df)];
-  if (row_max) {
-    for (int64_t i = 0; i < R * N; ++i) max_vecs[i] = -std::numeric_limits<float>::infinity();
-  }
-  QkBlock<R>(q, ldq, k, ldk, cols, d, s, lds, row_max ? max_vecs : nullptr);
-  if (row_max) {
-    for (int64_t r = 0; r < R; ++r) {
-      const float m = hn::GetLane(hn::MaxOfLanes(df, hn::Load(df, max_vecs + r * N)));
-      row_max[r] = m > row_max[r] ? m : row_max[r];
-    }
+HWY_INLINE void QkRowBlock(const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t c,
+                           int64_t cols, int64_t d, float* s, int64_t lds, float* max_vecs) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
+  // Two vectors while more than one vector of columns remains (the second may cover padding).
+  if (c + N < cols) {
+    QkPanel<R, 2>(q, ldq, k + c, ldk, d, s + c, lds, cols - c, max_vecs);
+  } else {
+    QkPanel<R, 1>(q, ldq, k + c, ldk, d, s + c, lds, cols - c, max_vecs);
   }
 }
 
 void Qk(const float* q, int64_t ldq, int64_t rows, const float* k, int64_t ldk, int64_t cols,
         int64_t d, float* s, int64_t lds, float* row_max) {
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) {
-    QkRows<kRows>(q + r * ldq, ldq, k, ldk, cols, d, s + r * lds, lds,
-                  row_max ? row_max + r : nullptr);
-  }
-  const float* qr = q + r * ldq;
-  float* sr = s + r * lds;
-  float* mr = row_max ? row_max + r : nullptr;
-  switch (rows - r) {
-    case 1:
-      QkRows<1>(qr, ldq, k, ldk, cols, d, sr, lds, mr);
-      break;
-    case 2:
-      QkRows<2>(qr, ldq, k, ldk, cols, d, sr, lds, mr);
-      break;
-    case 3:
-      QkRows<3>(qr, ldq, k, ldk, cols, d, sr, lds, mr);
-      break;
-    case 4:
-      QkRows<4>(qr, ldq, k, ldk, cols, d, sr, lds, mr);
-      break;
-    case 5:
-      QkRows<5>(qr, ldq, k, ldk, cols, d, sr, lds, mr);
-      break;
-    default:
-      break;
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  HWY_ALIGN float max_vecs[kMaxPanelRows * hn::MaxLanes(DF())];
+  for (int64_t g = 0; g < rows; g += kMaxPanelRows) {
+    const int64_t group_rows = std::min(kMaxPanelRows, rows - g);
+    const float* qg = q + g * ldq;
+    float* sg = s + g * lds;
+    float* mv = row_max ? max_vecs : nullptr;
+    if (mv) {
+      for (int64_t i = 0; i < group_rows * N; ++i) {
+        mv[i] = -std::numeric_limits<float>::infinity();
+      }
+    }
+    for (int64_t c = 0; c < cols; c += 2 * N) {
+      int64_t r = 0;
+      for (; r + kRows <= group_rows; r += kRows) {
+        QkRowBlock<kRows>(qg + r * ldq, ldq, k, ldk, c, cols, d, sg + r * lds, lds,
+                          mv ? mv + r * N : nullptr);
+      }
+      const float* qr = qg + r * ldq;
+      float* sr = sg + r * lds;
+      float* mr = mv ? mv + r * N : nullptr;
+      switch (group_rows - r) {
+        case 1:
+          QkRowBlock<1>(qr, ldq, k, ldk, c, cols, d, sr, lds, mr);
+          break;
+        case 2:
+          QkRowBlock<2>(qr, ldq, k, ldk, c, cols, d, sr, lds, mr);
+          break;
+        case 3:
+          QkRowBlock<3>(qr, ldq, k, ldk, c, cols, d, sr, lds, mr);
+          break;
+        case 4:
+          QkRowBlock<4>(qr, ldq, k, ldk, c, cols, d, sr, lds, mr);
+          break;
+        case 5:
+          QkRowBlock<5>(qr, ldq, k, ldk, c, cols, d, sr, lds, mr);
+          break;
+        default:
+          break;
+      }
+    }
+    if (mv) {
+      for (int64_t r = 0; r < group_rows; ++r) {
+        const float m = hn::GetLane(hn::MaxOfLanes(df, hn::Load(df, mv + r * N)));
+        row_max[g + r] = m > row_max[g + r] ? m : row_max[g + r];
+      }
+    }
   }
 }
 
@@ -317,86 +275,77 @@ void ToFloat(const void* src, DType dtype, int64_t n, float* dst) {
 }
 
 // --- MM2 -------------------------------------------------------------------------------------
+//
+// The same panel order as MM1: a 2N-wide panel of V (n x 2N floats: 16 KiB for a 256-key tile
+// on AVX2) stays in L1 while every row block of P streams past it. The rescale by alpha is
+// folded into the accumulator load of the first tile.
 
 template <int64_t R>
-HWY_INLINE void PvBlock(const float* HWY_RESTRICT p, int64_t ldp, int64_t n,
-                        const float* HWY_RESTRICT v, int64_t ldv, int64_t dv_pad,
-                        const float* alpha, float* HWY_RESTRICT o, int64_t ldo) {
+HWY_INLINE void PvPanel(const float* HWY_RESTRICT p, int64_t ldp, int64_t n,
+                        const float* HWY_RESTRICT v, int64_t ldv, const float* alpha,
+                        float* HWY_RESTRICT o, int64_t ldo) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  // dv_pad is a multiple of kPadFloats = 16, hence of 2N on every target up to 512 bits.
-  for (int64_t c = 0; c < dv_pad; c += 2 * N) {
-    float* oc = o + c;
-    auto a00 = hn::LoadU(df, oc), a01 = hn::LoadU(df, oc + N);
-    auto a10 = a00, a11 = a01, a20 = a00, a21 = a01, a30 = a00, a31 = a01;
-    if (R > 1) a10 = hn::LoadU(df, oc + ldo), a11 = hn::LoadU(df, oc + ldo + N);
-    if (R > 2) a20 = hn::LoadU(df, oc + 2 * ldo), a21 = hn::LoadU(df, oc + 2 * ldo + N);
-    if (R > 3) a30 = hn::LoadU(df, oc + 3 * ldo), a31 = hn::LoadU(df, oc + 3 * ldo + N);
+  hn::Vec<DF> acc[R][2];
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < R; ++r) {
+    acc[r][0] = hn::LoadU(df, o + r * ldo);
+    acc[r][1] = hn::LoadU(df, o + r * ldo + N);
     if (alpha) {
-      auto al = hn::Set(df, alpha[0]);
-      a00 = hn::Mul(a00, al), a01 = hn::Mul(a01, al);
-      if (R > 1) al = hn::Set(df, alpha[1]), a10 = hn::Mul(a10, al), a11 = hn::Mul(a11, al);
-      if (R > 2) al = hn::Set(df, alpha[2]), a20 = hn::Mul(a20, al), a21 = hn::Mul(a21, al);
-      if (R > 3) al = hn::Set(df, alpha[3]), a30 = hn::Mul(a30, al), a31 = hn::Mul(a31, al);
+      const auto al = hn::Set(df, alpha[r]);
+      acc[r][0] = hn::Mul(acc[r][0], al);
+      acc[r][1] = hn::Mul(acc[r][1], al);
     }
-    const float* vc = v + c;
-    for (int64_t j = 0; j < n; ++j) {
-      const auto b0 = hn::LoadU(df, vc + j * ldv);
-      const auto b1 = hn::LoadU(df, vc + j * ldv + N);
-      const float* pj = p + j;
-      auto bc = hn::Set(df, pj[0]);
-      a00 = hn::MulAdd(bc, b0, a00);
-      a01 = hn::MulAdd(bc, b1, a01);
-      if (R > 1) {
-        bc = hn::Set(df, pj[ldp]);
-        a10 = hn::MulAdd(bc, b0, a10);
-        a11 = hn::MulAdd(bc, b1, a11);
-      }
-      if (R > 2) {
-        bc = hn::Set(df, pj[2 * ldp]);
-        a20 = hn::MulAdd(bc, b0, a20);
-        a21 = hn::MulAdd(bc, b1, a21);
-      }
-      if (R > 3) {
-        bc = hn::Set(df, pj[3 * ldp]);
-        a30 = hn::MulAdd(bc, b0, a30);
-        a31 = hn::MulAdd(bc, b1, a31);
-      }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const auto b0 = hn::LoadU(df, v + j * ldv);
+    const auto b1 = hn::LoadU(df, v + j * ldv + N);
+#pragma GCC unroll 6
+    for (int64_t r = 0; r < R; ++r) {
+      const auto a = hn::Set(df, p[r * ldp + j]);
+      acc[r][0] = hn::MulAdd(a, b0, acc[r][0]);
+      acc[r][1] = hn::MulAdd(a, b1, acc[r][1]);
     }
-    hn::StoreU(a00, df, oc);
-    hn::StoreU(a01, df, oc + N);
-    if (R > 1) hn::StoreU(a10, df, oc + ldo), hn::StoreU(a11, df, oc + ldo + N);
-    if (R > 2) hn::StoreU(a20, df, oc + 2 * ldo), hn::StoreU(a21, df, oc + 2 * ldo + N);
-    if (R > 3) hn::StoreU(a30, df, oc + 3 * ldo), hn::StoreU(a31, df, oc + 3 * ldo + N);
+  }
+#pragma GCC unroll 6
+  for (int64_t r = 0; r < R; ++r) {
+    hn::StoreU(acc[r][0], df, o + r * ldo);
+    hn::StoreU(acc[r][1], df, o + r * ldo + N);
   }
 }
 
-// Rows per MM2 block: 4 x 2 vectors of accumulators; the P broadcasts come from 4 rows' cache
-// lines, so more rows would add L1 streams without saving V loads that matter.
-constexpr int64_t kPvRows = 4;
-
 void Pv(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv,
         int64_t dv_pad, const float* alpha, float* o, int64_t ldo) {
-  int64_t r = 0;
-  for (; r + kPvRows <= rows; r += kPvRows) {
-    PvBlock<kPvRows>(p + r * ldp, ldp, n, v, ldv, dv_pad, alpha ? alpha + r : nullptr, o + r * ldo,
+  const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
+  // dv_pad is a multiple of kPadFloats = 16, hence of 2N on every target up to 512 bits.
+  for (int64_t c = 0; c < dv_pad; c += 2 * N) {
+    int64_t r = 0;
+    for (; r + kRows <= rows; r += kRows) {
+      PvPanel<kRows>(p + r * ldp, ldp, n, v + c, ldv, alpha ? alpha + r : nullptr, o + r * ldo + c,
                      ldo);
-  }
-  const float* pr = p + r * ldp;
-  const float* ar = alpha ? alpha + r : nullptr;
-  float* orow = o + r * ldo;
-  switch (rows - r) {
-    case 1:
-      PvBlock<1>(pr, ldp, n, v, ldv, dv_pad, ar, orow, ldo);
-      break;
-    case 2:
-      PvBlock<2>(pr, ldp, n, v, ldv, dv_pad, ar, orow, ldo);
-      break;
-    case 3:
-      PvBlock<3>(pr, ldp, n, v, ldv, dv_pad, ar, orow, ldo);
-      break;
-    default:
-      break;
+    }
+    const float* pr = p + r * ldp;
+    const float* ar = alpha ? alpha + r : nullptr;
+    float* orow = o + r * ldo + c;
+    switch (rows - r) {
+      case 1:
+        PvPanel<1>(pr, ldp, n, v + c, ldv, ar, orow, ldo);
+        break;
+      case 2:
+        PvPanel<2>(pr, ldp, n, v + c, ldv, ar, orow, ldo);
+        break;
+      case 3:
+        PvPanel<3>(pr, ldp, n, v + c, ldv, ar, orow, ldo);
+        break;
+      case 4:
+        PvPanel<4>(pr, ldp, n, v + c, ldv, ar, orow, ldo);
+        break;
+      case 5:
+        PvPanel<5>(pr, ldp, n, v + c, ldv, ar, orow, ldo);
+        break;
+      default:
+        break;
+    }
   }
 }
 
