@@ -9,8 +9,18 @@ namespace {
 // the 6-row MM1 micro-kernel.
 constexpr int64_t kDefaultQBlock = 192;
 // KV columns per tile: 256 keys x d=128 x 4 B = 128 KiB of packed K plus as much V, which stays
-// in the 512 KiB L2 of Zen 3 while every head of the GQA group streams over it.
-constexpr int64_t kDefaultKvTile = 256;
+// in the 512 KiB L2 of Zen 3 while every head of the GQA group streams over it. Larger head dims
+// shrink the tile to keep that footprint (the Neuron large-d kernel halves its LARGE_TILE_SZ
+// for the same reason): 128 keys at d = 256, 64 at d = 512.
+constexpr int64_t kPackedTileFloats = 65536;  // K + V floats of one packed tile (256 KiB)
+constexpr int64_t kMaxKvTile = 256;
+constexpr int64_t kMinKvTile = 32;
+
+int64_t default_kv_tile(int64_t d, int64_t dv) {
+  int64_t tile = kMaxKvTile;
+  while (tile > kMinKvTile && tile * (d + dv) > kPackedTileFloats) tile /= 2;
+  return tile;
+}
 
 }  // namespace
 
@@ -18,7 +28,7 @@ void resolve_tiles(Problem* p) {
   TileConfig& t = p->tiles;
   if (t.q_block == 0) t.q_block = kDefaultQBlock;
   if (t.kv_tile == 0) {
-    t.kv_tile = kDefaultKvTile;
+    t.kv_tile = default_kv_tile(p->head_dim, p->value_dim);
     if (t.section > 0 && t.section % t.kv_tile != 0) t.kv_tile = t.section;
   }
   if (t.section == 0) t.section = t.kv_tile;

@@ -49,14 +49,16 @@ constexpr int64_t kMaxPanelRows = 48;
 template <int64_t R, int64_t kCols>
 HWY_INLINE void QkPanel(const float* HWY_RESTRICT q, int64_t ldq, const float* HWY_RESTRICT k,
                         int64_t ldk, int64_t d, float* HWY_RESTRICT s, int64_t lds, int64_t valid,
-                        float* max_vecs) {
+                        bool accumulate, float* max_vecs) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   hn::Vec<DF> acc[R][kCols];
 #pragma GCC unroll 6
   for (int64_t r = 0; r < R; ++r) {
 #pragma GCC unroll 2
-    for (int64_t c = 0; c < kCols; ++c) acc[r][c] = hn::Zero(df);
+    for (int64_t c = 0; c < kCols; ++c) {
+      acc[r][c] = accumulate ? hn::LoadU(df, s + r * lds + c * N) : hn::Zero(df);
+    }
   }
   for (int64_t x = 0; x < d; ++x) {
     hn::Vec<DF> b[kCols];
@@ -91,15 +93,21 @@ HWY_INLINE void QkPanel(const float* HWY_RESTRICT q, int64_t ldq, const float* H
 
 template <int64_t R>
 HWY_INLINE void QkRowBlock(const float* q, int64_t ldq, const float* k, int64_t ldk, int64_t c,
-                           int64_t cols, int64_t d, float* s, int64_t lds, float* max_vecs) {
+                           int64_t cols, int64_t d, float* s, int64_t lds, bool accumulate,
+                           float* max_vecs) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
   // Two vectors while more than one vector of columns remains (the second may cover padding).
   if (c + N < cols) {
-    QkPanel<R, 2>(q, ldq, k + c, ldk, d, s + c, lds, cols - c, max_vecs);
+    QkPanel<R, 2>(q, ldq, k + c, ldk, d, s + c, lds, cols - c, accumulate, max_vecs);
   } else {
-    QkPanel<R, 1>(q, ldq, k + c, ldk, d, s + c, lds, cols - c, max_vecs);
+    QkPanel<R, 1>(q, ldq, k + c, ldk, d, s + c, lds, cols - c, accumulate, max_vecs);
   }
 }
+
+// The contraction over d is tiled by kDTile (the d-tiling of flash_fwd_large_d): a K panel of
+// kDTile x 2N floats (8 KiB on AVX2) stays L1-resident whatever the head dim, and the scores
+// accumulate in S across d tiles.
+constexpr int64_t kDTile = 128;
 
 void Qk(const float* q, int64_t ldq, int64_t rows, const float* k, int64_t ldk, int64_t cols,
         int64_t d, float* s, int64_t lds, float* row_max) {
@@ -116,33 +124,40 @@ void Qk(const float* q, int64_t ldq, int64_t rows, const float* k, int64_t ldk, 
         mv[i] = -std::numeric_limits<float>::infinity();
       }
     }
-    for (int64_t c = 0; c < cols; c += 2 * N) {
-      int64_t r = 0;
-      for (; r + kRows <= group_rows; r += kRows) {
-        QkRowBlock<kRows>(qg + r * ldq, ldq, k, ldk, c, cols, d, sg + r * lds, lds,
-                          mv ? mv + r * N : nullptr);
-      }
-      const float* qr = qg + r * ldq;
-      float* sr = sg + r * lds;
-      float* mr = mv ? mv + r * N : nullptr;
-      switch (group_rows - r) {
-        case 1:
-          QkRowBlock<1>(qr, ldq, k, ldk, c, cols, d, sr, lds, mr);
-          break;
-        case 2:
-          QkRowBlock<2>(qr, ldq, k, ldk, c, cols, d, sr, lds, mr);
-          break;
-        case 3:
-          QkRowBlock<3>(qr, ldq, k, ldk, c, cols, d, sr, lds, mr);
-          break;
-        case 4:
-          QkRowBlock<4>(qr, ldq, k, ldk, c, cols, d, sr, lds, mr);
-          break;
-        case 5:
-          QkRowBlock<5>(qr, ldq, k, ldk, c, cols, d, sr, lds, mr);
-          break;
-        default:
-          break;
+    for (int64_t x0 = 0; x0 < d; x0 += kDTile) {
+      const int64_t dn = std::min(kDTile, d - x0);
+      const bool accumulate = x0 > 0;
+      float* mx = x0 + dn == d ? mv : nullptr;  // the max only once the scores are complete
+      const float* qx = qg + x0;
+      const float* kx = k + x0 * ldk;
+      for (int64_t c = 0; c < cols; c += 2 * N) {
+        int64_t r = 0;
+        for (; r + kRows <= group_rows; r += kRows) {
+          QkRowBlock<kRows>(qx + r * ldq, ldq, kx, ldk, c, cols, dn, sg + r * lds, lds, accumulate,
+                            mx ? mx + r * N : nullptr);
+        }
+        const float* qr = qx + r * ldq;
+        float* sr = sg + r * lds;
+        float* mr = mx ? mx + r * N : nullptr;
+        switch (group_rows - r) {
+          case 1:
+            QkRowBlock<1>(qr, ldq, kx, ldk, c, cols, dn, sr, lds, accumulate, mr);
+            break;
+          case 2:
+            QkRowBlock<2>(qr, ldq, kx, ldk, c, cols, dn, sr, lds, accumulate, mr);
+            break;
+          case 3:
+            QkRowBlock<3>(qr, ldq, kx, ldk, c, cols, dn, sr, lds, accumulate, mr);
+            break;
+          case 4:
+            QkRowBlock<4>(qr, ldq, kx, ldk, c, cols, dn, sr, lds, accumulate, mr);
+            break;
+          case 5:
+            QkRowBlock<5>(qr, ldq, kx, ldk, c, cols, dn, sr, lds, accumulate, mr);
+            break;
+          default:
+            break;
+        }
       }
     }
     if (mv) {
