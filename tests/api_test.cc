@@ -1,0 +1,253 @@
+// The API surface around the math: invalid arguments come back as a Status (never an
+// exception), and plan_attention's tile accounting matches what the mask model implies.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "tests/test_util.h"
+
+namespace flashcte::test {
+namespace {
+
+// ---- validation --------------------------------------------------------------------------------
+
+// A valid call, to be broken one argument at a time.
+struct ValidCall {
+  HostTensor q{DType::kFloat32, {2, 16, 8}};
+  HostTensor k{DType::kFloat32, {2, 8, 16}};  // (bs_kv, d, Skv): tp_k defaults to false
+  HostTensor v{DType::kFloat32, {2, 16, 8}};
+  HostTensor out{DType::kFloat32, {2, 16, 8}};
+  Options options;
+  Outputs outputs;
+  ValidCall() {
+    for (HostTensor* t : {&q, &k, &v})
+      for (int64_t a = 0; a < 2; ++a)
+        for (int64_t b = 0; b < t->shape()[1]; ++b)
+          for (int64_t c = 0; c < t->shape()[2]; ++c) t->set(a, b, c, 0.25 * ((a + b + c) % 5));
+    outputs.out = out.mutable_view();
+  }
+  Status run(const TensorView& qv, const TensorView& kv) {
+    Status s;
+    EXPECT_NO_THROW(s = attention_cte(qv, kv, v.view(), outputs, options));
+    return s;
+  }
+  Status run() { return run(q.view(), k.view()); }
+};
+
+// The message names the argument first ("<argument>: <rule>").
+::testing::AssertionResult rejected_for(const Status& s, const std::string& argument) {
+  if (s.ok) return ::testing::AssertionFailure() << "accepted; expected an error on " << argument;
+  if (s.message.rfind(argument + ":", 0) != 0) {
+    return ::testing::AssertionFailure()
+           << "message \"" << s.message << "\" does not start with \"" << argument << ":\"";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+TEST(Validation, TheValidCallSucceeds) {
+  ValidCall call;
+  const Status s = call.run();
+  EXPECT_TRUE(s.ok) << s.message;
+}
+
+TEST(Validation, WrongRankIsAnError) {
+  ValidCall call;
+  HostTensor q2(DType::kFloat32, {16, 8});
+  EXPECT_TRUE(rejected_for(call.run(q2.view(), call.k.view()), "q"));
+}
+
+TEST(Validation, MixedDtypesAreAnError) {
+  ValidCall call;
+  HostTensor k16(DType::kBFloat16, {2, 8, 16});
+  EXPECT_TRUE(rejected_for(call.run(call.q.view(), k16.view()), "k"));
+}
+
+TEST(Validation, BatchNotAMultipleOfKvBatchIsAnError) {
+  ValidCall call;
+  HostTensor q3(DType::kFloat32, {3, 16, 8});
+  HostTensor out3(DType::kFloat32, {3, 16, 8});
+  call.outputs.out = out3.mutable_view();
+  EXPECT_TRUE(rejected_for(call.run(q3.view(), call.k.view()), "q"));
+}
+
+TEST(Validation, CacheSoftmaxWithoutStatisticsIsAnError) {
+  ValidCall call;
+  call.options.cache_softmax = true;
+  EXPECT_TRUE(rejected_for(call.run(), "neg_max"));
+}
+
+TEST(Validation, HalfAPairOfBoundsIsAnError) {
+  ValidCall call;
+  HostTensor lo(DType::kInt32, {16, 1});
+  call.options.bound_min = lo.view();
+  EXPECT_TRUE(rejected_for(call.run(), "bound_max"));
+}
+
+TEST(Validation, OutputAliasingAnInputIsAnError) {
+  ValidCall call;
+  MutableTensorView alias = call.out.mutable_view();
+  alias.data = const_cast<void*>(call.v.view().data);
+  call.outputs.out = alias;
+  EXPECT_TRUE(rejected_for(call.run(), "out"));
+}
+
+// ---- plan_attention ----------------------------------------------------------------------------
+
+struct PlanCase {
+  int64_t bs = 1, sq = 1024, skv = 1024, d = 32, dv = 32, s_prior = 0;
+  Options options;
+  std::vector<int64_t> bound_lo, bound_hi;  // packing, over the concatenated KV axis
+};
+
+// Counts the unmasked (query, key) pairs by SEMANTICS step 3, one pair at a time.
+int64_t useful_pairs(const PlanCase& p) {
+  const Options& o = p.options;
+  const int64_t used = o.prior_used_len.empty() ? p.s_prior : o.prior_used_len[0];
+  const int64_t stride = o.cp_strided_q_slicing ? *o.global_cp_deg : 1;
+  int64_t pairs = 0;
+  for (int64_t i = 0; i < p.sq; ++i) {
+    const int64_t q_pos = o.cp_offset.value_or(0) + i * stride;
+    for (int64_t j = 0; j < used + p.skv; ++j) {
+      const int64_t diff = j - used - q_pos;
+      if (o.causal_mask && diff > 0) continue;
+      if (o.sliding_window > 0 && diff <= -o.sliding_window) continue;
+      if (!p.bound_lo.empty() && (j < p.bound_lo[i] || j >= p.bound_hi[i])) continue;
+      ++pairs;
+    }
+  }
+  return pairs * p.bs;
+}
+
+// Shapes only: q, k and v carry null data, as plan_attention allows.
+Status plan(const PlanCase& p, PlanSummary* s) {
+  auto shape_only = [](std::vector<int64_t> shape) {
+    return TensorView{nullptr,
+                      DType::kFloat32,
+                      3,
+                      {shape[0], shape[1], shape[2]},
+                      {shape[1] * shape[2], shape[2], 1}};
+  };
+  Options o = p.options;
+  HostTensor kp, vp, lo, hi;
+  if (p.s_prior > 0) {
+    kp = HostTensor(DType::kFloat32, {p.bs, p.d, p.s_prior});
+    vp = HostTensor(DType::kFloat32, {p.bs, p.s_prior, p.dv});
+    o.k_prior = kp.view();
+    o.v_prior = vp.view();
+  }
+  if (!p.bound_lo.empty()) {
+    lo = HostTensor(DType::kInt64, {p.sq, 1});
+    hi = HostTensor(DType::kInt64, {p.sq, 1});
+    for (int64_t i = 0; i < p.sq; ++i) {
+      lo.set_raw_int(i, 0, p.bound_lo[i]);
+      hi.set_raw_int(i, 0, p.bound_hi[i]);
+    }
+    o.bound_min = lo.view();
+    o.bound_max = hi.view();
+  }
+  return plan_attention(shape_only({p.bs, p.sq, p.d}), shape_only({p.bs, p.d, p.skv}),
+                        shape_only({p.bs, p.skv, p.dv}), o, s);
+}
+
+// Expected counts come from the mask model of ARCHITECTURE.md: with 128 x 128 tiles, a tile is
+// skipped when no row of its Q block reaches it, full when every row covers it, masked otherwise.
+void expect_plan(const PlanCase& p, int64_t full, int64_t masked, int64_t skipped) {
+  PlanSummary s;
+  const Status st = plan(p, &s);
+  ASSERT_TRUE(st.ok) << st.message;
+  EXPECT_EQ(s.batch, p.bs);
+  EXPECT_EQ(s.seqlen_q, p.sq);
+  EXPECT_EQ(s.seqlen_kv,
+            p.skv + (p.options.prior_used_len.empty() ? p.s_prior : p.options.prior_used_len[0]));
+  EXPECT_EQ(s.head_dim, p.d);
+  EXPECT_EQ(s.value_dim, p.dv);
+  EXPECT_EQ(s.tiles.q_block, 128);
+  EXPECT_EQ(s.tiles.kv_tile, 128);
+  EXPECT_EQ(s.q_blocks, (p.sq + 127) / 128);
+  EXPECT_EQ(s.kv_tiles, (s.seqlen_kv + 127) / 128);
+  EXPECT_EQ(s.tiles_full, full * p.bs);
+  EXPECT_EQ(s.tiles_masked, masked * p.bs);
+  EXPECT_EQ(s.tiles_skipped, skipped * p.bs);
+  EXPECT_GT(s.work_items, 0);
+  EXPECT_GE(s.threads, 1);
+  const double per_pair = 4.0 * (p.d + p.dv) / 2;
+  EXPECT_DOUBLE_EQ(s.flops_dense, per_pair * p.sq * s.seqlen_kv * p.bs);
+  EXPECT_DOUBLE_EQ(s.flops_useful, per_pair * useful_pairs(p));
+  EXPECT_LE(s.flops_useful, s.flops_done);
+}
+
+PlanCase plan_case(bool causal) {
+  PlanCase p;
+  p.bs = 2;
+  p.options.causal_mask = causal;
+  p.options.tiles = TileConfig{128, 128, 0, 0};
+  return p;
+}
+
+TEST(Plan, NotCausalComputesEveryTileUnmasked) { expect_plan(plan_case(false), 64, 0, 0); }
+
+TEST(Plan, CausalSkipsTheUpperTriangle) {
+  // 8 x 8 tiles: 28 below the diagonal, 8 on it, 28 above.
+  expect_plan(plan_case(true), 28, 8, 28);
+}
+
+TEST(Plan, SlidingWindowSkipsOldTiles) {
+  // Window 128: block b reaches tiles b-1 (partially) and b (the diagonal); the rest are skipped.
+  PlanCase p = plan_case(true);
+  p.options.sliding_window = 128;
+  expect_plan(p, 0, 1 + 2 * 7, 64 - 15);
+}
+
+TEST(Plan, PackingSkipsOtherSequences) {
+  // Four causal sequences of 256 rows: per sequence two diagonal tiles and one full tile.
+  PlanCase p = plan_case(true);
+  for (int64_t i = 0; i < p.sq; ++i) {
+    p.bound_lo.push_back(i / 256 * 256);
+    p.bound_hi.push_back(i / 256 * 256 + 256);
+  }
+  expect_plan(p, 4, 8, 64 - 12);
+}
+
+TEST(Plan, PrefixTilesAreFullUnderCausal) {
+  // 256 prior keys (2 tiles, never causally masked) then a causal 512 x 512 problem.
+  PlanCase p = plan_case(true);
+  p.sq = p.skv = 512;
+  p.s_prior = 256;
+  expect_plan(p, 4 * 2 + 6, 4, 24 - 18);
+  p.options.prior_used_len = {128};  // one prior tile
+  expect_plan(p, 4 * 1 + 6, 4, 20 - 14);
+}
+
+TEST(Plan, ContiguousCpKeepsTheCausalSkip) {
+  // Rank 1 of 2: positions 512..1023 against 1024 keys. The Neuron kernel drops its causal skip
+  // here; the mask model keeps it.
+  PlanCase p = plan_case(true);
+  p.sq = 512;
+  p.options.global_cp_deg = 2;
+  p.options.cp_offset = 512;
+  expect_plan(p, 16 + 6, 4, 32 - 26);
+}
+
+TEST(Plan, StridedCpRankZero) {
+  // Positions 0, 4, ..., 1020: block 0 (positions 0..508) straddles tiles 0-3 and skips 4-7;
+  // block 1 (512..1020) covers tiles 0-3 whole and straddles 4-7.
+  PlanCase p = plan_case(true);
+  p.sq = 256;
+  p.options.global_cp_deg = 4;
+  p.options.cp_offset = 0;
+  p.options.cp_strided_q_slicing = true;
+  expect_plan(p, 4, 8, 4);
+}
+
+TEST(Plan, InvalidArgumentsAreAnError) {
+  PlanCase p = plan_case(true);
+  p.options.sliding_window = -1;
+  PlanSummary s;
+  Status st;
+  EXPECT_NO_THROW(st = plan(p, &s));
+  EXPECT_TRUE(rejected_for(st, "sliding_window"));
+}
+
+}  // namespace
+}  // namespace flashcte::test
