@@ -149,12 +149,14 @@ struct PlanSummary {
   int64_t seqlen_kv = 0;  // including the used prior
   int64_t head_dim = 0;
   int64_t value_dim = 0;
-  TileConfig tiles;           // resolved
-  int64_t q_blocks = 0;       // per batch
-  int64_t kv_tiles = 0;       // per batch
-  int64_t sections = 0;       // per batch
-  int64_t work_items = 0;     // units handed to threads
-  int64_t tiles_full = 0;     // (q block, kv tile) pairs computed unmasked, all batches
+  TileConfig tiles;        // resolved
+  int64_t q_blocks = 0;    // per batch
+  int64_t kv_tiles = 0;    // per batch
+  int64_t sections = 0;    // per batch
+  int64_t kv_splits = 1;   // KV ranges per item (split when items are too few to share)
+  int64_t work_items = 0;  // units handed to threads
+  // (query sub-block, kv tile) pairs over all query batches, as the kernel plans them.
+  int64_t tiles_full = 0;     // computed unmasked
   int64_t tiles_masked = 0;   // computed with an element-wise mask
   int64_t tiles_skipped = 0;  // never touched
   double flops_done = 0;      // 2 * (d + dv) * computed pairs (tile granularity)

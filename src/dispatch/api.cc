@@ -5,6 +5,7 @@
 
 #include "flashcte/flashcte.h"
 #include "src/dispatch/problem.h"
+#include "src/kernel/attention.h"
 #include "src/kernel/plan.h"
 #include "src/schedule/schedule.h"
 #include "src/simd/ops.h"
@@ -118,27 +119,21 @@ Status plan_attention(const TensorView& q, const TensorView& k, const TensorView
     r.kv_tiles = (r.seqlen_kv + p.tiles.kv_tile - 1) / p.tiles.kv_tile;
     const int64_t section = p.kv_batch > 0 ? internal::section_length(p, 0) : p.tiles.section;
     r.sections = (r.seqlen_kv + section - 1) / section;
-    const std::vector<internal::WorkItem> items = internal::make_work_items(p);
-    r.work_items = static_cast<int64_t>(items.size());
+    r.kv_splits = internal::kv_splits(p);
+    r.work_items = p.kv_batch * r.q_blocks * r.kv_splits;
     r.threads = internal::resolve_threads(p, r.work_items);
     const double pair_flops = 2.0 * static_cast<double>(p.head_dim + p.value_dim);
-    std::vector<internal::RowInterval> iv(static_cast<size_t>(p.tiles.q_block));
-    internal::BlockPlan plan;
-    for (const internal::WorkItem& item : items) {
-      const int64_t row0 = item.q_block * p.tiles.q_block;
-      const int64_t rows = std::min(p.tiles.q_block, p.seqlen_q - row0);
-      double useful = 0;
-      for (int64_t i = 0; i < rows; ++i) {
-        iv[i] = internal::row_interval(p, item.kv_batch, row0 + i);
-        useful += static_cast<double>(iv[i].hi - iv[i].lo);
+    for (int64_t kv_b = 0; kv_b < p.kv_batch; ++kv_b) {
+      for (int64_t qb = 0; qb < r.q_blocks; ++qb) {
+        const internal::ItemCounts c = internal::count_work_item(p, kv_b, qb);
+        r.tiles_full += c.tiles_full * p.group;
+        r.tiles_masked += c.tiles_masked * p.group;
+        r.tiles_skipped += c.tiles_skipped * p.group;
+        r.flops_done += pair_flops * static_cast<double>(c.pairs_computed * p.group);
+        r.flops_useful += pair_flops * static_cast<double>(c.pairs_useful * p.group);
+        const int64_t rows = std::min(p.tiles.q_block, p.seqlen_q - qb * p.tiles.q_block);
+        r.flops_dense += pair_flops * static_cast<double>(rows * p.kv_total(kv_b) * p.group);
       }
-      internal::plan_block(p, item.kv_batch, iv.data(), rows, &plan);
-      r.tiles_full += plan.tiles_full * p.group;
-      r.tiles_masked += plan.tiles_masked * p.group;
-      r.tiles_skipped += plan.tiles_skipped * p.group;
-      r.flops_done += pair_flops * static_cast<double>(rows * plan.computed_columns * p.group);
-      r.flops_useful += pair_flops * useful * static_cast<double>(p.group);
-      r.flops_dense += pair_flops * static_cast<double>(rows * p.kv_total(item.kv_batch) * p.group);
     }
     return Status::Ok();
   } catch (const std::bad_alloc&) {

@@ -282,8 +282,9 @@ void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const 
 
 }  // namespace
 
-void run_work_item(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t q_block) {
+void run_work_item(const Problem& p, const simd::Ops& ops, const ItemRange& item, float* partial) {
   Scratch& sc = thread_scratch();
+  const int64_t kv_b = item.kv_batch, q_block = item.q_block;
   const int64_t row0 = q_block * p.tiles.q_block;
   const int64_t rows = std::min(p.tiles.q_block, p.seqlen_q - row0);
   const int64_t group = p.group, d = p.head_dim;
@@ -293,8 +294,14 @@ void run_work_item(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t
   const int64_t subs = (rows + kSubRows - 1) / kSubRows;
 
   // The item's plan decides what is packed; each sub-block's own plan what it computes.
+  // A KV split sees only its own keys: its rows' intervals are clipped to the split.
   ensure(sc.intervals, rows);
-  for (int64_t r = 0; r < rows; ++r) sc.intervals[r] = row_interval(p, kv_b, row0 + r);
+  for (int64_t r = 0; r < rows; ++r) {
+    RowInterval iv = row_interval(p, kv_b, row0 + r);
+    iv.lo = std::max(iv.lo, item.kv_begin);
+    iv.hi = std::max(iv.lo, std::min(iv.hi, item.kv_end));
+    sc.intervals[r] = iv;
+  }
   plan_block(p, kv_b, sc.intervals.data(), rows, &sc.plan);
   if (sc.sub_plans.size() < static_cast<size_t>(subs)) sc.sub_plans.resize(subs);
   for (int64_t sb = 0; sb < subs; ++sb) {
@@ -319,8 +326,9 @@ void run_work_item(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t
     pack_q(p, ops, b, row0, rows, &sc.q[h * rows * d], sc.convert);
     float* neg_run = &sc.state[(h * 3 + 0) * rows];
     float* sum = &sc.state[(h * 3 + 1) * rows];
-    // A sink of -inf is no sink (validation refuses +inf and NaN).
-    const float sink = p.sink ? p.sink[b * p.sink_stride] : -kInf;
+    // A sink of -inf is no sink (validation refuses +inf and NaN). Splits leave the sink to
+    // the merge.
+    const float sink = p.sink && !partial ? p.sink[b * p.sink_stride] : -kInf;
     std::fill(neg_run, neg_run + rows, -sink);
     std::fill(sum, sum + rows, sink == -kInf ? 0.0f : 1.0f);
     std::fill(&sc.o[h * rows * ldo], &sc.o[(h + 1) * rows * ldo], 0.0f);
@@ -365,7 +373,65 @@ void run_work_item(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t
     const float* neg_run = &sc.state[(h * 3 + 0) * rows];
     const float* sum = &sc.state[(h * 3 + 1) * rows];
     for (int64_t r = 0; r < rows; ++r) {
-      write_row(p, b, row0 + r, &sc.o[(h * rows + r) * ldo], neg_run[r], sum[r]);
+      const float* o = &sc.o[(h * rows + r) * ldo];
+      if (partial == nullptr) {
+        write_row(p, b, row0 + r, o, neg_run[r], sum[r]);
+        continue;
+      }
+      float* dst = partial + (h * p.tiles.q_block + r) * (p.value_dim + 2);
+      std::copy(o, o + p.value_dim, dst);
+      dst[p.value_dim] = neg_run[r];
+      dst[p.value_dim + 1] = sum[r];
+    }
+  }
+}
+
+ItemCounts count_work_item(const Problem& p, int64_t kv_b, int64_t q_block) {
+  ItemCounts counts;
+  const int64_t row0 = q_block * p.tiles.q_block;
+  const int64_t rows = std::min(p.tiles.q_block, p.seqlen_q - row0);
+  std::vector<RowInterval> iv(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    iv[r] = row_interval(p, kv_b, row0 + r);
+    counts.pairs_useful += iv[r].hi - iv[r].lo;
+  }
+  BlockPlan plan;
+  for (int64_t r0 = 0; r0 < rows; r0 += kSubRows) {
+    const int64_t n = std::min(kSubRows, rows - r0);
+    plan_block(p, kv_b, iv.data() + r0, n, &plan);
+    counts.tiles_full += plan.tiles_full;
+    counts.tiles_masked += plan.tiles_masked;
+    counts.tiles_skipped += plan.tiles_skipped;
+    counts.pairs_computed += n * plan.computed_columns;
+  }
+  return counts;
+}
+
+void merge_splits(const Problem& p, int64_t kv_b, int64_t q_block, const float* partials,
+                  int64_t splits) {
+  const int64_t row0 = q_block * p.tiles.q_block;
+  const int64_t rows = std::min(p.tiles.q_block, p.seqlen_q - row0);
+  const int64_t dv = p.value_dim, stride = dv + 2;
+  std::vector<float> o(static_cast<size_t>(dv));
+  for (int64_t h = 0; h < p.group; ++h) {
+    const int64_t b = kv_b * p.group + h;
+    const float sink = p.sink ? p.sink[b * p.sink_stride] : -kInf;
+    for (int64_t r = 0; r < rows; ++r) {
+      // The same recurrence as across sections, over the splits in order; the sink seeds it.
+      float neg_run = -sink, sum = sink == -kInf ? 0.0f : 1.0f;
+      std::fill(o.begin(), o.end(), 0.0f);
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const float* part = partials + sp * partial_floats(p) + (h * p.tiles.q_block + r) * stride;
+        const float part_neg = part[dv], part_sum = part[dv + 1];
+        if (part_sum == 0.0f) continue;  // the split saw no key of this row
+        const float neg_new = std::min(neg_run, part_neg);
+        const float alpha = neg_run == kInf ? 0.0f : std::exp(neg_new - neg_run);
+        const float beta = std::exp(neg_new - part_neg);
+        for (int64_t c = 0; c < dv; ++c) o[c] = alpha * o[c] + beta * part[c];
+        sum = alpha * sum + beta * part_sum;
+        neg_run = neg_new;
+      }
+      write_row(p, b, row0 + r, o.data(), neg_run, sum);
     }
   }
 }

@@ -15,22 +15,55 @@ namespace {
 // the write-back), in units of one query-key pair; keeps empty rows from costing nothing.
 constexpr double kRowOverheadPairs = 16.0;
 
+// Below this many (GQA group, query block) items the KV axis is split. 16 keeps up to 16 threads
+// busy; a fixed number, not the thread count, so that results do not depend on the thread count.
+constexpr int64_t kMinItems = 16;
+// A split covers at least this many keys, so the merge (O(rows * dv) per split) stays small next
+// to the split's own work (O(rows * keys * d)).
+constexpr int64_t kMinSplitKeys = 1024;
+
+int64_t split_length(const Problem& p, int64_t splits) {
+  // Whole sections, so a split computes the same sections it would without splitting.
+  const int64_t total = p.max_kv_total();
+  const int64_t section = section_length(p, 0);
+  const int64_t per_split = (total + splits - 1) / splits;
+  return (per_split + section - 1) / section * section;
+}
+
 }  // namespace
+
+int64_t kv_splits(const Problem& p) {
+  const int64_t items = p.kv_batch * num_q_blocks(p);
+  if (items == 0 || items >= kMinItems) return 1;
+  const int64_t wanted = (kMinItems + items - 1) / items;
+  const int64_t possible = std::max<int64_t>(1, p.max_kv_total() / kMinSplitKeys);
+  const int64_t splits = std::min(wanted, possible);
+  if (splits <= 1) return 1;
+  // Sections may make fewer ranges than asked for; count the ones that exist.
+  const int64_t length = split_length(p, splits);
+  return (p.max_kv_total() + length - 1) / length;
+}
 
 std::vector<WorkItem> make_work_items(const Problem& p) {
   std::vector<WorkItem> items;
   const int64_t blocks = num_q_blocks(p);
-  items.reserve(static_cast<size_t>(p.kv_batch * blocks));
+  const int64_t splits = kv_splits(p);
+  const int64_t length = splits > 1 ? split_length(p, splits) : INT64_MAX / 2;
+  items.reserve(static_cast<size_t>(p.kv_batch * blocks * splits));
   for (int64_t kv_b = 0; kv_b < p.kv_batch; ++kv_b) {
     for (int64_t qb = 0; qb < blocks; ++qb) {
       const int64_t row0 = qb * p.tiles.q_block;
       const int64_t row1 = std::min(p.seqlen_q, row0 + p.tiles.q_block);
-      double pairs = 0;
-      for (int64_t i = row0; i < row1; ++i) {
-        const RowInterval iv = row_interval(p, kv_b, i);
-        pairs += static_cast<double>(iv.hi - iv.lo) + kRowOverheadPairs;
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const int64_t begin = sp * length, end = splits > 1 ? begin + length : INT64_MAX;
+        double pairs = 0;
+        for (int64_t i = row0; i < row1; ++i) {
+          const RowInterval iv = row_interval(p, kv_b, i);
+          const int64_t lo = std::max(iv.lo, begin), hi = std::min(iv.hi, end);
+          pairs += static_cast<double>(std::max<int64_t>(hi - lo, 0)) + kRowOverheadPairs;
+        }
+        items.push_back({kv_b, qb, sp, begin, end, pairs * static_cast<double>(p.group)});
       }
-      items.push_back({kv_b, qb, pairs * static_cast<double>(p.group)});
     }
   }
   std::stable_sort(items.begin(), items.end(),
@@ -47,11 +80,34 @@ void run_all(const Problem& p) {
   const std::vector<WorkItem> items = make_work_items(p);
   const int64_t n = static_cast<int64_t>(items.size());
   const simd::Ops& ops = simd::ops();
+  const int64_t splits = kv_splits(p);
+  const int64_t blocks = num_q_blocks(p);
+  // Split items park their unnormalized state here until every split of their block is done.
+  std::vector<float> partials;
+  if (splits > 1) {
+    partials.resize(static_cast<size_t>(p.kv_batch * blocks * splits * partial_floats(p)));
+  }
   // Largest first with dynamic hand-out: the longest-processing-time rule, which keeps the
   // causal triangle's long rows from landing on one thread at the end.
-#pragma omp parallel for schedule(dynamic, 1) num_threads(resolve_threads(p, n))
-  for (int64_t i = 0; i < n; ++i) {
-    run_work_item(p, ops, items[i].kv_batch, items[i].q_block);
+#pragma omp parallel num_threads(resolve_threads(p, n))
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const WorkItem& it = items[i];
+      float* partial = nullptr;
+      if (splits > 1) {
+        partial = partials.data() +
+                  ((it.kv_batch * blocks + it.q_block) * splits + it.split) * partial_floats(p);
+      }
+      run_work_item(p, ops, {it.kv_batch, it.q_block, it.kv_begin, it.kv_end}, partial);
+    }
+    if (splits > 1) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < p.kv_batch * blocks; ++i) {
+        merge_splits(p, i / blocks, i % blocks, partials.data() + i * splits * partial_floats(p),
+                     splits);
+      }
+    }
   }
 }
 

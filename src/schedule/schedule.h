@@ -3,6 +3,11 @@
 // are costed by the query-key pairs they really compute (causal triangles, windows and packing
 // make them uneven), handed out largest first, and each is computed by exactly one thread with
 // the same code: results are bitwise identical for any thread count.
+//
+// When a problem has too few items to keep every core busy (one head, few query rows, long KV),
+// each item's KV axis is split into ranges computed separately and merged with the flash
+// recurrence. The split depends on the problem only, never on the thread count, so results stay
+// bitwise identical across thread counts.
 #ifndef FLASHCTE_SRC_SCHEDULE_SCHEDULE_H_
 #define FLASHCTE_SRC_SCHEDULE_SCHEDULE_H_
 
@@ -16,8 +21,13 @@ namespace flashcte::internal {
 struct WorkItem {
   int64_t kv_batch = 0;
   int64_t q_block = 0;
+  int64_t split = 0;  // which KV range, when the KV axis is split
+  int64_t kv_begin = 0, kv_end = 0;
   double cost = 0;  // relative cost: unmasked pairs plus per-row overhead
 };
+
+// How many KV ranges each item is split into (1: none).
+int64_t kv_splits(const Problem& p);
 
 // All work items of the problem, most expensive first (ties in a fixed order).
 std::vector<WorkItem> make_work_items(const Problem& p);
