@@ -84,6 +84,15 @@ struct Problem {
   int64_t cp_offset = 0, cp_stride = 1;
   bool packing = false;
   std::vector<double> bound_min, bound_max;  // per query row; float32 bounds are read as is
+  // FlashAttention-family extensions (Options, after the Neuron arguments).
+  int64_t window_left = -1, window_right = -1;  // -1: unbounded
+  int64_t q_shift = 0;                          // Skv - Sq with bottom_right
+  double softcap = 0;
+  std::vector<double> alibi;  // per query batch, empty without ALiBi
+  TensorView key_bias;        // (bs, L) float32, absent without
+
+  int64_t q_pos(int64_t i) const { return cp_offset + i * cp_stride + q_shift; }
+  int64_t kv_pos(int64_t kb, int64_t j) const { return j - prior_used[kb]; }
 
   // Key / value element of the concatenation concat(k_prior[:used], k).
   double key(int64_t kb, int64_t j, int64_t c) const {
@@ -96,15 +105,30 @@ struct Problem {
   }
   // SEMANTICS step 3.
   bool masked(int64_t kb, int64_t i, int64_t j) const {
-    const int64_t q_pos = cp_offset + i * cp_stride;
-    const int64_t kv_pos = j - prior_used[kb];
-    const int64_t diff = kv_pos - q_pos;
+    const int64_t diff = kv_pos(kb, j) - q_pos(i);
     if (causal && diff > 0) return true;
     if (window > 0 && diff <= -window) return true;
+    if (window_left >= 0 && diff < -window_left) return true;
+    if (window_right >= 0 && diff > window_right) return true;
     if (packing && (j < bound_min[i] || j >= bound_max[i])) return true;
     return false;
   }
 };
+
+// The score modifiers on a scaled score, in the documented order: softcap, ALiBi, key bias.
+template <typename T>
+T modified_score(const Problem& p, int64_t b, int64_t kb, int64_t i, int64_t j, T score) {
+  if (p.softcap > 0) score = static_cast<T>(p.softcap * std::tanh(score / p.softcap));
+  if (!p.alibi.empty()) {
+    score += static_cast<T>(-p.alibi[b] * std::abs(static_cast<double>(p.q_pos(i) -
+                                                                       p.kv_pos(kb, j))));
+  }
+  if (p.key_bias.present()) {
+    const TensorView& t = p.key_bias;
+    score += static_cast<const float*>(t.data)[b * t.strides[0] + j * t.strides[1]];
+  }
+  return score;
+}
 
 Status error(const std::string& message) { return Status::Error("reference: " + message); }
 
@@ -203,6 +227,24 @@ Status parse(const TensorView& q, const TensorView& k, const TensorView& v, cons
     p->cp_stride = *o.global_cp_deg;
   }
 
+  p->window_left = o.window_left;
+  p->window_right = o.window_right;
+  if (o.bottom_right) p->q_shift = p->skv - p->sq;
+  p->softcap = o.softcap;
+  if (o.alibi_slopes.present()) {
+    const TensorView& t = o.alibi_slopes;
+    if (t.dtype != DType::kFloat32 || t.shape[0] != p->bs) return error("alibi_slopes: (bs,)");
+    for (int64_t b = 0; b < p->bs; ++b) {
+      p->alibi.push_back(load_element(t.data, DType::kFloat32, b * t.strides[0]));
+    }
+  }
+  if (o.key_bias.present()) {
+    if (o.key_bias.dtype != DType::kFloat32 || o.key_bias.rank != 2) {
+      return error("key_bias: (bs, L) float32");
+    }
+    p->key_bias = o.key_bias;
+  }
+
   if (o.bound_min.present() != o.bound_max.present()) {
     return error("bound_min and bound_max come together");
   }
@@ -259,7 +301,7 @@ void compute_exact(const Problem& p, const std::vector<int64_t>& rows, Result* r
         if (p.masked(kb, i, j)) continue;
         double dot = 0;
         for (int64_t c = 0; c < p.d; ++c) dot += p.q.at(b, i, c) * p.key(kb, j, c);
-        scores[j] = p.scale * dot;
+        scores[j] = modified_score(p, b, kb, i, j, p.scale * dot);
         max = std::max(max, scores[j]);
       }
       if (max == -kInf) {
@@ -308,7 +350,7 @@ void compute_plain(const Problem& p, DType dtype, const std::vector<int64_t>& ro
         for (int64_t c = 0; c < p.d; ++c) {
           dot += static_cast<float>(p.q.at(b, i, c)) * static_cast<float>(p.key(kb, j, c));
         }
-        scores[j] = round(dot * p.scale);
+        scores[j] = round(modified_score(p, b, kb, i, j, dot * p.scale));
         max = std::max(max, scores[j]);
       }
       if (max == -kInfF) {
