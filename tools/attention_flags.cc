@@ -33,6 +33,15 @@ std::vector<FlagSpec> ModeFlagSpecs() {
       {"bound-min", FlagKind::kString,
        "packing: per-row first allowed KV index, (Sq,1) or (Sq,) int32/int64/float32 .npy"},
       {"bound-max", FlagKind::kString, "packing: per-row end (exclusive) of the allowed KV range"},
+      {"softcap", FlagKind::kFloat, "logit soft-capping: S -> c*tanh(S/c) after scale (0: off)"},
+      {"window-left", FlagKind::kInt,
+       "FlashAttention window_size left: keys at most N positions back (-1: unbounded)", -1,
+       kMaxLength},
+      {"window-right", FlagKind::kInt,
+       "FlashAttention window_size right: keys at most N positions ahead (-1: unbounded)", -1,
+       kMaxLength},
+      {"bottom-right", FlagKind::kBool,
+       "FlashAttention's causal alignment: the last query sits at the last key (default false)"},
       {"dtype", FlagKind::kChoice, "compute dtype; inputs are rounded to it (nearest even)", 0, 0,
        "float32|bfloat16|float16|fp32|bf16|fp16"},
       {"threads", FlagKind::kInt, "worker threads (0: OpenMP's default)", 0, 4096},
@@ -74,6 +83,10 @@ int ApplyModeFlags(const ParsedFlags& flags, Options* o, HostTensor* bound_min,
   if (flags.has("cp-offset")) o->cp_offset = flags.integer("cp-offset", 0);
   if (flags.has("global-cp-deg")) o->global_cp_deg = flags.integer("global-cp-deg", 1);
   o->cp_strided_q_slicing = flags.boolean("cp-strided-q-slicing", false);
+  o->softcap = static_cast<float>(flags.real("softcap", 0.0));
+  o->window_left = flags.integer("window-left", -1);
+  o->window_right = flags.integer("window-right", -1);
+  o->bottom_right = flags.boolean("bottom-right", false);
   o->num_threads = static_cast<int>(flags.integer("threads", 0));
   o->tiles.q_block = flags.integer("q-block", 0);
   o->tiles.kv_tile = flags.integer("kv-tile", 0);
@@ -104,6 +117,11 @@ const std::map<std::string, std::string>& ArgumentFlagNames() {
       {"sliding_window", "--sliding-window"},
       {"cp_offset", "--cp-offset"},
       {"global_cp_deg", "--global-cp-deg"},
+      {"softcap", "--softcap"},
+      {"window_left", "--window-left"},
+      {"window_right", "--window-right"},
+      {"alibi_slopes", "--alibi-slopes"},
+      {"key_bias", "--key-bias"},
       {"bound_min", "--bound-min"},
       {"bound_max", "--bound-max"},
       {"neg_max", "--neg-max"},

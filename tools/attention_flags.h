@@ -15,8 +15,8 @@
 namespace flashcte::tools {
 
 // --scale --causal-mask --sliding-window --prior-used-len --cp-offset --global-cp-deg
-// --cp-strided-q-slicing --bound-min --bound-max --dtype --threads --q-block --kv-tile --section
-// --section-threshold.
+// --cp-strided-q-slicing --bound-min --bound-max --softcap --window-left --window-right
+// --bottom-right --dtype --threads --q-block --kv-tile --section --section-threshold.
 std::vector<FlagSpec> ModeFlagSpecs();
 
 // Checks the flags that only make sense together (exit code kExitUsage on failure).

@@ -28,6 +28,9 @@ std::vector<FlagSpec> RunFlagSpecs() {
       {"k-prior", FlagKind::kString, "prefix cache keys, laid out like --k (with --v-prior)"},
       {"v-prior", FlagKind::kString, "prefix cache values: (bs_kv, S_prior, dv)"},
       {"sink", FlagKind::kString, "attention sink logits: (bs, 1) or (bs,); not scaled"},
+      {"alibi-slopes", FlagKind::kString, "ALiBi slopes, one per batch*head: (bs,) or (bs, 1)"},
+      {"key-bias", FlagKind::kString,
+       "additive bias per key: (bs, prior_used_len + Skv) float32; -inf masks a key"},
       {"tp-q", FlagKind::kBool, "q is (bs, Sq, d) (default true)"},
       {"tp-k", FlagKind::kBool, "k is (bs_kv, Skv, d) (default false: (bs_kv, d, Skv))"},
       {"tp-out", FlagKind::kBool, "write out as (bs, dv, Sq) (default false)"},
@@ -91,7 +94,8 @@ std::map<std::string, std::string> ArgumentNames(const ParsedFlags& f) {
     if (f.has(flag_name) &&
         (arg == "q" || arg == "k" || arg == "v" || arg == "out" || arg == "k_prior" ||
          arg == "v_prior" || arg == "sink" || arg == "bound_min" || arg == "bound_max" ||
-         arg == "neg_max" || arg == "sum_recip" || arg == "lse")) {
+         arg == "alibi_slopes" || arg == "key_bias" || arg == "neg_max" || arg == "sum_recip" ||
+         arg == "lse")) {
       flag += " " + f.text(flag_name);
     }
   }
@@ -100,6 +104,7 @@ std::map<std::string, std::string> ArgumentNames(const ParsedFlags& f) {
 
 bool IsScalarArgument(const std::string& argument) {
   return argument == "scale" || argument == "sliding_window" || argument == "prior_used_len" ||
+         argument == "softcap" || argument == "window_left" || argument == "window_right" ||
          argument == "cp_offset" || argument == "global_cp_deg" || argument == "num_threads" ||
          argument.compare(0, 6, "tiles.") == 0;
 }
@@ -137,7 +142,7 @@ int RunCommand(const std::vector<std::string>& args) {
     dtype = NaturalDType(q_file.dtype);
   }
 
-  HostTensor q, k, v, k_prior, v_prior, sink;
+  HostTensor q, k, v, k_prior, v_prior, sink, alibi_slopes, key_bias;
   if (!ConvertFloatArray(q_file, dtype, &q)) {
     return RuntimeError(kCommand, "--q: " + f.text("q") + ": dtype " +
                                       npy_dtype_name(q_file.dtype) +
@@ -167,6 +172,19 @@ int RunCommand(const std::vector<std::string>& args) {
       return RuntimeError(kCommand, error);
     }
     o.sink = sink.view();
+  }
+  if (f.has("alibi-slopes")) {
+    if (!LoadFloatTensor("--alibi-slopes", f.text("alibi-slopes"), DType::kFloat32, &alibi_slopes,
+                         &error)) {
+      return RuntimeError(kCommand, error);
+    }
+    o.alibi_slopes = alibi_slopes.view();
+  }
+  if (f.has("key-bias")) {
+    if (!LoadFloatTensor("--key-bias", f.text("key-bias"), DType::kFloat32, &key_bias, &error)) {
+      return RuntimeError(kCommand, error);
+    }
+    o.key_bias = key_bias.view();
   }
 
   // Output shapes follow q and v; the library checks everything else and its messages are
