@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Sanitizers and fuzzing (issue 6). Three stages, each in its own build directory:
+#
+#   asan  AddressSanitizer + UndefinedBehaviorSanitizer (GCC, libgomp): the whole test suite,
+#         default labels (ctest -LE long). Leak checking is on.
+#   tsan  ThreadSanitizer on the threaded tests (ctest -L threads: determinism across thread
+#         counts and SIMD targets, concurrent callers), built with clang + LLVM's libomp and run
+#         with Archer, LLVM's OMPT tool that tells TSan about OpenMP's synchronization.
+#   fuzz  the two libFuzzer targets of tools/fuzz (.npy parser, flag parser) with clang, for
+#         FLASHCTE_FUZZ_SECONDS each (default 60), both at once (one per core).
+#
+# Why clang + libomp + Archer for TSan: GCC's libgomp is not TSan-instrumented, so TSan cannot see
+# the barriers and the dynamic-schedule hand-off inside it and reports races between OpenMP
+# workers that are ordered by those barriers (the known libgomp false positives). A suppressions
+# file would have to silence every report whose stack passes through libgomp, which also hides
+# real races in our parallel region. With libomp, Archer (shipped with LLVM's OpenMP runtime as
+# libarcher.so) annotates the runtime's happens-before edges (parallel begin/end, barriers,
+# tasks, locks) for TSan, and ignore_noninstrumented_modules=1 keeps the runtime's own internals
+# out of the report; races in our code are still reported. The stage checks that Archer loaded.
+#
+# Usage: scripts/ci_sanitizers.sh [asan] [tsan] [fuzz]      (no argument: all three)
+# Environment: JOBS (default nproc), FLASHCTE_FUZZ_SECONDS (default 60).
+# Build directories: build-asan/, build-tsan/, build-fuzz/ (gitignored); the fuzzing corpora
+# persist in build-fuzz/corpus-*/ between runs. Budget: ~12 minutes on 2 cores from scratch.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+JOBS="${JOBS:-$(nproc)}"
+FUZZ_SECONDS="${FLASHCTE_FUZZ_SECONDS:-60}"
+STAGES=("$@")
+[[ ${#STAGES[@]} -eq 0 ]] && STAGES=(asan tsan fuzz)
+start=$SECONDS
+section() { printf '\n== %s (%ds)\n' "$1" $((SECONDS - start)); }
+summary=()
+
+for stage in "${STAGES[@]}"; do
+  case "$stage" in
+    asan)
+      section "asan+ubsan: build"
+      cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+        -DFLASHCTE_SANITIZE=address,undefined >/dev/null
+      cmake --build build-asan -j "$JOBS"
+      section "asan+ubsan: ctest -LE long"
+      # halt_on_error and -fno-sanitize-recover (root CMakeLists) make every report a failure.
+      ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1:check_initialization_order=1 \
+      UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+        ctest --test-dir build-asan -LE long -j "$JOBS" --output-on-failure --timeout 1200
+      summary+=("asan+ubsan: ctest -LE long passed")
+      ;;
+
+    tsan)
+      section "tsan: build (clang, libomp)"
+      archer="$(ls /usr/lib/llvm-*/lib/libarcher.so 2>/dev/null | sort -V | tail -1 || true)"
+      if [[ -z "$archer" ]]; then
+        echo "libarcher.so not found (Debian: libomp-dev)" >&2
+        exit 1
+      fi
+      CC=clang CXX=clang++ cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+        -DFLASHCTE_SANITIZE=thread -DFLASHCTE_BUILD_TOOLS=OFF >/dev/null
+      # Only the threaded tests (the rest of the suite runs under ASan).
+      cmake --build build-tsan -j "$JOBS" --target flashcte_reliability_threads_tests
+      section "tsan: ctest -L threads (Archer: $archer)"
+      log=build-tsan/tsan.log
+      OMP_TOOL_LIBRARIES="$archer" ARCHER_OPTIONS="verbose=1" \
+      TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1" \
+        ctest --test-dir build-tsan -L threads --output-on-failure -V --timeout 1800 >"$log" 2>&1 ||
+        { tail -n 200 "$log"; exit 1; }
+      grep -E "tests passed|Total Test time" "$log"
+      # Without Archer the run would be meaningless (or full of libgomp-style false positives).
+      if ! grep -q "Archer detected OpenMP application with TSan" "$log"; then
+        echo "Archer did not load: the TSan run does not see OpenMP's synchronization" >&2
+        exit 1
+      fi
+      if grep -q "WARNING: ThreadSanitizer" "$log"; then
+        grep -A 30 "WARNING: ThreadSanitizer" "$log" | head -n 120
+        exit 1
+      fi
+      summary+=("tsan: ctest -L threads passed, Archer active, no reports")
+      ;;
+
+    fuzz)
+      section "fuzz: build (clang, libFuzzer + ASan + UBSan)"
+      CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+        -DFLASHCTE_BUILD_FUZZERS=ON -DFLASHCTE_BUILD_TESTS=OFF >/dev/null
+      cmake --build build-fuzz -j "$JOBS" --target flashcte_npy_fuzzer flashcte_args_fuzzer
+      # Seeds: well-formed .npy files of every dtype and both orders, and argument vectors with
+      # every flag kind (the fuzzer splits its input at NUL bytes).
+      seeds=build-fuzz/seeds
+      mkdir -p "$seeds/npy" "$seeds/args" build-fuzz/corpus-npy build-fuzz/corpus-args \
+        build-fuzz/artifacts
+      npy() {  # npy FILE DESCR FORTRAN SHAPE DATA_BYTES
+        local dict="{'descr': '$2', 'fortran_order': $3, 'shape': $4, }"
+        local len=$(( (10 + ${#dict} + 1 + 63) / 64 * 64 - 10 ))
+        {
+          printf '\x93NUMPY\x01\x00'
+          printf "\\x$(printf %02x $((len & 255)))\\x$(printf %02x $((len >> 8)))"
+          printf '%-*s\n' $((len - 1)) "$dict"
+          head -c "$5" /dev/zero
+        } >"$1"
+      }
+      npy "$seeds/npy/f4.npy" '<f4' False '(2, 3, 4)' 96
+      npy "$seeds/npy/f2_fortran.npy" '<f2' True '(3, 5)' 30
+      npy "$seeds/npy/f8.npy" '<f8' False '(4,)' 32
+      npy "$seeds/npy/i4.npy" '<i4' False '(7, 1)' 28
+      npy "$seeds/npy/i8_scalar.npy" '<i8' False '()' 8
+      npy "$seeds/npy/empty.npy" '<f4' False '(0, 8)' 0
+      printf -- '--path\0/tmp/x.npy\0--flag\0--n\0-5\0--x\0-1.5e3' >"$seeds/args/1"
+      printf -- '--list\x001,2,3\0--dtype\0bfloat16\0--flag=false\0--n=1000' >"$seeds/args/2"
+      printf -- '--help' >"$seeds/args/3"
+      section "fuzz: ${FUZZ_SECONDS}s per target, in parallel"
+      fuzz() {  # fuzz NAME: runs build-fuzz/tools/flashcte_NAME_fuzzer
+        ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+          "build-fuzz/tools/flashcte_$1_fuzzer" -max_total_time="$FUZZ_SECONDS" \
+          -print_final_stats=1 -timeout=10 -rss_limit_mb=2048 \
+          -artifact_prefix="build-fuzz/artifacts/$1-" -dict="tests/reliability/fuzz/$1.dict" \
+          "build-fuzz/corpus-$1" "$seeds/$1" >"build-fuzz/fuzz-$1.log" 2>&1
+      }
+      rc_npy=0 rc_args=0
+      fuzz npy &
+      pid_npy=$!
+      fuzz args &
+      pid_args=$!
+      wait "$pid_npy" || rc_npy=$?
+      wait "$pid_args" || rc_args=$?
+      for name in npy args; do
+        runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "build-fuzz/fuzz-$name.log" |
+          grep -o '[0-9]*$' || echo "?")
+        corpus=$(ls "build-fuzz/corpus-$name" | wc -l)
+        echo "$name fuzzer: $runs executions, corpus of $corpus inputs"
+        summary+=("fuzz $name: $runs executions in ${FUZZ_SECONDS}s, corpus $corpus")
+      done
+      if [[ $rc_npy -ne 0 || $rc_args -ne 0 ]]; then
+        for name in npy args; do tail -n 60 "build-fuzz/fuzz-$name.log"; done
+        echo "a fuzzer found a crash; reproducer in build-fuzz/artifacts/" >&2
+        exit 1
+      fi
+      ;;
+
+    *)
+      echo "unknown stage '$stage' (asan, tsan, fuzz)" >&2
+      exit 2
+      ;;
+  esac
+done
+
+section "done"
+printf '%s\n' "${summary[@]}"
