@@ -94,8 +94,14 @@ TEST(Validation, OutputAliasingAnInputIsAnError) {
 
 // ---- plan_attention ----------------------------------------------------------------------------
 
+// Tile edge of the plan tests, for both q_block and kv_tile. PlanSummary counts (query
+// sub-block, kv tile) pairs "as the kernel plans them"; a q_block of 32 stays at or below the
+// kernel's sub-block (48 rows today), so each sub-block is a whole q block and the counts follow
+// from the mask model alone. Every length below is a multiple of kT, so the counts are exact.
+constexpr int64_t kT = 32;
+
 struct PlanCase {
-  int64_t bs = 1, sq = 1024, skv = 1024, d = 32, dv = 32, s_prior = 0;
+  int64_t bs = 1, sq = 8 * kT, skv = 8 * kT, d = 32, dv = 32, s_prior = 0;
   Options options;
   std::vector<int64_t> bound_lo, bound_hi;  // packing, over the concatenated KV axis
 };
@@ -150,7 +156,7 @@ Status plan(const PlanCase& p, PlanSummary* s) {
                         shape_only({p.bs, p.skv, p.dv}), o, s);
 }
 
-// Expected counts come from the mask model of ARCHITECTURE.md: with 128 x 128 tiles, a tile is
+// Expected counts come from the mask model of ARCHITECTURE.md: with kT x kT tiles, a tile is
 // skipped when no row of its Q block reaches it, full when every row covers it, masked otherwise.
 void expect_plan(const PlanCase& p, int64_t full, int64_t masked, int64_t skipped) {
   PlanSummary s;
@@ -162,10 +168,10 @@ void expect_plan(const PlanCase& p, int64_t full, int64_t masked, int64_t skippe
             p.skv + (p.options.prior_used_len.empty() ? p.s_prior : p.options.prior_used_len[0]));
   EXPECT_EQ(s.head_dim, p.d);
   EXPECT_EQ(s.value_dim, p.dv);
-  EXPECT_EQ(s.tiles.q_block, 128);
-  EXPECT_EQ(s.tiles.kv_tile, 128);
-  EXPECT_EQ(s.q_blocks, (p.sq + 127) / 128);
-  EXPECT_EQ(s.kv_tiles, (s.seqlen_kv + 127) / 128);
+  EXPECT_EQ(s.tiles.q_block, kT);
+  EXPECT_EQ(s.tiles.kv_tile, kT);
+  EXPECT_EQ(s.q_blocks, p.sq / kT);
+  EXPECT_EQ(s.kv_tiles, s.seqlen_kv / kT);
   EXPECT_EQ(s.tiles_full, full * p.bs);
   EXPECT_EQ(s.tiles_masked, masked * p.bs);
   EXPECT_EQ(s.tiles_skipped, skipped * p.bs);
@@ -181,7 +187,7 @@ PlanCase plan_case(bool causal) {
   PlanCase p;
   p.bs = 2;
   p.options.causal_mask = causal;
-  p.options.tiles = TileConfig{128, 128, 0, 0};
+  p.options.tiles = TileConfig{kT, kT, 0, 0};
   return p;
 }
 
@@ -193,47 +199,47 @@ TEST(Plan, CausalSkipsTheUpperTriangle) {
 }
 
 TEST(Plan, SlidingWindowSkipsOldTiles) {
-  // Window 128: block b reaches tiles b-1 (partially) and b (the diagonal); the rest are skipped.
+  // Window kT: block b reaches tiles b-1 (partially) and b (the diagonal); the rest are skipped.
   PlanCase p = plan_case(true);
-  p.options.sliding_window = 128;
+  p.options.sliding_window = kT;
   expect_plan(p, 0, 1 + 2 * 7, 64 - 15);
 }
 
 TEST(Plan, PackingSkipsOtherSequences) {
-  // Four causal sequences of 256 rows: per sequence two diagonal tiles and one full tile.
+  // Four causal sequences of 2 kT rows: per sequence two diagonal tiles and one full tile.
   PlanCase p = plan_case(true);
   for (int64_t i = 0; i < p.sq; ++i) {
-    p.bound_lo.push_back(i / 256 * 256);
-    p.bound_hi.push_back(i / 256 * 256 + 256);
+    p.bound_lo.push_back(i / (2 * kT) * (2 * kT));
+    p.bound_hi.push_back(i / (2 * kT) * (2 * kT) + 2 * kT);
   }
   expect_plan(p, 4, 8, 64 - 12);
 }
 
 TEST(Plan, PrefixTilesAreFullUnderCausal) {
-  // 256 prior keys (2 tiles, never causally masked) then a causal 512 x 512 problem.
+  // 2 kT prior keys (2 tiles, never causally masked) then a causal 4 kT x 4 kT problem.
   PlanCase p = plan_case(true);
-  p.sq = p.skv = 512;
-  p.s_prior = 256;
+  p.sq = p.skv = 4 * kT;
+  p.s_prior = 2 * kT;
   expect_plan(p, 4 * 2 + 6, 4, 24 - 18);
-  p.options.prior_used_len = {128};  // one prior tile
+  p.options.prior_used_len = {kT};  // one prior tile
   expect_plan(p, 4 * 1 + 6, 4, 20 - 14);
 }
 
 TEST(Plan, ContiguousCpKeepsTheCausalSkip) {
-  // Rank 1 of 2: positions 512..1023 against 1024 keys. The Neuron kernel drops its causal skip
-  // here; the mask model keeps it.
+  // Rank 1 of 2: positions 4 kT .. 8 kT - 1 against 8 kT keys. The Neuron kernel drops its
+  // causal skip here; the mask model keeps it.
   PlanCase p = plan_case(true);
-  p.sq = 512;
+  p.sq = 4 * kT;
   p.options.global_cp_deg = 2;
-  p.options.cp_offset = 512;
+  p.options.cp_offset = 4 * kT;
   expect_plan(p, 16 + 6, 4, 32 - 26);
 }
 
 TEST(Plan, StridedCpRankZero) {
-  // Positions 0, 4, ..., 1020: block 0 (positions 0..508) straddles tiles 0-3 and skips 4-7;
-  // block 1 (512..1020) covers tiles 0-3 whole and straddles 4-7.
+  // Positions 0, 4, ..., 8 kT - 4: block 0 (positions 0 .. 4 kT - 4) straddles tiles 0-3 and
+  // skips 4-7; block 1 (4 kT .. 8 kT - 4) covers tiles 0-3 whole and straddles 4-7.
   PlanCase p = plan_case(true);
-  p.sq = 256;
+  p.sq = 2 * kT;
   p.options.global_cp_deg = 4;
   p.options.cp_offset = 0;
   p.options.cp_strided_q_slicing = true;
