@@ -22,6 +22,7 @@ int RunCommand(const std::vector<std::string>& args);
 int DemoCommand(const std::vector<std::string>& args);
 int PlanCommand(const std::vector<std::string>& args);
 int BenchCommand(const std::vector<std::string>& args);
+int StrategyCommand(const std::vector<std::string>& args);
 
 // Print "flashcte <command>: <message>" to stderr (usage errors add a pointer to --help) and
 // return the matching exit code.

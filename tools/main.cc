@@ -20,6 +20,8 @@ constexpr char kUsage[] =
     "  run     attention_cte on .npy files: --q Q.npy --k K.npy --v V.npy --out OUT.npy ...\n"
     "  plan    the schedule for a shape and mode, without computing anything\n"
     "  bench   time one configuration against a materialized OpenBLAS baseline and SGEMM\n"
+    "  strategy  which attention strategy optimum-neuron, NxD Inference and flashcte pick for\n"
+    "          a shape, and why\n"
     "  help    this text\n"
     "\n"
     "'flashcte COMMAND --help' lists a command's flags. Exit codes: 0 success, 1 runtime error\n"
@@ -34,6 +36,7 @@ int Dispatch(const std::vector<std::string>& argv) {
   if (command == "demo") return DemoCommand(rest);
   if (command == "plan") return PlanCommand(rest);
   if (command == "bench") return BenchCommand(rest);
+  if (command == "strategy") return StrategyCommand(rest);
   if (command == "help" || command == "--help" || command == "-h") {
     std::fputs(kUsage, stdout);
     return kExitOk;

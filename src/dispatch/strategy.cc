@@ -77,8 +77,9 @@ Status neuron_strategy(const NeuronStrategyInputs& in, NeuronDecision* decision)
   if (in.logical_cores < 1) {
     return Status::Error("logical_cores: must be at least 1, got " + Str(in.logical_cores));
   }
-  if (in.head_dim < 1)
+  if (in.head_dim < 1) {
     return Status::Error("head_dim: must be at least 1, got " + Str(in.head_dim));
+  }
   if (in.seqlen_q < 0) return Status::Error("seqlen_q: must be >= 0, got " + Str(in.seqlen_q));
   if (in.batch_heads < 1) {
     return Status::Error("batch_heads: must be at least 1, got " + Str(in.batch_heads));
@@ -159,10 +160,12 @@ Status nxdi_strategy(const NxdiStrategyInputs& in, NxdiDecision* decision) {
   if (in.logical_cores < 1) {
     return Status::Error("logical_cores: must be at least 1, got " + Str(in.logical_cores));
   }
-  if (in.cp_degree < 1)
+  if (in.cp_degree < 1) {
     return Status::Error("cp_degree: must be at least 1, got " + Str(in.cp_degree));
-  if (in.head_dim < 1)
+  }
+  if (in.head_dim < 1) {
     return Status::Error("head_dim: must be at least 1, got " + Str(in.head_dim));
+  }
   if (in.seqlen_q < 0) return Status::Error("seqlen_q: must be >= 0, got " + Str(in.seqlen_q));
   if (in.sliding_window < 0) {
     return Status::Error("sliding_window: must be >= 0, got " + Str(in.sliding_window));
@@ -213,13 +216,50 @@ Status nxdi_strategy(const NxdiStrategyInputs& in, NxdiDecision* decision) {
 
 namespace {
 
-// The materialized path (NONE) wins only for small score matrices: up to this many queries and
-// keys, it won every measured configuration in its class (float32, plain mode, one KV head per
-// query head, one thread per head), and beyond it the kernel won or tied. MEASUREMENT_TABLE
-constexpr int64_t kMaterializedMaxLengthCausal = 32;
-constexpr int64_t kMaterializedMaxLengthNonCausal = 64;
-// Head dims covered by the measurement (8, 32, 64, 128, 256).
+// Where the materialized path (NONE) beats the kernel on the CPU. Measured with
+// bench/strategy_crossover.cc (target flashcte_strategy_crossover) against the library at commit
+// b35d741, on the shared 2-core AMD EPYC Zen 3 (AVX2) this project runs on, under a load of ~10
+// from other jobs: Sq = Skv = S, float32, 1 thread, medians of 101-201 interleaved (ABBA) samples
+// of ~0.5 ms (61 of ~2 ms from S = 512). Ratio = materialized time / kernel time, so below 1 the
+// materialized path is faster (two runs of 201 samples; a range where they differ by > .05):
+//
+//   1 head, causal        S = 1    8    32       64   128       256
+//     d = 64                  .45  .42  .62      .79  .95-1.07  1.18-1.21
+//     d = 128                 .40  .41  .53-.63  .68  .94-1.03  1.07-1.16
+//   1 head, non-causal    S = 1    8        32       64   128  256      512  1024  2048
+//     d = 64                  .49  .34-.45  .58-.63  .68  .79  .87      .92  .95   1.11
+//     d = 128                 .45  .35     .53-.60  .62  .74  .75-.81  .96  .86   .93
+//   d = 8 / 32 / 256      causal S = 64: .73 / .82 / .70, 128: .95 / 1.02 / .81,
+//                         256: 1.20 / 1.23 / .98; non-causal 128: .92 / .90 / .69,
+//                         256: 1.01 / .98 / .73
+//   8 heads, d = 64/128   causal S = 1: 1.23 / 1.13 (kernel); S = 2..64: .51-.89 (both masks);
+//                         causal 128: 1.08 / .99
+//   32 heads on 8 KV      causal S = 1: 2.6 / 1.8, S = 2: 1.5 / 1.2 (kernel); S = 4: .93-1.29;
+//                         S = 8..64: .76-.94 (both masks)
+//   2 threads             the kernel won every shape (S = 1..256, 11-21 samples of ~20 ms):
+//                         the peer, like `flashcte bench --impl materialized`, runs an OpenMP
+//                         team inside each head, which on this oversubscribed machine cost
+//                         ~0.05-20 ms per call; hence NONE splits heads, not rows.
+//
+// The limits are the longest S at which the materialized path won clearly at every measured d:
+// causal 64 (at 128 it is a coin toss, at 256 the kernel's causal tile skipping wins);
+// non-causal 256 for d >= 64 and 128 below. Non-causal with d >= 64 stays 4-14% ahead up to
+// S = 1024 (crossover near 2048), but that margin is inside the run-to-run spread here (one
+// configuration moved from .87 to 1.5 between runs) and the peer's S x S scratch is allocated
+// outside the timing; that gap is the kernel's non-causal throughput, not a reason to
+// materialize 4 MiB per head. The commit before b35d741's MM1/MM2 panel reorder (6303d01 plus
+// work in progress) was 15-25% better against the peer at S = 64-128 (interleaved A/B runs), with
+// its causal crossover at 64 instead of 128; re-run the benchmark after kernel changes.
+int64_t MaterializedMaxLength(bool causal, int64_t head_dim) {
+  if (causal) return 64;
+  return head_dim >= 64 ? 256 : 128;
+}
+// Head dims the measurement covered (8 to 256).
 constexpr int64_t kMaterializedMaxHeadDim = 256;
+// With grouped KV heads the kernel packs each K/V tile once per group and amortizes its fixed
+// per-call cost over the group: with 32 heads on 8 KV heads it won at S = 1 and 2, and at 4 for
+// d = 64; the materialized path won from 8.
+constexpr int64_t kMaterializedMinQueryGrouped = 8;
 
 }  // namespace
 
@@ -233,25 +273,36 @@ Status cpu_strategy(const CpuStrategyInputs& in, CpuDecision* decision) {
   }
   if (in.seqlen_q < 0) return Status::Error("seqlen_q: must be >= 0, got " + Str(in.seqlen_q));
   if (in.seqlen_kv < 0) return Status::Error("seqlen_kv: must be >= 0, got " + Str(in.seqlen_kv));
-  if (in.head_dim < 1)
+  if (in.head_dim < 1) {
     return Status::Error("head_dim: must be at least 1, got " + Str(in.head_dim));
+  }
   if (in.threads < 0) return Status::Error("threads: must be >= 0, got " + Str(in.threads));
 
-  // The kernel's thread count, exactly as the schedule resolves it: one work item per query
-  // block of each KV batch, never more threads than items.
+  // The kernel's thread count, resolved by the schedule as plan_attention counts it: one work
+  // item per query block of each KV batch and KV split, never more threads than items.
   internal::Problem p;
+  p.dtype = in.dtype;
+  p.batch = in.batch;
+  p.kv_batch = kv_batch;
+  p.group = kv_batch > 0 ? in.batch / kv_batch : 1;
   p.seqlen_q = in.seqlen_q;
+  p.seqlen_kv = in.seqlen_kv;
+  p.head_dim = p.value_dim = in.head_dim;
+  p.prior_used.assign(static_cast<size_t>(kv_batch), 0);
+  if (in.causal) p.window_right = 0;
   p.threads = in.threads;
   internal::resolve_tiles(&p);
-  const int kernel_threads = internal::resolve_threads(p, kv_batch * internal::num_q_blocks(p));
+  const int64_t kernel_items =
+      kv_batch * internal::num_q_blocks(p) * (kv_batch > 0 ? internal::kv_splits(p) : 1);
+  const int kernel_threads = internal::resolve_threads(p, kernel_items);
   // A materialized path splits heads over threads, one head per thread: the measured peer's
-  // second thread inside one head (an OpenMP team for a few softmax rows) cost it 5-15x at
-  // every tiny shape on 2 threads, so that is not how NONE would run.
+  // second thread inside one head (an OpenMP team for a few softmax rows) made it 3 to 1000
+  // times slower than the kernel at every shape on 2 threads, so that is not how NONE would run.
   const int64_t wanted = in.threads > 0 ? in.threads : omp_get_max_threads();
   const int none_threads = static_cast<int>(std::max<int64_t>(1, std::min(wanted, in.batch)));
 
   const int64_t length = std::max(in.seqlen_q, in.seqlen_kv);
-  const int64_t limit = in.causal ? kMaterializedMaxLengthCausal : kMaterializedMaxLengthNonCausal;
+  const int64_t limit = MaterializedMaxLength(in.causal, in.head_dim);
   const std::string shape = "Sq=" + Str(in.seqlen_q) + ", Skv=" + Str(in.seqlen_kv) +
                             ", d=" + Str(in.head_dim) + ", batch=" + Str(in.batch) + "/" +
                             Str(kv_batch) + (in.causal ? ", causal" : ", non-causal");
@@ -262,14 +313,15 @@ Status cpu_strategy(const CpuStrategyInputs& in, CpuDecision* decision) {
     why_kernel = "a mode beyond plain attention (prefix, sink, window, CP, packing or statistics)";
   } else if (in.dtype != DType::kFloat32) {
     why_kernel = std::string(dtype_name(in.dtype)) + " inputs (NONE was measured in float32)";
-  } else if (kv_batch != in.batch) {
-    why_kernel = "grouped KV heads: the kernel packs each K/V tile once per group";
   } else if (in.head_dim > kMaterializedMaxHeadDim) {
     why_kernel = "d > " + Str(kMaterializedMaxHeadDim) + " (not measured)";
   } else if (length > limit) {
     why_kernel = "max(Sq, Skv) > " + Str(limit) + ", the measured crossover";
   } else if (in.seqlen_q == 1 && in.batch > 1) {
     why_kernel = "Sq = 1 with several heads: the kernel shares its fixed cost over the heads";
+  } else if (kv_batch != in.batch && in.seqlen_q < kMaterializedMinQueryGrouped) {
+    why_kernel = "Sq < " + Str(kMaterializedMinQueryGrouped) +
+                 " with grouped KV heads: the kernel packs each K/V tile once per group";
   } else if (kernel_threads > none_threads) {
     why_kernel = "the kernel splits query blocks over " + Str(kernel_threads) +
                  " threads where NONE would use " + Str(none_threads);

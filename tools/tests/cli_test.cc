@@ -206,6 +206,11 @@ TEST_F(CliTest, ExitCodes) {
   EXPECT_EQ(Run("frobnicate"), 2);
   EXPECT_EQ(Run("plan --sq 100 --bs 3 --bs-kv 2"), 2);
   EXPECT_EQ(Run("plan --sq 100 --bs 4 --bs-kv 2"), 0);
+  EXPECT_EQ(Run("strategy --sq 4096 --lnc 2 --batch-heads 3"), 0);
+  EXPECT_EQ(Run("strategy --d 64"), 2) << "missing --sq";
+  EXPECT_EQ(Run("strategy --sq 16 --lnc 0"), 2);
+  EXPECT_EQ(Run("strategy --sq 16 --kernel-enabled maybe"), 2);
+  EXPECT_EQ(Run("strategy --sq 16 --batch-heads 6 --kv-batch-heads 4"), 2);
   EXPECT_EQ(Run("help"), 0);
 }
 
