@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _flashcte
-from ._tensors import Tensor, empty, float32_vector, give_back, index_array, int_list, native
+from ._tensors import Tensor, empty, float32_array, give_back, index_array, int_list, native
 
 ArrayLike = Any  # numpy.ndarray, torch.Tensor or another DLPack tensor
 
@@ -47,6 +47,13 @@ def attention_cte(
     bound_min: ArrayLike | None = None,
     bound_max: ArrayLike | None = None,
     num_threads: int | None = None,
+    *,
+    softcap: float = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    key_bias: ArrayLike | None = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    bottom_right: bool = False,
 ) -> ArrayLike | tuple[ArrayLike, ArrayLike, ArrayLike]:
     """Prefill flash attention with the Neuron ``attention_cte`` kernel's arguments.
 
@@ -81,6 +88,26 @@ def attention_cte(
             integral float32 (other integer types and sequences are converted to int64).
         num_threads: OpenMP threads; None for OpenMP's default. Results are bitwise identical
             for every thread count.
+
+    Extensions beyond the Neuron kernel (keyword-only; FlashAttention-family score modifiers and
+    masks, combinable with every mode above). Scores are built in this order:
+    ``S = scale * q.k -> softcap -> + alibi -> + key_bias -> masks``.
+
+        softcap: ``> 0``: ``S -> softcap * tanh(S / softcap)`` (Gemma 2, Grok); 0 disables it.
+        alibi_slopes: ``(bs,)`` or ``(bs, 1)``, one slope per query batch (batch*head):
+            ``S += -slope * |q_pos - kv_pos|`` with the positions of SEMANTICS.md step 2
+            (shifted by ``bottom_right``). Converted to float32.
+        key_bias: ``(bs, L)`` additive bias per key over the concatenated KV axis, ``L`` the
+            longest ``prior_used_len`` plus ``Skv``; query batch ``b`` reads its first
+            ``prior_used_len(b) + Skv`` entries. ``-inf`` masks a key. Converted to float32.
+        window_left, window_right: FlashAttention's ``window_size``: key ``j`` is kept for
+            query ``i`` only when ``-window_left <= kv_pos - q_pos <= window_right``; -1 is
+            unbounded. Intersected with ``causal_mask`` (right 0) and ``sliding_window``
+            (left ``sliding_window - 1``).
+        bottom_right: FlashAttention's causal alignment when ``Sq != Skv``: every query position
+            moves by ``Skv - Sq`` (added to the context-parallel positions), so the last query
+            row sits at the last key; under causal the first ``Sq - Skv`` rows see nothing when
+            ``Sq > Skv``.
 
     Returns:
         ``out`` in q's dtype and kind (numpy in, numpy out; torch in, torch out; other DLPack
@@ -137,6 +164,12 @@ def attention_cte(
         bound_min=bound_min,
         bound_max=bound_max,
         num_threads=num_threads,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        key_bias=key_bias,
+        window_left=window_left,
+        window_right=window_right,
+        bottom_right=bottom_right,
     )
     if cache_softmax:
         return give_back(qt, out), give_back(qt, neg_max), give_back(qt, sum_recip)
@@ -170,6 +203,12 @@ def _call(
     bound_max: Any = None,
     num_threads: int | None = None,
     tiles: Sequence[int] = (),
+    softcap: float | None = 0.0,
+    alibi_slopes: Any = None,
+    key_bias: Any = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    bottom_right: bool = False,
 ) -> None:
     """One native call with already normalised q/k/v and caller-allocated outputs."""
     kp = Tensor("k_prior", k_prior) if k_prior is not None else None
@@ -189,7 +228,7 @@ def _call(
         k_prior=native(kp),
         v_prior=native(vp),
         prior_used_len=int_list("prior_used_len", prior_used_len),
-        sink=None if sink is None else float32_vector("sink", sink),
+        sink=None if sink is None else float32_array("sink", sink),
         scale=_float("scale", scale),
         causal_mask=bool(causal_mask),
         sliding_window=_int("sliding_window", sliding_window),
@@ -202,19 +241,28 @@ def _call(
         cp_strided_q_slicing=bool(cp_strided_q_slicing),
         bound_min=None if bound_min is None else index_array("bound_min", bound_min),
         bound_max=None if bound_max is None else index_array("bound_max", bound_max),
-        num_threads=0 if num_threads is None else _int("num_threads", num_threads),
+        num_threads=0 if num_threads is None else _int("num_threads", num_threads, 32),
         tiles=[int(t) for t in tiles],
+        softcap=0.0 if softcap is None else _float("softcap", softcap),
+        alibi_slopes=None if alibi_slopes is None else float32_array("alibi_slopes", alibi_slopes),
+        key_bias=None if key_bias is None else float32_array("key_bias", key_bias),
+        window_left=_int("window_left", window_left),
+        window_right=_int("window_right", window_right),
+        bottom_right=bool(bottom_right),
         bf16_bits=bf16_bits,
     )
 
 
-def _int(name: str, x: Any) -> int:
+def _int(name: str, x: Any, bits: int = 64) -> int:
     try:
         if isinstance(x, bool) or int(x) != x:
             raise TypeError
-        return int(x)
-    except (TypeError, ValueError):
+        value = int(x)
+    except (TypeError, ValueError, OverflowError):
         raise TypeError(f"{name}: must be an int, got {x!r}") from None
+    if not -(2 ** (bits - 1)) <= value < 2 ** (bits - 1):
+        raise ValueError(f"{name}: {value} does not fit in a {bits}-bit integer")
+    return value
 
 
 def _float(name: str, x: Any) -> float:

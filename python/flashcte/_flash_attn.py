@@ -4,39 +4,30 @@ Layouts: q ``(batch, seqlen_q, heads, d)``, k/v ``(batch, seqlen_k, heads_k, d)`
 the sequences: ``(total, heads, d)``. The heads axis is not foldable with the batch axis into one
 strided axis, so each batch element is one attention_cte call on the views ``q[b]`` read as
 ``(heads, seqlen_q, d)`` (k with ``tp_k``), written straight into the output's
-``(heads, seqlen_q, dv)`` view: nothing is copied. Varlen is a single call per problem: the
-heads are the batch axis and the sequences become per-row packing bounds.
+``(heads, seqlen_q, dv)`` view: nothing is copied. Varlen is usually a single call per problem:
+the heads are the batch axis and the sequences become per-row packing bounds (ALiBi with
+sequences whose positions one call cannot express takes one call per sequence).
 
 Masks follow FlashAttention: with ``seqlen_q != seqlen_k`` the causal diagonal is aligned to the
 bottom-right corner, and query ``i`` sees keys ``j`` with
 ``i + seqlen_k - seqlen_q - window_size[0] <= j <= i + seqlen_k - seqlen_q + window_size[1]``
 (``-1`` meaning unbounded; ``causal`` sets the right bound to 0). Rows that see no key output 0.
+Scores are ``softcap * tanh(scale * q.k / softcap)`` (without softcap: ``scale * q.k``) plus
+the ALiBi bias ``-slope * |i + seqlen_k - seqlen_q - j|``, then masked.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
 
 from ._attention import _call
-from ._tensors import Tensor, empty, give_back, transpose
+from ._tensors import Tensor, empty, float32_array, give_back, transpose, zeros
 
 ArrayLike = Any
-
-
-def _unsupported(softcap: float, alibi_slopes: Any) -> None:
-    if softcap is not None and float(softcap) != 0.0:
-        raise NotImplementedError(
-            "softcap: not supported yet (the flashcte C++ library has no logit soft-capping; "
-            "a later release adds it); pass softcap=0.0"
-        )
-    if alibi_slopes is not None:
-        raise NotImplementedError(
-            "alibi_slopes: not supported yet (the flashcte C++ library has no ALiBi bias; "
-            "a later release adds it); pass alibi_slopes=None"
-        )
 
 
 def _window(window_size: Any, causal: bool) -> tuple[int, int]:
@@ -50,7 +41,37 @@ def _window(window_size: Any, causal: bool) -> tuple[int, int]:
         raise ValueError(f"window_size: entries must be >= -1 (-1: unbounded), got {window_size!r}")
     if causal:
         right = 0
-    return left, right
+    # Positions stay far below 2^62, so larger windows are unbounded in effect (and fit int64).
+    return min(left, 2**62), min(right, 2**62)
+
+
+def _softcap(softcap: Any) -> float:
+    if softcap is None:
+        return 0.0
+    try:
+        return float(softcap)
+    except (TypeError, ValueError):
+        raise TypeError(f"softcap: must be a float, got {softcap!r}") from None
+
+
+def _alibi(alibi_slopes: Any, batch: int, heads: int) -> np.ndarray | None:
+    """FlashAttention's slopes, ``(heads,)`` or ``(batch, heads)``, as a float32 ``(batch, heads)``
+    numpy array (a broadcast view for the first form)."""
+    if alibi_slopes is None:
+        return None
+    a = np.asarray(float32_array("alibi_slopes", alibi_slopes))
+    if a.shape == (heads,):
+        a = np.broadcast_to(a, (batch, heads))
+    elif a.shape != (batch, heads):
+        raise ValueError(
+            f"alibi_slopes: shape {a.shape} must be (heads,) = ({heads},) or (batch, heads) = "
+            f"({batch}, {heads})"
+        )
+    bad = ~np.isfinite(a)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"alibi_slopes: entry (batch, head) = {where} is not finite")
+    return a
 
 
 def _bounds(seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,6 +85,31 @@ def _bounds(seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[np.nda
         else np.clip(diag + right + 1, 0, seqlen_k)
     )
     return lo, np.maximum(hi, lo)
+
+
+def _packed_alibi_positions(
+    cu_q: np.ndarray, cu_k: np.ndarray, total_q: int, total_k: int
+) -> tuple[int, bool] | None:
+    """How one packed attention_cte call reproduces every sequence's ALiBi distances, or None.
+
+    FlashAttention's distance for packed query row ``i`` and key ``j`` of sequence ``s`` is
+    ``|i - j + cu_k[s + 1] - cu_q[s + 1]|`` (positions within the sequence, bottom-right
+    aligned); the library's is ``|q_pos_offset + i - j|`` with one offset per call. So one call
+    works when ``cu_k[s + 1] - cu_q[s + 1]`` is the same ``c`` for every sequence that has
+    queries and keys, and ``c`` is a reachable offset: ``cp_offset = c`` (``c >= 0``), or
+    ``bottom_right`` (offset ``total_k - total_q``) plus ``cp_offset = c - (total_k - total_q)``.
+    Returns ``(cp_offset, bottom_right)``."""
+    live = (np.diff(cu_q) > 0) & (np.diff(cu_k) > 0)
+    shifts = np.unique(cu_k[1:][live] - cu_q[1:][live])
+    if shifts.size > 1:
+        return None
+    c = int(shifts[0]) if shifts.size else 0
+    if c >= 0:
+        return c, False
+    base = total_k - total_q
+    if c >= base:
+        return c - base, True
+    return None
 
 
 def _check_heads(qt: Tensor, kt: Tensor, vt: Tensor, axis: int) -> None:
@@ -126,9 +172,17 @@ def flash_attn_func(
         window_size: ``(left, right)``, -1 for unbounded: query ``i`` sees keys
             ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``. With
             ``causal`` the right bound is 0.
-        softcap: must be 0.0: logit soft-capping is not supported yet (NotImplementedError).
-        alibi_slopes: must be None: ALiBi is not supported yet (NotImplementedError).
-        return_softmax_lse: also return the log-sum-exp of the scaled scores.
+        softcap: ``> 0`` caps the scaled scores: ``S -> softcap * tanh(S / softcap)``
+            (Gemma 2, Grok), before ALiBi and the masks; 0 (or None) disables it.
+        alibi_slopes: ``(heads,)`` or ``(batch, heads)`` (float32 in FlashAttention; other real
+            dtypes are converted): a bias ``-slope * |i + seqlen_k - seqlen_q - j|`` is added
+            to the score of query ``i`` and key ``j`` after soft-capping. FlashAttention's CUDA
+            kernels, under plain causal masking (no left window), add ``slope * j`` instead,
+            which differs by a per-row constant: the output is the same, but their ``lse`` is
+            larger by ``slope * (i + seqlen_k - seqlen_q)``; the ``lse`` returned here is the
+            one of the documented bias in every mode.
+        return_softmax_lse: also return the log-sum-exp of the final scores (scaled, capped,
+            biased).
         num_threads: OpenMP threads; None for OpenMP's default.
 
     Returns:
@@ -138,10 +192,12 @@ def flash_attn_func(
         log of an empty sum and merges correctly when combining partial results).
 
     Raises:
-        NotImplementedError: softcap != 0 or alibi_slopes given.
         TypeError, ValueError: bad inputs; the message names the argument.
+
+    Each batch element is one attention_cte call with the heads as its batch axis and
+    FlashAttention's masks as the library's ``bottom_right`` alignment and
+    ``window_left``/``window_right``.
     """
-    _unsupported(softcap, alibi_slopes)
     qt, kt, vt = _inputs(q, k, v, 4, "(batch, seqlen, {h}, head_dim)")
     _check_heads(qt, kt, vt, 2)
     batch, seqlen_q, heads, d = qt.shape
@@ -153,18 +209,8 @@ def flash_attn_func(
         raise ValueError(f"v: seqlen {vt.shape[1]} differs from k's seqlen {seqlen_k}")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     left, right = _window(window_size, causal)
-
-    mask: dict = {"causal_mask": False}
-    if causal and seqlen_k >= seqlen_q:
-        # The kernel's own causal/window masks with a shifted query position.
-        mask = {
-            "causal_mask": True,
-            "cp_offset": seqlen_k - seqlen_q,
-            "sliding_window": left + 1 if left >= 0 else 0,
-        }
-    elif left >= 0 or right >= 0:
-        lo, hi = _bounds(seqlen_q, seqlen_k, left, right)
-        mask["bound_min"], mask["bound_max"] = lo, hi
+    cap = _softcap(softcap)
+    slopes = _alibi(alibi_slopes, batch, heads)
 
     out = empty(qt, (batch, seqlen_q, heads, dv))
     lse = empty(qt, (batch, heads, seqlen_q), "float32") if return_softmax_lse else None
@@ -176,26 +222,30 @@ def flash_attn_func(
             transpose(out[b], 0, 1),
             lse=None if lse is None else lse[b],
             scale=scale,
+            causal_mask=False,
             tp_k=True,
             num_threads=num_threads,
-            **mask,
+            softcap=cap,
+            alibi_slopes=None if slopes is None else slopes[b],
+            window_left=left,
+            window_right=right,
+            bottom_right=True,
         )
     if return_softmax_lse:
         return give_back(qt, out), give_back(qt, lse)
     return give_back(qt, out)
 
 
-def _view(t: Tensor, b: int | None) -> Tensor:
-    """(seqlen, heads, d) of batch element b (or the whole varlen tensor) as (heads, seqlen, d)."""
+def _view(t: Tensor, index: int | slice | None) -> Tensor:
+    """(seqlen, heads, d) of batch element `index`, of the packed rows `index` (a slice) or of the
+    whole varlen tensor (None), as (heads, seqlen, d)."""
     view = Tensor.__new__(Tensor)
     view.name, view.kind, view.source = t.name, t.kind, t.source
-    view.arr = transpose(t.arr if b is None else t.arr[b], 0, 1)
+    view.arr = transpose(t.arr if index is None else t.arr[index], 0, 1)
     return view
 
 
 def _cu_seqlens(name: str, x: Any) -> np.ndarray:
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
@@ -236,18 +286,24 @@ def flash_attn_varlen_func(
             output 0.
         max_seqlen_q, max_seqlen_k: the longest sequences; checked against the offsets (an
             understated maximum raises ValueError), otherwise unused.
-        softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax_lse,
-        num_threads: as in :func:`flash_attn_func`, per sequence (the causal diagonal is aligned
-            to each sequence's bottom-right corner).
+        softmax_scale, causal, window_size, softcap, return_softmax_lse, num_threads: as in
+            :func:`flash_attn_func`, per sequence (the causal diagonal is aligned to each
+            sequence's bottom-right corner).
+        alibi_slopes: ``(heads,)`` or ``(batch, heads)``, ``batch`` the number of sequences;
+            the distances are taken within each sequence, ``|i + seqlen_k - seqlen_q - j|`` with
+            ``i``, ``j`` and the lengths those of the sequence, as in :func:`flash_attn_func`.
 
     Returns:
         ``out`` ``(total_q, heads, dv)``, or ``(out, lse)`` with ``lse`` float32
         ``(heads, total_q)``.
 
-    One attention_cte call covers the whole batch: heads are its batch axis and each query
-    row's allowed key range (sequence, causal diagonal and window) is a packing bound.
+    Usually one attention_cte call covers the whole batch: heads are its batch axis and each
+    query row's allowed key range (sequence, causal diagonal and window) is a packing bound.
+    The library's ALiBi distance uses one position offset per call, which reproduces every
+    sequence's distance only when ``cu_seqlens_k[s + 1] - cu_seqlens_q[s + 1]`` is the same for
+    all sequences (self-attention with ``cu_seqlens_q == cu_seqlens_k``, for one) and the slopes
+    are the same for all sequences; otherwise ALiBi runs one call per sequence.
     """
-    _unsupported(softcap, alibi_slopes)
     qt, kt, vt = _inputs(q, k, v, 3, "(total, {h}, head_dim)")
     _check_heads(qt, kt, vt, 1)
     total_q, heads, d = qt.shape
@@ -275,30 +331,70 @@ def flash_attn_varlen_func(
         )
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     left, right = _window(window_size, causal)
+    cap = _softcap(softcap)
+    slopes = _alibi(alibi_slopes, len_q.size, heads)
+    common = {"scale": scale, "tp_k": True, "num_threads": num_threads, "softcap": cap}
 
-    lo = np.zeros(total_q, np.int64)
-    hi = np.zeros(total_q, np.int64)
-    for s in range(len_q.size):
-        qs, ks = int(cu_q[s]), int(cu_k[s])
-        row_lo, row_hi = _bounds(int(len_q[s]), int(len_k[s]), left, right)
-        lo[qs : qs + len_q[s]] = row_lo + ks
-        hi[qs : qs + len_q[s]] = row_hi + ks
+    packed: tuple[int, bool] | None = (0, False)
+    if slopes is not None:
+        live = (len_q > 0) & (len_k > 0)
+        rows = slopes[live] if live.any() else slopes[:1]
+        packed = _packed_alibi_positions(cu_q, cu_k, total_q, total_k)
+        if packed is not None and rows.size and np.all(rows == rows[:1]):
+            common["alibi_slopes"] = rows[0]
+        else:
+            packed = None
 
-    out = empty(qt, (total_q, heads, dv))
-    lse = empty(qt, (heads, total_q), "float32") if return_softmax_lse else None
-    _call(
-        _view(qt, None),
-        _view(kt, None),
-        _view(vt, None),
-        transpose(out, 0, 1),
-        lse=lse,
-        scale=scale,
-        causal_mask=False,
-        tp_k=True,
-        bound_min=lo,
-        bound_max=hi,
-        num_threads=num_threads,
-    )
+    if packed is not None:
+        # One call: per-row packing bounds, ALiBi positions shifted by one common offset.
+        lo = np.zeros(total_q, np.int64)
+        hi = np.zeros(total_q, np.int64)
+        for s in range(len_q.size):
+            qs, ks = int(cu_q[s]), int(cu_k[s])
+            row_lo, row_hi = _bounds(int(len_q[s]), int(len_k[s]), left, right)
+            lo[qs : qs + len_q[s]] = row_lo + ks
+            hi[qs : qs + len_q[s]] = row_hi + ks
+        out = empty(qt, (total_q, heads, dv))
+        lse = empty(qt, (heads, total_q), "float32") if return_softmax_lse else None
+        cp_offset, bottom_right = packed
+        _call(
+            _view(qt, None),
+            _view(kt, None),
+            _view(vt, None),
+            transpose(out, 0, 1),
+            lse=lse,
+            causal_mask=False,
+            bound_min=lo,
+            bound_max=hi,
+            cp_offset=cp_offset or None,
+            bottom_right=bottom_right,
+            **common,
+        )
+    else:
+        # One call per sequence, each as flash_attn_func does it; rows outside every sequence
+        # (and sequences without keys) keep out = 0, lse = -inf.
+        out = zeros(qt, (total_q, heads, dv))
+        lse = None
+        if return_softmax_lse:
+            lse = empty(qt, (heads, total_q), "float32")
+            lse[...] = -math.inf
+        for s in range(len_q.size):
+            qs, qe, ks, ke = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+            if qe == qs or ke == ks:
+                continue
+            _call(
+                _view(qt, slice(qs, qe)),
+                _view(kt, slice(ks, ke)),
+                _view(vt, slice(ks, ke)),
+                transpose(out[qs:qe], 0, 1),
+                lse=None if lse is None else lse[:, qs:qe],
+                causal_mask=False,
+                alibi_slopes=slopes[s],
+                window_left=left,
+                window_right=right,
+                bottom_right=True,
+                **common,
+            )
     if return_softmax_lse:
         return give_back(qt, out), give_back(qt, lse)
     return give_back(qt, out)

@@ -32,6 +32,12 @@ def attention_cte(
     bound_max: object | None,
     num_threads: int,
     tiles: Sequence[int],
+    softcap: float,
+    alibi_slopes: object | None,
+    key_bias: object | None,
+    window_left: int,
+    window_right: int,
+    bottom_right: bool,
     bf16_bits: bool,
 ) -> None:
     """

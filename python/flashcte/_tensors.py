@@ -209,8 +209,10 @@ def index_array(name: str, x: Any) -> Any:
     raise TypeError(f"{name}: dtype must be int32, int64 or float32, got {a.dtype}")
 
 
-def float32_vector(name: str, x: Any) -> Any:
-    """The sink logits as float32 (converted when given in another float dtype: bs values)."""
+def float32_array(name: str, x: Any) -> Any:
+    """A float32 side input (sink logits, ALiBi slopes, key bias) of any shape: float32 numpy
+    arrays and torch tensors pass as they are, other real dtypes (float16, bfloat16, float64,
+    integers) and sequences are converted to float32."""
     torch = _torch()
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu":

@@ -184,7 +184,9 @@ void attention_cte(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb:
                    bool cache_softmax, std::optional<int64_t> cp_offset,
                    std::optional<int64_t> global_cp_deg, bool cp_strided_q_slicing,
                    nb::handle bound_min, nb::handle bound_max, int num_threads,
-                   std::vector<int64_t> tiles, bool bf16_bits) {
+                   std::vector<int64_t> tiles, float softcap, nb::handle alibi_slopes,
+                   nb::handle key_bias, int64_t window_left, int64_t window_right,
+                   bool bottom_right, bool bf16_bits) {
   Imports im;
   im.bf16_bits = bf16_bits;
   const flashcte::TensorView qv = im.in("q", q);
@@ -220,6 +222,12 @@ void attention_cte(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb:
     }
     o.tiles = {tiles[0], tiles[1], tiles[2], tiles[3]};
   }
+  o.softcap = softcap;
+  o.alibi_slopes = im.in("alibi_slopes", alibi_slopes);
+  o.key_bias = im.in("key_bias", key_bias);
+  o.window_left = window_left;
+  o.window_right = window_right;
+  o.bottom_right = bottom_right;
 
   flashcte::Status status;
   {
@@ -242,7 +250,9 @@ NB_MODULE(_flashcte, m) {
         nb::arg("sliding_window"), nb::arg("tp_q"), nb::arg("tp_k"), nb::arg("tp_out"),
         nb::arg("cache_softmax"), nb::arg("cp_offset").none(), nb::arg("global_cp_deg").none(),
         nb::arg("cp_strided_q_slicing"), nb::arg("bound_min").none(), nb::arg("bound_max").none(),
-        nb::arg("num_threads"), nb::arg("tiles"), nb::arg("bf16_bits"),
+        nb::arg("num_threads"), nb::arg("tiles"), nb::arg("softcap"),
+        nb::arg("alibi_slopes").none(), nb::arg("key_bias").none(), nb::arg("window_left"),
+        nb::arg("window_right"), nb::arg("bottom_right"), nb::arg("bf16_bits"),
         "attention_cte into caller-allocated outputs (all tensors as numpy arrays or DLPack "
         "tensors, read in place). Raises TypeError/ValueError with the library's message.");
   m.def("simd_target", &flashcte::simd_target,

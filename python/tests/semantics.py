@@ -2,8 +2,10 @@
 
 It shares no code with the library or with src/reference: it materialises the score matrix of
 one (batch*head) at a time, builds the mask from the spec's rules verbatim and takes the softmax
-in float64. Plus FlashAttention's conventions (bottom-right causal, windows) as an independent
-mask, for flash_attn_func / flash_attn_varlen_func.
+in float64. The library's extensions beyond the Neuron kernel (include/flashcte/flashcte.h:
+softcap, ALiBi, key_bias, window_left/window_right, bottom_right) are transcribed from the
+header's comments. Plus FlashAttention's conventions (bottom-right causal, windows, softcap,
+ALiBi) as an independent model, for flash_attn_func / flash_attn_varlen_func.
 """
 
 from __future__ import annotations
@@ -45,17 +47,27 @@ def attention_cte_ref(
     cp_strided_q_slicing=False,
     bound_min=None,
     bound_max=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    key_bias=None,
+    window_left=-1,
+    window_right=-1,
+    bottom_right=False,
 ):
     """Returns (out (bs, Sq, dv), neg_max (bs, Sq), sum_recip (bs, Sq), lse (bs, Sq)), float64.
 
     Empty rows (no unmasked key, no sink): out 0, neg_max +inf, sum_recip +inf, lse -inf.
+    Extensions: S = scale * q.k -> softcap * tanh(S / softcap) -> + -slope * |q_pos - kv_pos|
+    -> + key_bias[b, j] -> masks, where the masks add -window_left <= diff <= window_right
+    (-1: unbounded) and bottom_right moves every query position by Skv - Sq (Skv: k's length,
+    without the prior).
     """
     # 1. Undo the transposes.
     q = f64(q) if tp_q else f64(q).transpose(0, 2, 1)
     k = f64(k) if tp_k else f64(k).transpose(0, 2, 1)
     v = f64(v)
     bs, sq, _ = q.shape
-    bs_kv, _skv, _ = k.shape
+    bs_kv, skv, _ = k.shape
     dv = v.shape[2]
     group = bs // bs_kv
     if k_prior is not None:
@@ -77,6 +89,10 @@ def attention_cte_ref(
         q_pos = offset + i * global_cp_deg
     else:
         q_pos = offset + i
+    if bottom_right:
+        q_pos = q_pos + (skv - sq)
+    slopes = None if alibi_slopes is None else f64(alibi_slopes).reshape(-1)
+    bias = None if key_bias is None else f64(key_bias)
     sink_vals = None if sink is None else f64(sink).reshape(-1)
     if bound_min is not None:
         bmin = f64(bound_min).reshape(-1)
@@ -103,10 +119,20 @@ def attention_cte_ref(
             masked |= diff > 0
         if sliding_window > 0:
             masked |= diff <= -sliding_window
+        if window_left >= 0:
+            masked |= diff < -window_left
+        if window_right >= 0:
+            masked |= diff > window_right
         if bound_min is not None:
             masked |= (j[None, :] < bmin[:, None]) | (j[None, :] >= bmax[:, None])
-        # 4. Scores.
+        # 4. Scores, then the modifiers in the header's order, then the mask.
         s = scale * (q[b] @ keys.T)
+        if softcap > 0:
+            s = softcap * np.tanh(s / softcap)
+        if slopes is not None:
+            s = s - slopes[b] * np.abs(diff)
+        if bias is not None:
+            s = s + bias[b, : keys.shape[0]][None, :]
         s[masked] = -np.inf
         # 5. Sink column (not scaled, no value vector).
         if sink_vals is not None:
@@ -147,9 +173,14 @@ def fa_mask(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1)) -> np.n
     return ok
 
 
-def masked_softmax_attention(q, k, v, allowed, scale):
-    """One head: q (Sq, d), k (Sk, d), v (Sk, dv), allowed (Sq, Sk) -> (out, lse), float64."""
+def masked_softmax_attention(q, k, v, allowed, scale, softcap=0.0, bias=None):
+    """One head: q (Sq, d), k (Sk, d), v (Sk, dv), allowed (Sq, Sk), optional additive bias
+    (Sq, Sk) after soft-capping -> (out, lse), float64."""
     s = scale * (f64(q) @ f64(k).T)
+    if softcap > 0:
+        s = softcap * np.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
     s[~allowed] = -np.inf
     out = np.zeros((s.shape[0], np.shape(v)[1]))
     lse = np.full(s.shape[0], -np.inf)
@@ -162,34 +193,78 @@ def masked_softmax_attention(q, k, v, allowed, scale):
     return out, lse
 
 
-def flash_attn_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
-    """q (B, Sq, H, d), k/v (B, Sk, Hk, d): (out (B, Sq, H, dv), lse (B, H, Sq)), float64."""
+def fa_alibi_distance(seqlen_q: int, seqlen_k: int) -> np.ndarray:
+    """FlashAttention's ALiBi distance |i + Sk - Sq - j| (its documented bias is -slope times
+    this; bottom-right aligned like its causal mask)."""
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    return np.abs(i + seqlen_k - seqlen_q - j).astype(np.float64)
+
+
+def flash_attn_ref(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+):
+    """q (B, Sq, H, d), k/v (B, Sk, Hk, d): (out (B, Sq, H, dv), lse (B, H, Sq)), float64.
+    alibi_slopes: (H,) or (B, H)."""
     batch, sq, heads, d = q.shape
     sk, heads_k = k.shape[1], k.shape[2]
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     allowed = fa_mask(sq, sk, causal, window_size)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(f64(alibi_slopes), (batch, heads))
+        dist = fa_alibi_distance(sq, sk)
     out = np.zeros((batch, sq, heads, v.shape[3]))
     lse = np.zeros((batch, heads, sq))
     for b in range(batch):
         for h in range(heads):
             hk = h // (heads // heads_k)
+            bias = None if slopes is None else -slopes[b, h] * dist
             out[b, :, h], lse[b, h] = masked_softmax_attention(
-                q[b, :, h], k[b, :, hk], v[b, :, hk], allowed, scale
+                q[b, :, h], k[b, :, hk], v[b, :, hk], allowed, scale, softcap, bias
             )
     return out, lse
 
 
 def flash_attn_varlen_ref(
-    q, k, v, cu_q, cu_k, softmax_scale=None, causal=False, window_size=(-1, -1)
+    q,
+    k,
+    v,
+    cu_q,
+    cu_k,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
 ):
-    """Per sequence flash_attn_ref; rows outside every sequence are 0 with lse -inf."""
+    """Per sequence flash_attn_ref (positions within the sequence); rows outside every sequence
+    are 0 with lse -inf. alibi_slopes: (H,) or (num_sequences, H)."""
     total_q, heads, _d = q.shape
     out = np.zeros((total_q, heads, v.shape[2]))
     lse = np.full((heads, total_q), -np.inf)
     for s in range(len(cu_q) - 1):
         qs, qe, ks, ke = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = f64(alibi_slopes)
+            slopes = slopes if slopes.ndim == 1 else slopes[s]
         o, l = flash_attn_ref(
-            q[None, qs:qe], k[None, ks:ke], v[None, ks:ke], softmax_scale, causal, window_size
+            q[None, qs:qe],
+            k[None, ks:ke],
+            v[None, ks:ke],
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            slopes,
         )
         out[qs:qe] = o[0]
         lse[:, qs:qe] = l[0]

@@ -241,3 +241,109 @@ def test_dlpack_bfloat16_not_through_numpy():
 
     q, k, _v = qkv()
     raises(TypeError, "v: cannot read this DLPack tensor", flashcte.attention_cte, q, k, Opaque())
+
+
+def test_extension_errors():
+    """softcap, alibi_slopes, key_bias and the window bounds name themselves when refused."""
+    q, k, v = qkv()
+    a = flashcte.attention_cte
+    raises(ValueError, "softcap: must be finite and >= 0", a, q, k, v, softcap=-1.0)
+    raises(ValueError, "softcap: must be finite and >= 0", a, q, k, v, softcap=float("nan"))
+    raises(TypeError, "softcap: must be a float", a, q, k, v, softcap="big")
+    raises(
+        ValueError,
+        "alibi_slopes: shape (3,) must be (bs,) or (bs, 1)",
+        a,
+        q,
+        k,
+        v,
+        alibi_slopes=np.zeros(3, np.float32),
+    )
+    raises(
+        ValueError,
+        "alibi_slopes: entry 1 is not finite",
+        a,
+        q,
+        k,
+        v,
+        alibi_slopes=np.array([0.5, np.inf], np.float32),
+    )
+    raises(
+        TypeError,
+        "alibi_slopes: dtype must be a float type",
+        a,
+        q,
+        k,
+        v,
+        alibi_slopes=np.array(["a", "b"]),
+    )
+    raises(
+        ValueError,
+        "key_bias: shape (2, 7) must be (bs, prior_used_len + Skv) = (2, 8)",
+        a,
+        q,
+        k,
+        v,
+        key_bias=np.zeros((2, 7), np.float32),
+    )
+    raises(ValueError, "window_left: must be >= 0, or -1", a, q, k, v, window_left=-2)
+    raises(ValueError, "window_right: must be >= 0, or -1", a, q, k, v, window_right=-5)
+    raises(TypeError, "window_right: must be an int", a, q, k, v, window_right=1.5)
+    raises(
+        ValueError,
+        "window_left: 100000000000000000000 does not fit",
+        a,
+        q,
+        k,
+        v,
+        window_left=10**20,
+    )
+    raises(TypeError, "sliding_window: must be an int", a, q, k, v, sliding_window=float("inf"))
+    x = np.zeros((2, 4, 3, 8), np.float32)
+    fa = flashcte.flash_attn_func
+    raises(
+        ValueError,
+        "alibi_slopes: shape (2,) must be (heads,) = (3,) or (batch, heads) = (2, 3)",
+        fa,
+        x,
+        x,
+        x,
+        alibi_slopes=np.ones(2, np.float32),
+    )
+    raises(
+        ValueError,
+        "alibi_slopes: entry (batch, head) = (1, 2) is not finite",
+        fa,
+        x,
+        x,
+        x,
+        alibi_slopes=np.array([[1, 1, 1], [1, 1, np.nan]], np.float32),
+    )
+    raises(
+        TypeError,
+        "alibi_slopes: dtype must be a float type",
+        fa,
+        x,
+        x,
+        x,
+        alibi_slopes=np.ones(3, bool),
+    )
+    raises(ValueError, "softcap: must be finite and >= 0", fa, x, x, x, softcap=-3.0)
+    raises(TypeError, "softcap: must be a float", fa, x, x, x, softcap=[1.0])
+    cu = np.array([0, 2, 4])
+    raises(
+        ValueError,
+        "alibi_slopes: shape (3, 3) must be (heads,) = (3,) or (batch, heads) = (2, 3)",
+        flashcte.flash_attn_varlen_func,
+        x[0],
+        x[0],
+        x[0],
+        cu,
+        cu,
+        4,
+        4,
+        alibi_slopes=np.ones((3, 3), np.float32),
+    )
+    # Windows wider than any position are unbounded, not an overflow.
+    same = fa(x, x, x, window_size=(10**30, 10**30))
+    assert np.array_equal(same, fa(x, x, x))

@@ -6,6 +6,7 @@ import flashcte
 import numpy as np
 import pytest
 from conftest import DTYPES, assert_close, assert_stat_close, make, np_dtype
+from flashcte._flash_attn import _packed_alibi_positions
 from semantics import fa_mask, flash_attn_ref, flash_attn_varlen_ref
 
 
@@ -102,16 +103,112 @@ def test_flash_attn_strided_inputs(rng):
     assert_close(out, ref, "float32")
 
 
-def test_flash_attn_unsupported():
-    q = np.zeros((1, 4, 2, 8), np.float32)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        flashcte.flash_attn_func(q, q, q, softcap=30.0)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        flashcte.flash_attn_func(q, q, q, alibi_slopes=np.ones(2, np.float32))
-    with pytest.raises(NotImplementedError, match="softcap"):
-        flashcte.flash_attn_varlen_func(
-            q[0], q[0], q[0], np.array([0, 4]), np.array([0, 4]), 4, 4, softcap=1.0
+def fa_slopes(rng, *shape):
+    return rng.uniform(0.01, 0.5, shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "sq,sk,causal,window",
+    [
+        (48, 48, False, (-1, -1)),
+        (48, 48, True, (-1, -1)),
+        (30, 70, True, (-1, -1)),
+        (70, 30, True, (-1, -1)),
+        (30, 70, False, (-1, -1)),
+        (70, 30, False, (-1, -1)),
+        (50, 80, True, (12, -1)),
+        (80, 50, False, (10, 4)),
+    ],
+)
+@pytest.mark.parametrize("modifier", ["softcap", "alibi", "alibi_batch", "both"])
+def test_flash_attn_modifiers(rng, dtype, sq, sk, causal, window, modifier):
+    """softcap and ALiBi ((heads,) and (batch, heads) slopes), alone and together, with GQA."""
+    batch, heads, heads_k, d = 2, 6, 2, 32
+    q = make(rng, (batch, sq, heads, d), dtype)
+    k = make(rng, (batch, sk, heads_k, d), dtype)
+    v = make(rng, (batch, sk, heads_k, d), dtype)
+    extra = {}
+    if modifier in ("softcap", "both"):
+        extra["softcap"] = 3.0  # scores are ~N(0, 1) at 1/sqrt(d): a cap of 3 bends the tail
+    if modifier in ("alibi", "both"):
+        extra["alibi_slopes"] = fa_slopes(rng, heads)
+    if modifier == "alibi_batch":
+        extra["alibi_slopes"] = fa_slopes(rng, batch, heads)
+    scale = 1.0 if modifier == "softcap" else None
+    out, lse = flashcte.flash_attn_func(
+        q,
+        k,
+        v,
+        softmax_scale=scale,
+        causal=causal,
+        window_size=window,
+        return_softmax_lse=True,
+        **extra,
+    )
+    ref_out, ref_lse = flash_attn_ref(
+        q, k, v, softmax_scale=scale, causal=causal, window_size=window, **extra
+    )
+    assert out.dtype == np_dtype(dtype) and out.shape == (batch, sq, heads, d)
+    assert_close(out, ref_out, dtype)
+    assert_stat_close(lse, ref_lse, dtype, "lse")
+
+
+def test_flash_attn_alibi_convention():
+    """FlashAttention's documented ALiBi bias: -slope * |i + seqlen_k - seqlen_q - j|, read off
+    the output: with q = 0 the probabilities are softmax(bias) over the allowed keys."""
+    sq, sk, slope = 3, 6, 0.7
+    q = np.zeros((1, sq, 1, 4), np.float32)
+    k = np.zeros((1, sk, 1, 4), np.float32)
+    v = np.eye(sk, dtype=np.float32)[None, :, None, :]
+    for causal in (False, True):
+        out, lse = flashcte.flash_attn_func(
+            q,
+            k,
+            v,
+            causal=causal,
+            alibi_slopes=np.array([slope], np.float32),
+            return_softmax_lse=True,
         )
+        i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+        bias = -slope * np.abs(i + sk - sq - j)
+        if causal:
+            bias = np.where(j <= i + sk - sq, bias, -np.inf)
+        p = np.exp(bias - bias.max(1, keepdims=True))
+        np.testing.assert_allclose(out[0, :, 0], p / p.sum(1, keepdims=True), rtol=1e-6)
+        expect_lse = np.log(np.exp(bias).sum(1))
+        np.testing.assert_allclose(lse[0, 0], expect_lse, rtol=1e-6)
+
+
+def test_flash_attn_softcap_convention():
+    """softcap applies to the scaled score: S = softcap * tanh(softmax_scale * q.k / softcap)."""
+    q = np.ones((1, 1, 1, 4), np.float32)
+    k = np.array([0.0, 1.0, 2.0, 4.0], np.float32)[None, :, None, None] * np.ones(4, np.float32)
+    v = np.eye(4, dtype=np.float32)[None, :, None, :]
+    out, lse = flashcte.flash_attn_func(
+        q, k, v, softmax_scale=0.5, softcap=2.0, return_softmax_lse=True
+    )
+    s = 2.0 * np.tanh(0.5 * np.array([0.0, 4.0, 8.0, 16.0]) / 2.0)
+    p = np.exp(s - s.max())
+    np.testing.assert_allclose(out[0, 0, 0], p / p.sum(), rtol=1e-6)
+    np.testing.assert_allclose(lse[0, 0, 0], np.log(np.exp(s).sum()), rtol=1e-6)
+
+
+def test_flash_attn_modifier_forms(rng):
+    """Slopes in another float dtype, as a list, broadcast over the batch; softcap None or 0
+    means off; strided q/k/v views."""
+    qkv = make(rng, (2, 20, 3, 4, 16), "float32")
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    slopes = fa_slopes(rng, 4)
+    a = flashcte.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    for form in (slopes.astype(np.float64), slopes.tolist(), np.stack([slopes, slopes])):
+        b = flashcte.flash_attn_func(q, k, v, causal=True, alibi_slopes=form)
+        assert np.array_equal(a, b)
+    base = flashcte.flash_attn_func(q, k, v, causal=True)
+    for off in (0.0, None):
+        assert np.array_equal(flashcte.flash_attn_func(q, k, v, causal=True, softcap=off), base)
+    ref, _ = flash_attn_ref(q, k, v, causal=True, alibi_slopes=slopes)
+    assert_close(a, ref, "float32")
 
 
 def random_cu_seqlens(rng, lengths):
@@ -148,6 +245,101 @@ def test_flash_attn_varlen(rng, dtype, causal, window):
     assert_close(out, ref_out, dtype)
     assert_stat_close(lse, ref_lse, dtype, "lse")
     assert np.all(out[-extra:].astype(np.float32) == 0)
+
+
+# (len_q, len_k, extra query rows, extra key rows, slopes per sequence, positions fit one call)
+# One packed call runs when the positions fit and the slopes are the same for every sequence.
+VARLEN_ALIBI_CASES = [
+    # Self-attention (cu_q == cu_k): one call, no offset.
+    pytest.param([17, 1, 0, 30, 25], [17, 1, 0, 30, 25], 3, 0, False, True, id="self"),
+    # The same with one slope row per sequence: one call per sequence.
+    pytest.param([17, 1, 0, 30, 25], [17, 1, 0, 30, 25], 3, 0, True, True, id="self-per-seq"),
+    # Each sequence ends 4 keys after its queries: one call, cp_offset 4.
+    pytest.param([5, 8, 6], [9, 8, 6], 2, 0, False, True, id="shift+4"),
+    # Each ends 4 keys before: one call, bottom_right plus a cp_offset.
+    pytest.param([9, 8, 6], [5, 8, 6], 3, 0, False, True, id="shift-4"),
+    # As above with trailing keys past cu_seqlens_k[-1]: the offset is out of reach.
+    pytest.param([9, 8, 6], [5, 8, 6], 0, 7, False, False, id="shift-4-trailing-keys"),
+    # Different lengths, an empty query and an empty key sequence: one call per sequence.
+    pytest.param([17, 1, 0, 40, 25, 9], [17, 30, 5, 12, 25, 0], 3, 0, False, False, id="mixed"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("len_q,len_k,extra_q,extra_k,per_seq,fits", VARLEN_ALIBI_CASES)
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (6, 2))])
+@pytest.mark.parametrize("cap", [0.0, 2.5])
+def test_flash_attn_varlen_alibi(
+    rng, dtype, len_q, len_k, extra_q, extra_k, per_seq, fits, causal, window, cap
+):
+    """ALiBi distances within each sequence (bottom-right aligned per sequence), with softcap,
+    GQA, masks; whichever of the one-call and per-sequence paths the offsets allow."""
+    len_q, len_k = np.array(len_q), np.array(len_k)
+    cu_q, cu_k = random_cu_seqlens(rng, len_q), random_cu_seqlens(rng, len_k)
+    heads, heads_k, d = 4, 2, 16
+    q = make(rng, (cu_q[-1] + extra_q, heads, d), dtype)
+    k = make(rng, (cu_k[-1] + extra_k, heads_k, d), dtype)
+    v = make(rng, (cu_k[-1] + extra_k, heads_k, d), dtype)
+    slopes = fa_slopes(rng, len_q.size, heads) if per_seq else fa_slopes(rng, heads)
+    assert (_packed_alibi_positions(cu_q, cu_k, q.shape[0], k.shape[0]) is not None) == fits
+    kwargs = {"causal": causal, "window_size": window, "softcap": cap, "alibi_slopes": slopes}
+    out, lse = flashcte.flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        int(len_q.max()),
+        int(len_k.max()),
+        return_softmax_lse=True,
+        **kwargs,
+    )
+    ref_out, ref_lse = flash_attn_varlen_ref(q, k, v, cu_q, cu_k, **kwargs)
+    assert out.shape == q.shape and lse.shape == (heads, q.shape[0])
+    assert_close(out, ref_out, dtype)
+    assert_stat_close(lse, ref_lse, dtype, "lse")
+    if extra_q:
+        assert np.all(out[-extra_q:].astype(np.float32) == 0)
+        assert np.all(lse[:, -extra_q:] == -np.inf)
+
+
+def test_packed_alibi_positions():
+    def fit(cu_q, cu_k, total_q, total_k):
+        return _packed_alibi_positions(np.array(cu_q), np.array(cu_k), total_q, total_k)
+
+    assert fit([0, 4, 9], [0, 4, 9], 9, 9) == (0, False)
+    assert fit([0, 4, 9], [0, 6, 11], 12, 11) == (2, False)
+    # c = -3 with total_k - total_q = -5: bottom_right (offset -5) plus cp_offset 2.
+    assert fit([0, 7, 12], [0, 4, 9], 14, 9) == (2, True)
+    assert fit([0, 7, 12], [0, 4, 9], 12, 10) is None  # -3 < -2: out of reach
+    assert fit([0, 4, 9], [0, 5, 9], 9, 9) is None  # shifts 1 then 0
+    # Sequences without queries or without keys do not constrain the offset.
+    assert fit([0, 4, 4, 9], [0, 4, 8, 9], 9, 9) == (0, False)
+    assert fit([0, 4, 6, 9], [0, 4, 4, 9], 9, 9) == (0, False)
+
+
+def test_varlen_softcap_single_call(rng):
+    """softcap alone keeps varlen's one packed call and matches the batched function."""
+    batch, s, heads, d = 3, 21, 4, 16
+    q = make(rng, (batch, s, heads, d), "float32")
+    k = make(rng, (batch, s, 2, d), "float32")
+    v = make(rng, (batch, s, 2, d), "float32")
+    cu = np.arange(batch + 1, dtype=np.int32) * s
+    for slopes in (None, fa_slopes(rng, heads)):
+        a = flashcte.flash_attn_func(q, k, v, causal=True, softcap=2.0, alibi_slopes=slopes)
+        b = flashcte.flash_attn_varlen_func(
+            q.reshape(-1, heads, d),
+            k.reshape(-1, 2, d),
+            v.reshape(-1, 2, d),
+            cu,
+            cu,
+            s,
+            s,
+            causal=True,
+            softcap=2.0,
+            alibi_slopes=slopes,
+        )
+        assert_close(b.reshape(a.shape), a, "float32", rtol=1e-6)
 
 
 def test_varlen_matches_batched(rng):
