@@ -64,14 +64,6 @@ void ensure(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
 
-// True when every value is finite: x - x is 0 for finite x and NaN for Inf or NaN, and the sum
-// has no branch to mispredict.
-bool all_finite(const float* x, int64_t n) {
-  float acc = 0.0f;
-  for (int64_t i = 0; i < n; ++i) acc += x[i] - x[i];
-  return acc == 0.0f;
-}
-
 // Copies the rows x cols matrix src(r, c) = base[r * row_stride + c * col_stride] (dtype) into
 // dst[r * dst_row + c * dst_col] as float32. Runs along whichever source axis is contiguous go
 // through the vector converter; the scatter into dst is then one scalar store per element.
@@ -81,21 +73,26 @@ void pack_matrix(const simd::Ops& ops, const void* base, DType dtype, int64_t ro
   const char* bytes = static_cast<const char*>(base);
   const int64_t size = dtype_size(dtype);
   if (col_stride == 1 || (row_stride != 1 && cols > 1)) {
-    // Contiguous (or neither) along columns: convert row by row.
-    ensure(tmp, cols);
-    for (int64_t r = 0; r < rows; ++r) {
-      const char* src = bytes + r * row_stride * size;
-      float* out = dst + r * dst_row;
-      if (col_stride == 1 && dst_col == 1) {
-        ops.to_float(src, dtype, cols, out);
-        continue;
+    // Contiguous (or neither) along columns: convert row by row, kRowBlock rows at a time so a
+    // transposing store (K: dst_row 1) writes kRowBlock consecutive floats, not one per line.
+    constexpr int64_t kRowBlock = 16;
+    ensure(tmp, kRowBlock * cols);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const int64_t n = std::min(kRowBlock, rows - r0);
+      for (int64_t r = r0; r < r0 + n; ++r) {
+        const char* src = bytes + r * row_stride * size;
+        float* row = dst_col == 1 ? dst + r * dst_row : &tmp[(r - r0) * cols];
+        if (col_stride == 1) {
+          ops.to_float(src, dtype, cols, row);
+        } else {
+          for (int64_t c = 0; c < cols; ++c) row[c] = load_as_float(src, c * col_stride, dtype);
+        }
       }
-      if (col_stride == 1) {
-        ops.to_float(src, dtype, cols, tmp.data());
-      } else {
-        for (int64_t c = 0; c < cols; ++c) tmp[c] = load_as_float(src, c * col_stride, dtype);
+      if (dst_col == 1) continue;
+      for (int64_t c = 0; c < cols; ++c) {
+        float* out = dst + c * dst_col + r0 * dst_row;
+        for (int64_t r = 0; r < n; ++r) out[r * dst_row] = tmp[r * cols + c];
       }
-      for (int64_t c = 0; c < cols; ++c) out[c * dst_col] = tmp[c];
     }
     return;
   }
@@ -156,7 +153,9 @@ void write_row(const Problem& p, int64_t b, int64_t i, const float* o, float neg
   const MutView3& out = p.out;
   const int64_t off = b * out.batch_stride + i * out.row_stride;
   float neg_max = neg_run, sum_recip, lse;
-  if (sum > 0.0f) {
+  // Empty only when the sum is exactly 0: a NaN sum (a NaN or Inf among the row's scores or
+  // values) must come out as NaN, not as an empty row.
+  if (sum != 0.0f) {
     sum_recip = 1.0f / sum;
     for (int64_t c = 0; c < p.value_dim; ++c) {
       store_from_float(out.data, off + c * out.col_stride, p.dtype, o[c] * sum_recip);
@@ -340,8 +339,8 @@ void run_work_item(const Problem& p, const simd::Ops& ops, const ItemRange& item
       const TileWork& tile = sc.plan.tiles[t];
       pack_kv(p, ops, kv_b, tile.begin, tile.end, sec.begin, sc.k.data(), ldk, sc.v.data(), ldv,
               sc.convert);
-      sc.v_nonfinite |=
-          !all_finite(sc.v.data() + (tile.begin - sec.begin) * ldv, (tile.end - tile.begin) * ldv);
+      sc.v_nonfinite |= !ops.all_finite(sc.v.data() + (tile.begin - sec.begin) * ldv,
+                                        (tile.end - tile.begin) * ldv);
     }
     for (int64_t sb = 0; sb < subs; ++sb) {
       // The sub-block's sections are a subset of the item's, in the same order.

@@ -13,6 +13,7 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/simd/ops.cc"
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -262,6 +263,23 @@ void AddRow(float* s, const float* bias, int64_t n) {
   for (; c < n; ++c) s[c] += bias[c];
 }
 
+bool AllFinite(const float* x, int64_t n) {
+  // A float is NaN or Inf exactly when its exponent bits are all ones.
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const auto exp_mask = hn::Set(du, 0x7F800000u);
+  auto bad = hn::Zero(du);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    const auto e = hn::And(hn::BitCast(du, hn::LoadU(df, x + i)), exp_mask);
+    bad = hn::Or(bad, hn::VecFromMask(du, hn::Eq(e, exp_mask)));
+  }
+  bool ok = hn::AllTrue(du, hn::Eq(bad, hn::Zero(du)));
+  for (; i < n; ++i) ok &= std::isfinite(x[i]);
+  return ok;
+}
+
 // --- conversion ------------------------------------------------------------------------------
 
 template <typename T>
@@ -365,8 +383,16 @@ void Pv(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, in
 }
 
 const Ops* GetOps() {
-  static const Ops table = {
-      hwy::TargetName(HWY_TARGET), &Qk, &RowMax, &ExpSum, &Softcap, &Alibi, &AddRow, &ToFloat, &Pv};
+  static const Ops table = {hwy::TargetName(HWY_TARGET),
+                            &Qk,
+                            &RowMax,
+                            &ExpSum,
+                            &Softcap,
+                            &Alibi,
+                            &AddRow,
+                            &AllFinite,
+                            &ToFloat,
+                            &Pv};
   return &table;
 }
 

@@ -54,6 +54,9 @@ struct Ops {
   void (*alibi)(float* s, int64_t n, float slope, float d0);
   void (*add)(float* s, const float* bias, int64_t n);
 
+  // True when no x[i], i < n, is NaN or Inf (the kernel's rare exact path for such values).
+  bool (*all_finite)(const float* x, int64_t n);
+
   // dst[i] = float(src[i]) for i < n, src contiguous of dtype float32, bfloat16 or float16
   // (F16C on x86). Used by the packers, which run once per tile.
   void (*to_float)(const void* src, DType dtype, int64_t n, float* dst);
