@@ -28,4 +28,7 @@ ctest --test-dir build/ci -LE long --output-on-failure -j "$JOBS"
 section "python"
 python/run_tests.sh -q
 
+section "sanitizers and fuzzing"
+scripts/ci_sanitizers.sh
+
 section "done"
