@@ -87,26 +87,37 @@ void run_all(const Problem& p) {
   if (splits > 1) {
     partials.resize(static_cast<size_t>(p.kv_batch * blocks * splits * partial_floats(p)));
   }
+  const auto run_item = [&](int64_t i) {
+    const WorkItem& it = items[i];
+    float* partial = nullptr;
+    if (splits > 1) {
+      partial = partials.data() +
+                ((it.kv_batch * blocks + it.q_block) * splits + it.split) * partial_floats(p);
+    }
+    run_work_item(p, ops, {it.kv_batch, it.q_block, it.kv_begin, it.kv_end}, partial);
+  };
+  const auto merge = [&](int64_t i) {
+    merge_splits(p, i / blocks, i % blocks, partials.data() + i * splits * partial_floats(p),
+                 splits);
+  };
+  const int threads = resolve_threads(p, n);
+  if (threads == 1) {
+    // No parallel region at all: for tiny problems its fork and join cost more than the work.
+    for (int64_t i = 0; i < n; ++i) run_item(i);
+    if (splits > 1) {
+      for (int64_t i = 0; i < p.kv_batch * blocks; ++i) merge(i);
+    }
+    return;
+  }
   // Largest first with dynamic hand-out: the longest-processing-time rule, which keeps the
   // causal triangle's long rows from landing on one thread at the end.
-#pragma omp parallel num_threads(resolve_threads(p, n))
+#pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) {
-      const WorkItem& it = items[i];
-      float* partial = nullptr;
-      if (splits > 1) {
-        partial = partials.data() +
-                  ((it.kv_batch * blocks + it.q_block) * splits + it.split) * partial_floats(p);
-      }
-      run_work_item(p, ops, {it.kv_batch, it.q_block, it.kv_begin, it.kv_end}, partial);
-    }
+    for (int64_t i = 0; i < n; ++i) run_item(i);
     if (splits > 1) {
 #pragma omp for schedule(static)
-      for (int64_t i = 0; i < p.kv_batch * blocks; ++i) {
-        merge_splits(p, i / blocks, i % blocks, partials.data() + i * splits * partial_floats(p),
-                     splits);
-      }
+      for (int64_t i = 0; i < p.kv_batch * blocks; ++i) merge(i);
     }
   }
 }
