@@ -127,7 +127,7 @@ struct Outputs {
   MutableTensorView lse;
 };
 
-struct Status {
+struct [[nodiscard]] Status {
   bool ok = true;
   std::string message;  // "<argument>: <rule it broke>" when !ok
 
