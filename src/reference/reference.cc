@@ -120,8 +120,8 @@ template <typename T>
 T modified_score(const Problem& p, int64_t b, int64_t kb, int64_t i, int64_t j, T score) {
   if (p.softcap > 0) score = static_cast<T>(p.softcap * std::tanh(score / p.softcap));
   if (!p.alibi.empty()) {
-    score += static_cast<T>(-p.alibi[b] * std::abs(static_cast<double>(p.q_pos(i) -
-                                                                       p.kv_pos(kb, j))));
+    score +=
+        static_cast<T>(-p.alibi[b] * std::abs(static_cast<double>(p.q_pos(i) - p.kv_pos(kb, j))));
   }
   if (p.key_bias.present()) {
     const TensorView& t = p.key_bias;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -35,6 +36,14 @@ std::string dir() {
 }
 
 std::string path(const std::string& name) { return dir() + name + ".npy"; }
+
+// Removes the scratch directory when the test program ends.
+class ScratchCleanup : public ::testing::Environment {
+ public:
+  void TearDown() override { std::filesystem::remove_all(dir()); }
+};
+[[maybe_unused]] const auto* const kCleanup =
+    ::testing::AddGlobalTestEnvironment(new ScratchCleanup);
 
 void write_bytes(const std::string& p, const std::string& bytes) {
   std::ofstream f(p, std::ios::binary);
