@@ -395,16 +395,8 @@ TEST(CpuStrategy, ThreadCounts) {
 
 // The kernel's thread count must be the one the library really uses, as plan_attention reports.
 TEST(CpuStrategy, KernelThreadsMatchPlanAttention) {
-  const auto shape_view = [](std::vector<int64_t> shape) {
-    TensorView t;
-    t.rank = static_cast<int>(shape.size());
-    int64_t stride = 1;
-    for (int i = t.rank - 1; i >= 0; --i) {
-      t.shape[i] = shape[i];
-      t.strides[i] = stride;
-      stride *= shape[i];
-    }
-    return t;
+  const auto shape_view = [](const std::vector<int64_t>& shape) {
+    return TensorView::contiguous(nullptr, DType::kFloat32, shape);
   };
   struct Shape {
     int64_t batch, kv_batch, sq, skv, d;

@@ -69,17 +69,9 @@ int PlanCommand(const std::vector<std::string>& args) {
   const int64_t dv = f.integer("dv", d);
   const int64_t s_prior = f.integer("s-prior", 0);
 
-  auto shape_view = [dtype](std::vector<int64_t> shape) {
-    TensorView t;
-    t.dtype = dtype;
-    t.rank = static_cast<int>(shape.size());
-    int64_t stride = 1;
-    for (int i = t.rank - 1; i >= 0; --i) {
-      t.shape[i] = shape[i];
-      t.strides[i] = stride;
-      stride *= shape[i];
-    }
-    return t;
+  // Shapes only: plan_attention reads no q, k or v data.
+  auto shape_view = [dtype](const std::vector<int64_t>& shape) {
+    return TensorView::contiguous(nullptr, dtype, shape);
   };
   const TensorView q = shape_view({bs, sq, d});
   const TensorView k = shape_view({bs_kv, d, skv});
