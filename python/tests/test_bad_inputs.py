@@ -1,10 +1,9 @@
 """Bad-input matrix for the Python package (issue 6, reliability).
 
 A table of invalid calls, each one defect away from a valid call. Every row must raise the
-documented exception type (TypeError for dtypes and argument types, ValueError for broken rules,
-NotImplementedError for unsupported options) with a message that starts with the argument's name
-("<argument>: <rule>") and contains the rule; no row may crash the interpreter or modify an input
-array. The companion C++ and CLI matrices are in tests/reliability/.
+documented exception type (TypeError for dtypes and argument types, ValueError for broken rules)
+with a message that starts with the argument's name ("<argument>: <rule>") and contains the rule;
+no row may crash the interpreter or modify an input array. The companion C++ and CLI matrices are in tests/reliability/.
 """
 
 from __future__ import annotations
@@ -137,8 +136,21 @@ def rows():
          ValueError, "k", "heads must divide"),
         ("fa_window_below_minus_one", (flashcte.flash_attn_func, x4, {"window_size": (-2, 0)}),
          ValueError, "window_size", ">= -1"),
-        ("fa_softcap", (flashcte.flash_attn_func, x4, {"softcap": 30.0}), NotImplementedError,
-         "softcap", "not supported"),
+        ("fa_softcap_negative", (flashcte.flash_attn_func, x4, {"softcap": -1.0}), ValueError,
+         "softcap", "finite and >= 0"),
+        ("fa_alibi_wrong_heads", (flashcte.flash_attn_func, x4,
+                                  {"alibi_slopes": np.zeros(3, np.float32)}),
+         ValueError, "alibi_slopes", "must be"),
+        ("fa_alibi_nan", (flashcte.flash_attn_func, x4,
+                          {"alibi_slopes": np.array([np.nan, 1], np.float32)}),
+         ValueError, "alibi_slopes", "not finite"),
+        # --- score modifiers and windows on attention_cte ---
+        ("softcap_nan", (A, (q, k, v), {"softcap": math.nan}), ValueError, "softcap",
+         "finite and >= 0"),
+        ("key_bias_short", (A, (q, k, v), {"key_bias": np.zeros((2, 7), np.float32)}),
+         ValueError, "key_bias", "prior_used_len + Skv"),
+        ("window_left_below_minus_one", (A, (q, k, v), {"window_left": -3}), ValueError,
+         "window_left", "-1 for unbounded"),
         ("varlen_decreasing_offsets", (flashcte.flash_attn_varlen_func,
                                        (x4[0][0], x4[1][0], x4[2][0], np.array([0, 5, 3]), cu,
                                         8, 8), {}),
