@@ -1,5 +1,7 @@
 // Argument validation: every rule of SEMANTICS.md and of the API, checked once, each failure
 // reported as "<argument>: <rule>". Nothing below this layer re-validates user input.
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -157,6 +159,34 @@ Status read_bounds(const char* name, const TensorView& t, int64_t seqlen_q,
   return Status::Ok();
 }
 
+// Distinct elements of an output must be distinct memory, or threads would race on them: with
+// the axes of extent > 1 sorted by stride, each stride must step over everything the smaller
+// strides reach.
+Status check_no_self_overlap(const char* name, const MutableTensorView& t) {
+  std::array<int, kMaxRank> axes{};
+  int n = 0;
+  for (int i = 0; i < t.rank; ++i) {
+    if (t.shape[i] == 0) return Status::Ok();  // no elements at all
+    if (t.shape[i] > 1) axes[n++] = i;
+  }
+  for (int k = 1; k < n; ++k) {  // insertion sort of at most 3 axes by stride
+    for (int m = k; m > 0 && t.strides[axes[m]] < t.strides[axes[m - 1]]; --m) {
+      std::swap(axes[m], axes[m - 1]);
+    }
+  }
+  int64_t reach = 0;  // largest offset reachable with the smaller-stride axes
+  for (int k = 0; k < n; ++k) {
+    const int a = axes[k];
+    if (t.strides[a] <= reach) {
+      return Status::Error(std::string(name) + ": strides " + shape_str(t.strides.data(), t.rank) +
+                           " for shape " + shape_str(t.shape.data(), t.rank) +
+                           " make distinct elements overlap");
+    }
+    reach += t.strides[a] * (t.shape[a] - 1);
+  }
+  return Status::Ok();
+}
+
 bool overlaps(const Extent& a, const Extent& b) {
   return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi;
 }
@@ -166,6 +196,7 @@ Status read_stat(const char* name, const MutableTensorView& t, int64_t bs, int64
                  bool allow_neuron, StatView* view, Extent* extent) {
   Status s = check_view(name, t, false, extent);
   if (!s.ok) return s;
+  if ((s = check_no_self_overlap(name, t)), !s.ok) return s;
   if (t.dtype != DType::kFloat32) {
     return Status::Error(std::string(name) + ": dtype must be float32, got " + dtype_name(t.dtype));
   }
@@ -497,13 +528,7 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
   if ((s = expect_dim("out", out.shape.data(), 3, os, p->seqlen_q, "Sq")), !s.ok) return s;
   if ((s = expect_dim("out", out.shape.data(), 3, oc, p->value_dim, "dv")), !s.ok) return s;
   p->out = {out.data, out.strides[0], out.strides[os], out.strides[oc]};
-  const bool out_empty = out.shape[0] == 0 || out.shape[1] == 0 || out.shape[2] == 0;
-  for (int i = 0; i < 3 && !out_empty; ++i) {
-    if (out.shape[i] > 1 && out.strides[i] == 0) {
-      return Status::Error("out: stride " + std::to_string(i) +
-                           " is 0, so distinct elements would overlap");
-    }
-  }
+  if ((s = check_no_self_overlap("out", out)), !s.ok) return s;
 
   if (o.cache_softmax) {
     if (!outputs.neg_max.present()) return Status::Error("neg_max: is required with cache_softmax");

@@ -72,7 +72,7 @@ void pack_matrix(const simd::Ops& ops, const void* base, DType dtype, int64_t ro
                  int64_t dst_col, std::vector<float>& tmp) {
   const char* bytes = static_cast<const char*>(base);
   const int64_t size = dtype_size(dtype);
-  if (col_stride == 1 || (row_stride != 1 && cols > 1)) {
+  if (col_stride == 1 || row_stride != 1) {
     // Contiguous (or neither) along columns: convert row by row, kRowBlock rows at a time so a
     // transposing store (K: dst_row 1) writes kRowBlock consecutive floats, not one per line.
     constexpr int64_t kRowBlock = 16;

@@ -553,20 +553,11 @@ std::string non_finite_name(const ::testing::TestParamInfo<NonFiniteParam>& p) {
          kPoisons[std::get<3>(p.param)].name;
 }
 
-// Poisoned values (kPoisons 4..6) pass. KNOWN FAILING (reported to the lead, issue 6): a NaN or
-// +Inf logit (poisons 0..3, in q or a key) turns its row into an "empty" row (out 0, lse -inf,
-// from write_row's sum > 0 test on a NaN sum) instead of NaN. Disabled so the default run stays
-// green; run with --gtest_also_run_disabled_tests --gtest_filter='*NonFinite*'. Merge the two
-// instantiations into one Range(0, 7) once the kernel propagates NaN logits.
-INSTANTIATE_TEST_SUITE_P(Values, NonFinite,
+// Every poison: NaN or +Inf in a logit (q or a key) or in a value.
+INSTANTIATE_TEST_SUITE_P(Poisons, NonFinite,
                          ::testing::Combine(::testing::ValuesIn(kDtypes),
                                             ::testing::Values(0, 1, 2),
-                                            ::testing::Values(kNaN, kInf), ::testing::Range(4, 7)),
-                         non_finite_name);
-INSTANTIATE_TEST_SUITE_P(DISABLED_Logits, NonFinite,
-                         ::testing::Combine(::testing::ValuesIn(kDtypes),
-                                            ::testing::Values(0, 1, 2),
-                                            ::testing::Values(kNaN, kInf), ::testing::Range(0, 4)),
+                                            ::testing::Values(kNaN, kInf), ::testing::Range(0, 7)),
                          non_finite_name);
 
 // A NaN sink poisons every row of its batch (it enters every row's max and sum), and nothing
