@@ -65,7 +65,9 @@ TEST(Npy, RoundTripsEveryDtypeAndRank) {
       EXPECT_EQ(a.shape, shape);
       ASSERT_EQ(a.data.size(), static_cast<size_t>(a.elements() * npy_itemsize(c.dtype)));
       // memcmp with a null pointer is undefined even for 0 bytes (UBSan): empty shapes skip it.
-      if (!a.data.empty()) EXPECT_EQ(0, std::memcmp(a.data.data(), c.data, a.data.size()));
+      if (!a.data.empty()) {
+        EXPECT_EQ(0, std::memcmp(a.data.data(), c.data, a.data.size()));
+      }
       EXPECT_EQ((bytes.size() - a.data.size()) % 64, 0u) << "data must start 64-byte aligned";
     }
   }
