@@ -26,7 +26,7 @@ section "ctest"
 ctest --test-dir build/ci -LE long --output-on-failure -j "$JOBS"
 
 section "python"
-python/run_tests.sh -q
+python/run_tests.sh
 
 section "sanitizers and fuzzing"
 scripts/ci_sanitizers.sh
