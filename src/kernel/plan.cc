@@ -5,8 +5,11 @@
 namespace flashcte::internal {
 namespace {
 
-// Query rows per work item. TODO(tuning, issue 3): measured choice; 48 is 8 register blocks of
-// the 6-row MM1 micro-kernel.
+// Query rows per work item: each packed K/V tile serves 192 rows x the GQA group (4 sub-blocks
+// of 48), which brought packing from ~50% of the matmul instructions (48 rows) to ~5%
+// (callgrind, S=1024, d=128). On Zen 3, 2 threads, S=4096, d=128 fp32: q_block 96/192/384 and
+// kv_tile 128/256/512 measured 108-136 GFLOP/s with run-to-run spread as large as the
+// differences (bench on a shared machine, 2 rounds), except 96 rows, slower in both rounds.
 constexpr int64_t kDefaultQBlock = 192;
 // KV columns per tile: 256 keys x d=128 x 4 B = 128 KiB of packed K plus as much V, which stays
 // in the 512 KiB L2 of Zen 3 while every head of the GQA group streams over it. Larger head dims
