@@ -265,7 +265,8 @@ void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const 
     const int64_t off = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
     const float* v = sc.v.data() + off * ldv;
     if (!(tiles[t].masked && sc.v_nonfinite)) {
-      ops.pv(s + off, lds, rows, n, v, ldv, ldv, t == 0 ? hr.alpha : nullptr, hr.o, ldo);
+      ops.pv(s + off, lds, rows, n, v, ldv, simd::padded(p.value_dim), t == 0 ? hr.alpha : nullptr,
+             hr.o, ldo);
       continue;
     }
     // A NaN or Inf value must reach only the rows that attend its key: 0 * NaN is NaN, so
@@ -273,7 +274,7 @@ void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const 
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t lo = std::clamp(hr.intervals[r].lo - tiles[t].begin, int64_t{0}, n);
       const int64_t hi = std::clamp(hr.intervals[r].hi - tiles[t].begin, lo, n);
-      ops.pv(s + r * lds + off + lo, lds, 1, hi - lo, v + lo * ldv, ldv, ldv,
+      ops.pv(s + r * lds + off + lo, lds, 1, hi - lo, v + lo * ldv, ldv, simd::padded(p.value_dim),
              t == 0 ? hr.alpha + r : nullptr, hr.o + r * ldo, ldo);
     }
   }
@@ -289,7 +290,7 @@ void run_work_item(const Problem& p, const simd::Ops& ops, const ItemRange& item
   const int64_t group = p.group, d = p.head_dim;
   const int64_t section = section_length(p, kv_b);
   const int64_t ldk = simd::leading_dim(section), lds = ldk;
-  const int64_t ldv = simd::padded(p.value_dim), ldo = ldv;
+  const int64_t ldv = simd::odd_lines(simd::padded(p.value_dim)), ldo = ldv;
   const int64_t subs = (rows + kSubRows - 1) / kSubRows;
 
   // The item's plan decides what is packed; each sub-block's own plan what it computes.

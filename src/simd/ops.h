@@ -25,8 +25,13 @@ namespace flashcte::simd {
 inline constexpr int64_t kPadFloats = 16;
 
 inline int64_t padded(int64_t n) { return (n + kPadFloats - 1) / kPadFloats * kPadFloats; }
+// Row stride of at least n floats (n a multiple of kPadFloats) that is an odd number of cache
+// lines. The micro-kernels read a column panel down the rows of a packed buffer; with a stride of
+// an even number of lines those rows map to a fraction of L1's 64 sets (V at dv = 128, 8 lines:
+// 8 sets x 8 ways = 64 lines, so a 256-row panel never stays in L1).
+inline int64_t odd_lines(int64_t n) { return (n / kPadFloats) % 2 == 1 ? n : n + kPadFloats; }
 // Leading dimension for n columns that kernels may overrun by up to one vector.
-inline int64_t leading_dim(int64_t n) { return padded(n) + kPadFloats; }
+inline int64_t leading_dim(int64_t n) { return odd_lines(padded(n) + kPadFloats); }
 
 struct Ops {
   const char* target;
