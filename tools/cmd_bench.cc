@@ -43,6 +43,7 @@ struct Config {
   DType dtype;
   int threads;
   float scale;
+  TileConfig tiles;  // 0: the library's automatic choice
 };
 
 double PeakRssMiB() {
@@ -88,6 +89,7 @@ class FlashImpl : public Impl {
     options_.scale = c_.scale;
     options_.causal_mask = c_.causal;
     options_.num_threads = c_.threads;
+    options_.tiles = c_.tiles;
     return true;
   }
   bool Run(std::string* error) override {
@@ -220,6 +222,9 @@ std::vector<FlagSpec> BenchFlagSpecs() {
       {"impl", FlagKind::kChoice, "what to time (default flashcte)", 0, 0,
        "flashcte|materialized|sgemm|all"},
       {"json", FlagKind::kBool, "one JSON object per impl and line"},
+      {"q-block", FlagKind::kInt, "flashcte's query rows per work item (0: automatic)", 0,
+       kMaxLength},
+      {"kv-tile", FlagKind::kInt, "flashcte's KV columns per tile (0: automatic)", 0, kMaxLength},
   };
 }
 
@@ -239,7 +244,8 @@ int BenchCommand(const std::vector<std::string>& args) {
   if (f.help_requested()) {
     std::printf(
         "usage: flashcte bench [--sq N --skv N --d N --heads N --kv-heads N --causal B "
-        "--dtype D\n                       --threads T --reps R --impl I --json]\n\n"
+        "--dtype D\n                       --threads T --reps R --impl I --json --q-block N "
+        "--kv-tile N]\n\n"
         "Times one configuration (q (heads, Sq, d), k (kv_heads, d, Skv), v (kv_heads, Skv, d),\n"
         "uniform [0, 1) inputs, scale 1/sqrt(d)). Reports the median over --reps after one\n"
         "warm-up; GFLOP/s counts 4*d*heads*(unmasked query-key pairs) for attention impls and\n"
@@ -261,6 +267,8 @@ int BenchCommand(const std::vector<std::string>& args) {
   c.threads = static_cast<int>(f.integer("threads", 0));
   if (c.threads == 0) c.threads = omp_get_max_threads();
   c.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+  c.tiles.q_block = f.integer("q-block", 0);
+  c.tiles.kv_tile = f.integer("kv-tile", 0);
   if (c.heads % c.kv_heads != 0) {
     return UsageError(kCommand, "--kv-heads: " + std::to_string(c.kv_heads) +
                                     " must divide --heads = " + std::to_string(c.heads));
