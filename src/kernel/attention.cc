@@ -20,7 +20,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <memory>
+#include <new>
 #include <vector>
 
 #include "src/kernel/convert.h"
@@ -37,15 +40,40 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // 48 x 256 scores is 48 KiB, L1/L2 resident.
 constexpr int64_t kSubRows = 48;
 
+// Floats on 64-byte cache lines. The micro-kernels load 64-byte rows of K, V, S and O (leading
+// dimensions are multiples of 16 floats); from std::vector, whose large blocks start 16 bytes
+// into a page, every such row straddled two lines.
+class LineAlignedFloats {
+ public:
+  float* data() { return data_.get(); }
+  float& operator[](size_t i) { return data_.get()[i]; }
+  // At least n floats; the contents are not kept when it grows.
+  void ensure(size_t n) {
+    if (n <= size_) return;
+    constexpr size_t kLine = 64;
+    const size_t bytes = (n * sizeof(float) + kLine - 1) / kLine * kLine;
+    data_.reset(static_cast<float*>(std::aligned_alloc(kLine, bytes)));
+    if (!data_) throw std::bad_alloc();
+    size_ = n;
+  }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> data_;
+  size_t size_ = 0;
+};
+
 // Per-thread buffers, grown on demand and kept across calls so that the hot path allocates
 // nothing once warm.
 struct Scratch {
-  std::vector<float> q;        // [q_block][d]
-  std::vector<float> k;        // [d][ldk]       one section of K, transposed
-  std::vector<float> v;        // [section][ldv] one section of V
-  std::vector<float> s;        // [q_block][lds] scores / probabilities of one head
-  std::vector<float> o;        // [group][q_block][ldo]
-  std::vector<float> state;    // [group][3][q_block]: neg_run, sum, alpha
+  LineAlignedFloats q;         // [q_block][d]
+  LineAlignedFloats k;         // [d][ldk]       one section of K, transposed
+  LineAlignedFloats v;         // [section][ldv] one section of V
+  LineAlignedFloats s;         // [q_block][lds] scores / probabilities of one head
+  LineAlignedFloats o;         // [group][q_block][ldo]
+  LineAlignedFloats state;     // [group][3][q_block]: neg_run, sum, alpha
   std::vector<float> convert;  // one row or column being converted
   std::vector<RowInterval> intervals;
   BlockPlan plan;                    // the whole work item: what gets packed
@@ -63,6 +91,7 @@ template <class T>
 void ensure(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
+void ensure(LineAlignedFloats& v, size_t n) { v.ensure(n); }
 
 // Copies the rows x cols matrix src(r, c) = base[r * row_stride + c * col_stride] (dtype) into
 // dst[r * dst_row + c * dst_col] as float32. Runs along whichever source axis is contiguous go
