@@ -3,6 +3,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
+#include <exception>
 
 #include "src/kernel/attention.h"
 #include "src/kernel/plan.h"
@@ -109,17 +111,33 @@ void run_all(const Problem& p) {
     }
     return;
   }
+  // An exception must not leave an OpenMP region (that terminates the process): the first one
+  // (a failed scratch allocation) is kept, the remaining items are skipped, and it is rethrown
+  // here for the API layer to turn into a Status.
+  std::exception_ptr failure;
+  std::atomic<bool> failed{false};
+  const auto guarded = [&](auto&& body) {
+    if (failed.load(std::memory_order_relaxed)) return;
+    try {
+      body();
+    } catch (...) {
+#pragma omp critical(flashcte_failure)
+      if (!failure) failure = std::current_exception();
+      failed.store(true, std::memory_order_relaxed);
+    }
+  };
   // Largest first with dynamic hand-out: the longest-processing-time rule, which keeps the
   // causal triangle's long rows from landing on one thread at the end.
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) run_item(i);
+    for (int64_t i = 0; i < n; ++i) guarded([&] { run_item(i); });
     if (splits > 1) {
 #pragma omp for schedule(static)
-      for (int64_t i = 0; i < p.kv_batch * blocks; ++i) merge(i);
+      for (int64_t i = 0; i < p.kv_batch * blocks; ++i) guarded([&] { merge(i); });
     }
   }
+  if (failure) std::rethrow_exception(failure);
 }
 
 }  // namespace flashcte::internal
