@@ -5,12 +5,33 @@
 namespace flashcte::internal {
 namespace {
 
-// Query rows per work item: each packed K/V tile serves 192 rows x the GQA group (4 sub-blocks
-// of 48), which brought packing from ~50% of the matmul instructions (48 rows) to ~5%
-// (callgrind, S=1024, d=128). On Zen 3, 2 threads, S=4096, d=128 fp32: q_block 96/192/384 and
-// kv_tile 128/256/512 measured 108-136 GFLOP/s with run-to-run spread as large as the
-// differences (bench on a shared machine, 2 rounds), except 96 rows, slower in both rounds.
-constexpr int64_t kDefaultQBlock = 192;
+// Query rows per work item. Each packed K/V tile serves q_block x group query rows, so the
+// packing (a copy from L3 or DRAM) costs 1 / (q_block x group) per score: 7.4% of the cycles at
+// 192 rows, MHA, 1.9% at 768 (perf, 2 threads, S=4096, d=128, fp32). Larger blocks also make
+// fewer, larger work items, which balance worse at the end of a causal run. Zen 3 EPYC, 2
+// threads, d=128, fp32, GFLOP/s, median of 3 interleaved rounds:
+//                                 q_block  192    384    768
+//   MHA 8 heads, S=4096, non-causal        136    142    139
+//   MHA 8 heads, S=4096, causal            138    142    141
+//   GQA 32:8,    S=2048, causal            143    140    129
+// Hence 768 query rows per packed tile: 384-row blocks for MHA, 192 from a group of 4 up.
+// (Earlier: 48-row blocks spent ~50% of the matmul instructions on packing, callgrind, and 96
+// rows measured slower than 192.)
+constexpr int64_t kRowsPerPackedTile = 768;
+constexpr int64_t kMaxQBlock = 384;
+constexpr int64_t kMinQBlock = 192;
+// The work item's Q and O scratch, group x q_block x (d + dv) floats, stays within 8 MiB per
+// thread (issue 3 bounds the extra memory at 16 MiB per thread): large head dims and groups
+// halve the block, down to one 48-row sub-block.
+constexpr int64_t kQoScratchFloats = int64_t{2} << 20;
+constexpr int64_t kSmallestQBlock = 48;
+
+int64_t default_q_block(int64_t group, int64_t d, int64_t dv) {
+  int64_t rows = std::clamp(kRowsPerPackedTile / group, kMinQBlock, kMaxQBlock);
+  while (rows > kSmallestQBlock && group * rows * (d + dv) > kQoScratchFloats) rows /= 2;
+  return rows;
+}
+
 // KV columns per tile: 256 keys x d=128 x 4 B = 128 KiB of packed K plus as much V, which stays
 // in the 512 KiB L2 of Zen 3 while every head of the GQA group streams over it. Larger head dims
 // shrink the tile to keep that footprint (the Neuron large-d kernel halves its LARGE_TILE_SZ
@@ -29,7 +50,7 @@ int64_t default_kv_tile(int64_t d, int64_t dv) {
 
 void resolve_tiles(Problem* p) {
   TileConfig& t = p->tiles;
-  if (t.q_block == 0) t.q_block = kDefaultQBlock;
+  if (t.q_block == 0) t.q_block = default_q_block(p->group, p->head_dim, p->value_dim);
   if (t.kv_tile == 0) {
     t.kv_tile = default_kv_tile(p->head_dim, p->value_dim);
     if (t.section > 0 && t.section % t.kv_tile != 0) t.kv_tile = t.section;
