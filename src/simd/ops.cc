@@ -197,11 +197,12 @@ HWY_INLINE V RoundToBf16(D d, V x) {
 // per score at d = 128); this one serves x <= 88 only and costs 0.43-0.56 ns (best of 30 over
 // 48 x 256 scores, hot caches, 3 runs). n = round(x / ln 2) comes from the 1.5 * 2^23 shifter,
 // which also leaves n in the low mantissa bits so that 2^n is a shift; r = x - n ln 2 uses ln 2 in
-// two parts (the high part has trailing zero bits, so n * kLn2Hi is exact); exp(r) on |r| <= ln(2)
-// / 2 is a polynomial of degree kDegree fitted for relative error (Lawson's reweighted least
-// squares): 2.0e-9 at degree 6, below float32's half ulp; 2.8e-6 at degree 4, enough where P is
-// rounded to bfloat16 (half ulp 2e-3). Below -87 the result is 0 (exp(-87) is float32's smallest
-// normal range), -inf gives 0 and NaN stays NaN.
+// two parts (the high part has 15 significant bits, so n * kLn2Hi is exact for |n| < 2^9); exp(r)
+// on |r| <= ln(2) / 2 is a polynomial of degree kDegree fitted for relative error (Lawson's
+// reweighted least squares): 2.0e-9 at degree 6, below float32's half ulp; 2.8e-6 at degree 4,
+// enough where P is rounded to bfloat16 (half an ulp: 2e-3 to 4e-3). Below -87 the result is 0:
+// exp(-87) = 1.6e-38 is near float32's smallest normal (1.2e-38), and building 2^n in the exponent
+// field needs a normal result. -inf gives 0 and NaN stays NaN.
 template <int kDegree, class D>
 HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
   static_assert(kDegree == 4 || kDegree == 6, "fitted degrees");
@@ -211,8 +212,10 @@ HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
   const auto xc = hn::Min(hn::Max(x, kLowest), hn::Set(d, 88.0f));
   const auto f = hn::MulAdd(xc, hn::Set(d, 1.44269504088896341f), kShifter);
   const auto n = hn::Sub(f, kShifter);
-  auto r = hn::NegMulAdd(n, hn::Set(d, 0.693145751953125f), xc);
-  r = hn::NegMulAdd(n, hn::Set(d, 1.42860676533018705e-6f), r);
+  const auto kLn2Hi = hn::Set(d, 0.693145751953125f);  // 15 significant bits
+  const auto kLn2Lo = hn::Set(d, 1.42860676533018705e-6f);
+  auto r = hn::NegMulAdd(n, kLn2Hi, xc);
+  r = hn::NegMulAdd(n, kLn2Lo, r);
   hn::Vec<D> p;
   if constexpr (kDegree == 6) {
     p = hn::MulAdd(hn::Set(d, 0.0013843653723597527f), r, hn::Set(d, 0.00837415549904108f));
