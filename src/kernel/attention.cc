@@ -178,7 +178,9 @@ void pack_q(const Problem& p, const simd::Ops& ops, int64_t b, int64_t row0, int
   for (int64_t i = 0; i < rows * p.head_dim; ++i) q[i] *= p.scale;
 }
 
-void write_row(const Problem& p, int64_t b, int64_t i, const float* o, float neg_run, float sum) {
+// Writes output row i of batch b from its unnormalized accumulator o (scaled in place) and the
+// statistics.
+void write_row(const Problem& p, int64_t b, int64_t i, float* o, float neg_run, float sum) {
   const MutView3& out = p.out;
   const int64_t off = b * out.batch_stride + i * out.row_stride;
   float neg_max = neg_run, sum_recip, lse;
@@ -186,19 +188,16 @@ void write_row(const Problem& p, int64_t b, int64_t i, const float* o, float neg
   // values) must come out as NaN, not as an empty row.
   if (sum != 0.0f) {
     sum_recip = 1.0f / sum;
-    for (int64_t c = 0; c < p.value_dim; ++c) {
-      store_from_float(out.data, off + c * out.col_stride, p.dtype, o[c] * sum_recip);
-    }
+    for (int64_t c = 0; c < p.value_dim; ++c) o[c] *= sum_recip;
     lse = -neg_run + std::log(sum);
   } else {
     // No key and no sink: the documented empty-row result.
-    for (int64_t c = 0; c < p.value_dim; ++c) {
-      store_from_float(out.data, off + c * out.col_stride, p.dtype, 0.0f);
-    }
+    std::fill(o, o + p.value_dim, 0.0f);
     neg_max = kInf;
     sum_recip = kInf;
     lse = -kInf;
   }
+  store_row_from_float(out.data, off, out.col_stride, p.dtype, o, p.value_dim);
   if (p.neg_max.data) *p.neg_max.at(b, i) = neg_max;
   if (p.sum_recip.data) *p.sum_recip.at(b, i) = sum_recip;
   if (p.lse.data) *p.lse.at(b, i) = lse;
@@ -402,7 +401,7 @@ void run_work_item(const Problem& p, const simd::Ops& ops, const ItemRange& item
     const float* neg_run = &sc.state[(h * 3 + 0) * rows];
     const float* sum = &sc.state[(h * 3 + 1) * rows];
     for (int64_t r = 0; r < rows; ++r) {
-      const float* o = &sc.o[(h * rows + r) * ldo];
+      float* o = &sc.o[(h * rows + r) * ldo];
       if (partial == nullptr) {
         write_row(p, b, row0 + r, o, neg_run[r], sum[r]);
         continue;
