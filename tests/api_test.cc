@@ -255,5 +255,35 @@ TEST(Plan, InvalidArgumentsAreAnError) {
   EXPECT_TRUE(rejected_for(st, "sliding_window"));
 }
 
+// The automatic tiles (src/kernel/plan.cc): 768 query rows per packed K/V tile, so 384-row
+// blocks for MHA and 192 from a GQA group of 4 up; blocks halve (down to 48 rows) while the Q and
+// O scratch, group x q_block x (d + dv) floats, would pass 2^21 floats (8 MiB); the KV tile
+// halves from 256 keys while K + V of a tile pass 65536 floats.
+TEST(Plan, AutomaticTilesFollowTheGroupAndHeadDims) {
+  struct Want {
+    int64_t bs, bs_kv, d, q_block, kv_tile;
+  };
+  for (const Want& w :
+       {Want{8, 8, 128, 384, 256}, Want{8, 4, 128, 384, 256}, Want{32, 8, 128, 192, 256},
+        Want{64, 8, 128, 192, 256}, Want{8, 8, 64, 384, 256}, Want{8, 8, 256, 384, 128},
+        Want{8, 8, 1024, 384, 32}, Want{16, 1, 1024, 48, 32}, Want{16, 2, 512, 192, 64},
+        Want{16, 2, 1024, 96, 32}}) {
+    const auto shape_only = [](int64_t a, int64_t b, int64_t c) {
+      return TensorView{nullptr, DType::kFloat32, 3, {a, b, c}, {b * c, c, 1}};
+    };
+    const int64_t s_len = 1024;
+    PlanSummary s;
+    const Status st = plan_attention(shape_only(w.bs, s_len, w.d), shape_only(w.bs_kv, w.d, s_len),
+                                     shape_only(w.bs_kv, s_len, w.d), Options{}, &s);
+    ASSERT_TRUE(st.ok) << st.message;
+    SCOPED_TRACE("bs " + std::to_string(w.bs) + ", bs_kv " + std::to_string(w.bs_kv) + ", d " +
+                 std::to_string(w.d));
+    EXPECT_EQ(s.tiles.q_block, w.q_block);
+    EXPECT_EQ(s.tiles.kv_tile, w.kv_tile);
+    const int64_t group = w.bs / w.bs_kv;
+    EXPECT_LE(group * s.tiles.q_block * 2 * w.d, int64_t{2} << 20) << "Q+O scratch bound";
+  }
+}
+
 }  // namespace
 }  // namespace flashcte::test
