@@ -288,13 +288,14 @@ void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const 
     hr.neg_run[r] = neg_new;
   }
 
-  // MM2, with alpha folded into the first tile of the section.
+  // MM2, with alpha folded into the first tile of the section, over V's padded width (zeros
+  // past dv; ldv may be wider still, see simd::odd_lines).
+  const int64_t dv_pad = simd::padded(p.value_dim);
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int64_t off = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
     const float* v = sc.v.data() + off * ldv;
     if (!(tiles[t].masked && sc.v_nonfinite)) {
-      ops.pv(s + off, lds, rows, n, v, ldv, simd::padded(p.value_dim), t == 0 ? hr.alpha : nullptr,
-             hr.o, ldo);
+      ops.pv(s + off, lds, rows, n, v, ldv, dv_pad, t == 0 ? hr.alpha : nullptr, hr.o, ldo);
       continue;
     }
     // A NaN or Inf value must reach only the rows that attend its key: 0 * NaN is NaN, so
@@ -302,7 +303,7 @@ void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const 
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t lo = std::clamp(hr.intervals[r].lo - tiles[t].begin, int64_t{0}, n);
       const int64_t hi = std::clamp(hr.intervals[r].hi - tiles[t].begin, lo, n);
-      ops.pv(s + r * lds + off + lo, lds, 1, hi - lo, v + lo * ldv, ldv, simd::padded(p.value_dim),
+      ops.pv(s + r * lds + off + lo, lds, 1, hi - lo, v + lo * ldv, ldv, dv_pad,
              t == 0 ? hr.alpha + r : nullptr, hr.o + r * ldo, ldo);
     }
   }

@@ -239,7 +239,8 @@ HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
 
 template <bool kRoundBf16, class D>
 HWY_INLINE hn::Vec<D> ExpStep(D d, float* p, hn::Vec<D> bias) {
-  const auto e = ExpNonPositive < kRoundBf16 ? 4 : 6 > (d, hn::Add(hn::LoadU(d, p), bias));
+  constexpr int kDegree = kRoundBf16 ? 4 : 6;
+  const auto e = ExpNonPositive<kDegree>(d, hn::Add(hn::LoadU(d, p), bias));
   hn::StoreU(kRoundBf16 ? RoundToBf16(d, e) : e, d, p);
   return e;
 }
