@@ -66,8 +66,9 @@ TEST(SimdTargets, EveryTargetMatchesReference) {
 
 // The exp of the exp-and-sum pass against std::exp in double, lane by lane, on every target:
 // x = s + bias over [-110, 0] (bias folded in as the kernel does), the underflow edge, -inf and
-// NaN. float32 path: within 2 ulp; bfloat16 path: the stored value is a bfloat16 within half a
-// bfloat16 ulp (plus the polynomial's 2.8e-6) and the returned sum keeps float32 terms.
+// NaN. float32 path: relative error within 2^-22 (2 to 4 ulp); bfloat16 path: the stored value is
+// a bfloat16 within half a bfloat16 ulp (plus the polynomial's 2.8e-6) and the returned sum keeps
+// float32 terms.
 TEST(SimdTargets, ExpSumMatchesStdExp) {
   constexpr float kInf = std::numeric_limits<float>::infinity();
   std::vector<float> x;
@@ -94,7 +95,7 @@ TEST(SimdTargets, ExpSumMatchesStdExp) {
         if (round_bf16) {
           uint32_t bits;
           std::memcpy(&bits, &s[i], sizeof bits);
-          EXPECT_EQ(bits & 0xFFFFu, 0u) << "not a bfloat16 at x = " << xi;
+          if ((bits & 0xFFFFu) != 0 && ++bad <= 5) ADD_FAILURE() << "not a bfloat16 at x = " << xi;
           tol = want * (std::ldexp(1.0, -8) + 3e-6);  // half ulp: 2^-8 relative at worst
         }
         if (!(std::abs(s[i] - want) <= tol) && ++bad <= 5) {
