@@ -30,26 +30,6 @@ struct Buffer {
   }
 };
 
-int size_of(DType t) {
-  return t == DType::kBFloat16 || t == DType::kFloat16 ? 2 : (t == DType::kInt64 ? 8 : 4);
-}
-
-// A dense row-major view over a buffer.
-template <class View>
-View dense(void* data, DType dtype, std::vector<int64_t> shape) {
-  View v;
-  v.data = data;
-  v.dtype = dtype;
-  v.rank = static_cast<int>(shape.size());
-  int64_t stride = 1;
-  for (int i = v.rank - 1; i >= 0; --i) {
-    v.shape[i] = shape[i];
-    v.strides[i] = stride;
-    stride *= shape[i];
-  }
-  return v;
-}
-
 // An obviously bogus address: if validation ever dereferenced it, the test would crash.
 const void* fake_pointer(uintptr_t n) {
   return reinterpret_cast<const void*>(uintptr_t{1} << 40 | n << 12);
@@ -79,7 +59,7 @@ struct Call {
 
   void build() {
     const Shape& s = shape;
-    const int es = size_of(s.dtype);
+    const int es = dtype_size(s.dtype);
     // Inputs: a pattern that is a small finite number in every float dtype (0x3C3C: bf16 0.0115,
     // f16 1.06; 0x3C3C3C3C: f32 0.0115).
     q_buf.init(s.bs * s.sq * s.d, es, 0x3C);
@@ -103,41 +83,42 @@ struct Call {
     sr_buf.init(s.bs * s.sq, 4, 0xA5);
     lse_buf.init(s.bs * s.sq, 4, 0xA5);
 
-    q = dense<TensorView>(q_buf.data(), s.dtype, {s.bs, s.sq, s.d});
-    k = dense<TensorView>(k_buf.data(), s.dtype, {s.bs_kv, s.d, s.skv});
-    v = dense<TensorView>(v_buf.data(), s.dtype, {s.bs_kv, s.skv, s.dv});
+    q = TensorView::contiguous(q_buf.data(), s.dtype, {s.bs, s.sq, s.d});
+    k = TensorView::contiguous(k_buf.data(), s.dtype, {s.bs_kv, s.d, s.skv});
+    v = TensorView::contiguous(v_buf.data(), s.dtype, {s.bs_kv, s.skv, s.dv});
     outputs = Outputs{};
-    outputs.out = dense<MutableTensorView>(out_buf.data(), s.dtype, {s.bs, s.sq, s.dv});
-    outputs.lse = dense<MutableTensorView>(lse_buf.data(), DType::kFloat32, {s.bs, s.sq});
+    outputs.out = MutableTensorView::contiguous(out_buf.data(), s.dtype, {s.bs, s.sq, s.dv});
+    outputs.lse = MutableTensorView::contiguous(lse_buf.data(), DType::kFloat32, {s.bs, s.sq});
     options = Options{};
   }
 
   void with_prior() {
     options.k_prior =
-        dense<TensorView>(kp_buf.data(), shape.dtype, {shape.bs_kv, shape.d, shape.s_prior});
+        TensorView::contiguous(kp_buf.data(), shape.dtype, {shape.bs_kv, shape.d, shape.s_prior});
     options.v_prior =
-        dense<TensorView>(vp_buf.data(), shape.dtype, {shape.bs_kv, shape.s_prior, shape.dv});
+        TensorView::contiguous(vp_buf.data(), shape.dtype, {shape.bs_kv, shape.s_prior, shape.dv});
   }
   void with_sink() {
-    options.sink = dense<TensorView>(sink_buf.data(), DType::kFloat32, {shape.bs, 1});
+    options.sink = TensorView::contiguous(sink_buf.data(), DType::kFloat32, {shape.bs, 1});
   }
   void with_alibi() {
-    options.alibi_slopes = dense<TensorView>(alibi_buf.data(), DType::kFloat32, {shape.bs});
+    options.alibi_slopes = TensorView::contiguous(alibi_buf.data(), DType::kFloat32, {shape.bs});
   }
   // Without a prior the concatenated KV axis is Skv long.
   void with_key_bias() {
-    options.key_bias = dense<TensorView>(kb_buf.data(), DType::kFloat32, {shape.bs, shape.skv});
+    options.key_bias =
+        TensorView::contiguous(kb_buf.data(), DType::kFloat32, {shape.bs, shape.skv});
   }
   void with_bounds() {
-    options.bound_min = dense<TensorView>(bmin_buf.data(), DType::kInt32, {shape.sq, 1});
-    options.bound_max = dense<TensorView>(bmax_buf.data(), DType::kInt32, {shape.sq, 1});
+    options.bound_min = TensorView::contiguous(bmin_buf.data(), DType::kInt32, {shape.sq, 1});
+    options.bound_max = TensorView::contiguous(bmax_buf.data(), DType::kInt32, {shape.sq, 1});
   }
   void with_stats() {
     options.cache_softmax = true;
     outputs.neg_max =
-        dense<MutableTensorView>(nm_buf.data(), DType::kFloat32, {shape.bs, shape.sq});
+        MutableTensorView::contiguous(nm_buf.data(), DType::kFloat32, {shape.bs, shape.sq});
     outputs.sum_recip =
-        dense<MutableTensorView>(sr_buf.data(), DType::kFloat32, {shape.bs, shape.sq});
+        MutableTensorView::contiguous(sr_buf.data(), DType::kFloat32, {shape.bs, shape.sq});
   }
   void set_bound(Buffer& b, int64_t row, int32_t value) {
     std::memcpy(static_cast<uint8_t*>(b.data()) + 4 * row, &value, 4);
@@ -560,7 +541,7 @@ std::vector<Row> api_rows() {
          c.with_stats();
          // (bs, 64, 4) holds Sq elements per batch but is not (bs, 128, Sq/128).
          c.outputs.sum_recip =
-             dense<MutableTensorView>(c.sr_buf.data(), DType::kFloat32, {2, 64, 4});
+             MutableTensorView::contiguous(c.sr_buf.data(), DType::kFloat32, {2, 64, 4});
        },
        "sum_recip", "must be (bs, 128, Sq/128)"},
       {"lse_rank3",
