@@ -289,7 +289,7 @@ void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const 
   }
 
   // MM2, with alpha folded into the first tile of the section, over V's padded width (zeros
-  // past dv; ldv may be wider still, see simd::odd_lines).
+  // past dv; ldv may be wider still, see simd::odd_cache_lines).
   const int64_t dv_pad = simd::padded(p.value_dim);
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int64_t off = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
@@ -319,7 +319,7 @@ void run_work_item(const Problem& p, const simd::Ops& ops, const ItemRange& item
   const int64_t group = p.group, d = p.head_dim;
   const int64_t section = section_length(p, kv_b);
   const int64_t ldk = simd::leading_dim(section), lds = ldk;
-  const int64_t ldv = simd::odd_lines(simd::padded(p.value_dim)), ldo = ldv;
+  const int64_t ldv = simd::odd_cache_lines(simd::padded(p.value_dim)), ldo = ldv;
   const int64_t subs = (rows + kSubRows - 1) / kSubRows;
 
   // The item's plan decides what is packed; each sub-block's own plan what it computes.

@@ -3,43 +3,88 @@
 // a few thousand FLOPs, so the indirect call costs nothing measurable, and tests can switch the
 // Highway target between calls (hwy::SetSupportedTargetsForTest) to cover every target.
 //
+// The bodies live one kernel family per file, each compiled once per Highway target:
+//   mm1-inl.h          MM1, S = Q.K (qk)
+//   mm2-inl.h          MM2, O = alpha O + P.V (pv)
+//   softmax-inl.h      row max, the fused exp-and-sum
+//   elementwise-inl.h  softcap, ALiBi, key bias, the finiteness check
+//   convert-inl.h      bfloat16 / float16 to float32
+//   ops.cc             the per-target table and the run-time dispatch
+//
 // All buffers are float32 and packed by the kernel layer:
 //   Q block  [rows][ldq]      row-major, one query row per row
 //   K tile   [d][ldk]         transposed, key j of the tile in column j (the Neuron k_sb (d, 512))
 //   S / P    [rows][lds]      scores, then probabilities in place
 //   V tile   [n][ldv]         row-major, key j in row j (the Neuron v_sb (128, d))
 //   O        [rows][ldo]      float32 accumulators of one head
-// Leading dimensions are multiples of kPadFloats plus kPadFloats of margin, so that a kernel may
-// read and write whole vectors past the last valid column (see each function).
+//
+// ---- Width contracts (the only place they are stated; each target's code static_asserts the
+// ---- ones that depend on its lane count N, so a target that breaks one does not compile)
+//
+//   W1  kPadFloats is a multiple of every compiled target's N (floats per vector) and at least
+//       one 64-byte cache line. padded(n) rounds n up to it.
+//   W2  qk reads K and writes S in whole vectors: columns [0, round_up(cols, N)) of each row,
+//       i.e. at most N - 1 <= kPadFloats - 1 floats past `cols`. Callers give K and S a leading
+//       dimension of at least (column offset + cols) + kPadFloats: leading_dim() does.
+//       Q is read at [0, d) of each row only.
+//   W3  pv reads V rows [0, n) and reads and writes O over columns [0, dv_pad), dv_pad a
+//       multiple of kPadFloats (hence of N, W1) and at most the leading dimension; it touches
+//       nothing past dv_pad. Columns [dv, dv_pad) of V must be finite (the kernel zeroes them).
+//       P is read at [0, n) of each row.
+//   W4  row_max, exp_sum, softcap, alibi, add, all_finite and to_float touch exactly [0, n):
+//       their tails run one lane at a time.
+//   W5  qk's register block is `rows` (Ops::mm_rows) rows; any row count is allowed.
+// tests/simd/ checks each op against these extents with NaN canaries on every target the CPU
+// runs.
 #ifndef FLASHCTE_SRC_SIMD_OPS_H_
 #define FLASHCTE_SRC_SIMD_OPS_H_
 
 #include <cstdint>
 
 #include "flashcte/flashcte.h"
+#include "hwy/detect_targets.h"
 
 namespace flashcte::simd {
 
-// Column padding unit: 16 floats = one 64-byte cache line = two AVX2 or one AVX-512 vector, so
-// every target's whole vectors fit inside the padding.
-inline constexpr int64_t kPadFloats = 16;
+// Bytes of the widest vector of any target compiled into this build (HWY_TARGETS is the set
+// foreach_target compiles). Every x86 build compiles AVX3 (AVX-512), so this is 64 there even on
+// a CPU without AVX-512.
+inline constexpr int64_t kWidestVectorBytes =
+    (HWY_TARGETS & (HWY_SVE | HWY_SVE2 | HWY_RVV))               ? 256
+    : (HWY_TARGETS & (HWY_AVX3 | HWY_AVX3_DL))                   ? 64
+    : (HWY_TARGETS & (HWY_AVX2 | HWY_SVE_256 | HWY_WASM_EMU256)) ? 32
+                                                                 : 16;
+inline constexpr int64_t kCacheLineBytes = 64;
 
-inline int64_t padded(int64_t n) { return (n + kPadFloats - 1) / kPadFloats * kPadFloats; }
+// Column padding unit (W1): the widest vector or one cache line, whichever is larger. 16 floats
+// on x86: one AVX-512 vector, two AVX2 vectors.
+inline constexpr int64_t kPadFloats =
+    (kWidestVectorBytes > kCacheLineBytes ? kWidestVectorBytes : kCacheLineBytes) /
+    static_cast<int64_t>(sizeof(float));
+
+inline constexpr int64_t padded(int64_t n) {
+  return (n + kPadFloats - 1) / kPadFloats * kPadFloats;
+}
 // Row stride of at least n floats (n a multiple of kPadFloats) that is an odd number of cache
 // lines. The micro-kernels read a column panel down the rows of a packed buffer; with a stride of
 // an even number of lines those rows map to a fraction of L1's 64 sets (V at dv = 128, 8 lines:
-// 8 sets x 8 ways = 64 lines, so a 256-row panel never stays in L1).
-inline int64_t odd_lines(int64_t n) { return (n / kPadFloats) % 2 == 1 ? n : n + kPadFloats; }
-// Leading dimension for n columns that kernels may overrun by up to one vector.
-inline int64_t leading_dim(int64_t n) { return odd_lines(padded(n) + kPadFloats); }
+// 8 sets x 8 ways = 64 lines, so a 256-row panel never stays in L1; Zen 3, MM2 alone 80-85 -> 88
+// GFLOP/s).
+inline constexpr int64_t odd_cache_lines(int64_t n) {
+  constexpr int64_t kLineFloats = kCacheLineBytes / static_cast<int64_t>(sizeof(float));
+  return (n / kLineFloats) % 2 == 1 ? n : n + kLineFloats;
+}
+// Leading dimension of a K or S buffer of n columns: room for qk's whole-vector overrun (W2).
+inline constexpr int64_t leading_dim(int64_t n) { return odd_cache_lines(padded(n) + kPadFloats); }
 
 struct Ops {
   const char* target;
+  int64_t lanes;    // N: floats per vector of this target
+  int64_t mm_rows;  // rows of the MM1 / MM2 register block
 
-  // MM1: S[r][c] = sum_k Q[r][k] * K[k][c] for r < rows, c < cols (Q pre-scaled). May also
-  // write columns up to the next vector multiple of cols (callers use only [0, cols)) and reads
-  // K the same way. With row_max non-null, also row_max[r] = max(row_max[r], max_c S[r][c]):
-  // the row max fused into MM1's epilogue.
+  // MM1: S[r][c] = sum_k Q[r][k] * K[k][c] for r < rows, c < cols (Q pre-scaled); see W2 for
+  // what it may touch past cols. With row_max non-null, also
+  // row_max[r] = max(row_max[r], max_{c < cols} S[r][c]): the row max fused into the epilogue.
   void (*qk)(const float* q, int64_t ldq, int64_t rows, const float* k, int64_t ldk, int64_t cols,
              int64_t d, float* s, int64_t lds, float* row_max);
 
@@ -48,15 +93,15 @@ struct Ops {
 
   // The fused exp-and-sum (the Neuron activation_reduce): s[c] = exp(s[c] + bias) in place for
   // c < n, returning the sum of the results. A NaN score stays NaN (so do the sum and the row's
-  // output): Highway's Exp alone would turn it into 0. bias is the negated running max, so the
-  // shift is the FMA's addend. With round_bf16, the stored values are rounded to bfloat16 (as the
-  // Neuron engine's P feeding MM2) while the sum keeps float32 values. Writes exactly n entries.
+  // output). bias is the negated running max, so the shift is the FMA's addend. With
+  // round_bf16, the stored values are rounded to bfloat16 (as the Neuron engine's P feeding MM2)
+  // while the sum keeps float32 values.
   float (*exp_sum)(float* s, int64_t n, float bias, bool round_bf16);
 
   // Score modifiers, applied to one row of a tile after MM1 (Options order):
-  //   s[c] = cap * tanh(s[c] / cap);  s[c] -= slope * |d0 + c|;  s[c] += bias[c].
+  //   s[c] = cap * tanh(s[c] / cap);  s[c] -= slope * |dist0 + c|;  s[c] += bias[c].
   void (*softcap)(float* s, int64_t n, float cap);
-  void (*alibi)(float* s, int64_t n, float slope, float d0);
+  void (*alibi)(float* s, int64_t n, float slope, float dist0);
   void (*add)(float* s, const float* bias, int64_t n);
 
   // True when no x[i], i < n, is NaN or Inf (the kernel's rare exact path for such values).
@@ -67,7 +112,7 @@ struct Ops {
   void (*to_float)(const void* src, DType dtype, int64_t n, float* dst);
 
   // MM2 with the rescale folded in: O[r][:] = alpha[r] * O[r][:] + sum_{j<n} P[r][j] * V[j][:]
-  // for r < rows, over dv_pad columns (a multiple of kPadFloats). alpha may be null (= 1).
+  // for r < rows, over dv_pad columns (W3). alpha may be null (= 1).
   void (*pv)(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv,
              int64_t dv_pad, const float* alpha, float* o, int64_t ldo);
 };

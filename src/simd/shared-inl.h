@@ -1,0 +1,65 @@
+// Per-target definitions shared by the kernel families (included once per Highway target by
+// ops.cc): the float vector type, the register block height, the width contracts of ops.h that
+// depend on this target's lane count, and the row-block loop of the two matmuls.
+
+// Per-target include guard (Highway's idiom: toggled for every target foreach_target compiles).
+#if defined(FLASHCTE_SRC_SIMD_SHARED_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FLASHCTE_SRC_SIMD_SHARED_INL_H_
+#undef FLASHCTE_SRC_SIMD_SHARED_INL_H_
+#else
+#define FLASHCTE_SRC_SIMD_SHARED_INL_H_
+#endif
+
+#include <cstdint>
+#include <type_traits>
+
+#include "hwy/highway.h"
+#include "src/simd/ops.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace flashcte::simd {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+
+// The most floats a vector of this target holds. For fixed-width targets (every x86 one) this
+// is the lane count N itself; scalable targets may run narrower.
+inline constexpr int64_t kMaxLanes = static_cast<int64_t>(hn::MaxLanes(DF()));
+
+// W1 (ops.h) for this target: whole vectors tile the padding, and the padding holds one.
+static_assert(kPadFloats % kMaxLanes == 0,
+              "W1: the column padding unit must be a multiple of this target's vector");
+static_assert(kPadFloats >= kMaxLanes, "W2: qk's overrun past cols must fit in the padding");
+
+// Rows per register block of MM1 and MM2. 6 fills AVX2's 16 registers (the classic 6x16 SGEMM
+// shape: 12 accumulators, 2 streamed vectors, 1 broadcast); wider targets keep the same shape so
+// that every target computes the same sums in the same order per lane.
+inline constexpr int64_t kRows = 6;
+
+// Calls body(std::integral_constant<int64_t, R>(), r) for consecutive row blocks covering
+// [0, rows): full blocks of kRows, then one block of the remaining 1..kRows-1 rows, so each
+// block size is a compile-time constant for the micro-kernel's register arrays.
+template <int64_t R, class Body>
+HWY_INLINE void RemainderBlock(int64_t left, int64_t r, const Body& body) {
+  if constexpr (R > 0) {
+    if (left == R) {
+      body(std::integral_constant<int64_t, R>(), r);
+    } else {
+      RemainderBlock<R - 1>(left, r, body);
+    }
+  }
+}
+
+template <class Body>
+HWY_INLINE void ForEachRowBlock(int64_t rows, const Body& body) {
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows) body(std::integral_constant<int64_t, kRows>(), r);
+  RemainderBlock<kRows - 1>(rows - r, r, body);
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace flashcte::simd
+HWY_AFTER_NAMESPACE();
+
+#endif  // FLASHCTE_SRC_SIMD_SHARED_INL_H_
