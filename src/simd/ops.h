@@ -58,9 +58,15 @@ inline constexpr int64_t kCacheLineBytes = 64;
 
 // Column padding unit (W1): the widest vector or one cache line, whichever is larger. 16 floats
 // on x86: one AVX-512 vector, two AVX2 vectors.
+// FLASHCTE_TEST_PAD_FLOATS exists for one test only (tests/simd: a unit narrower than a target's
+// vector must fail that target's static_assert, so the contract is seen to be checked).
+#ifdef FLASHCTE_TEST_PAD_FLOATS
+inline constexpr int64_t kPadFloats = FLASHCTE_TEST_PAD_FLOATS;
+#else
 inline constexpr int64_t kPadFloats =
     (kWidestVectorBytes > kCacheLineBytes ? kWidestVectorBytes : kCacheLineBytes) /
     static_cast<int64_t>(sizeof(float));
+#endif
 
 inline constexpr int64_t padded(int64_t n) {
   return (n + kPadFloats - 1) / kPadFloats * kPadFloats;
