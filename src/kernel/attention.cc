@@ -28,6 +28,7 @@
 
 #include "src/kernel/convert.h"
 #include "src/kernel/plan.h"
+#include "src/simd/bf16_dot.h"
 
 namespace flashcte::internal {
 namespace {
@@ -40,40 +41,47 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // 48 x 256 scores is 48 KiB, L1/L2 resident.
 constexpr int64_t kSubRows = 48;
 
-// Floats on 64-byte cache lines. The micro-kernels load 64-byte rows of K, V, S and O (leading
+// Elements on 64-byte cache lines. The micro-kernels load 64-byte rows of K, V, S and O (leading
 // dimensions are multiples of 16 floats); from std::vector, whose large blocks start 16 bytes
 // into a page, every such row straddled two lines.
-class LineAlignedFloats {
+template <class T>
+class LineAligned {
  public:
-  float* data() { return data_.get(); }
-  float& operator[](size_t i) { return data_.get()[i]; }
-  // At least n floats; the contents are not kept when it grows.
+  T* data() { return data_.get(); }
+  T& operator[](size_t i) { return data_.get()[i]; }
+  // At least n elements; the contents are not kept when it grows.
   void ensure(size_t n) {
     if (n <= size_) return;
     constexpr size_t kLine = 64;
-    const size_t bytes = (n * sizeof(float) + kLine - 1) / kLine * kLine;
-    data_.reset(static_cast<float*>(std::aligned_alloc(kLine, bytes)));
+    const size_t bytes = (n * sizeof(T) + kLine - 1) / kLine * kLine;
+    data_.reset(static_cast<T*>(std::aligned_alloc(kLine, bytes)));
     if (!data_) throw std::bad_alloc();
     size_ = n;
   }
 
  private:
   struct Free {
-    void operator()(float* p) const { std::free(p); }
+    void operator()(T* p) const { std::free(p); }
   };
-  std::unique_ptr<float, Free> data_;
+  std::unique_ptr<T, Free> data_;
   size_t size_ = 0;
 };
+using LineAlignedFloats = LineAligned<float>;
 
 // Per-thread buffers, grown on demand and kept across calls so that the hot path allocates
 // nothing once warm.
 struct Scratch {
-  LineAlignedFloats q;         // [q_block][d]
-  LineAlignedFloats k;         // [d][ldk]       one section of K, transposed
-  LineAlignedFloats v;         // [section][ldv] one section of V
-  LineAlignedFloats s;         // [q_block][lds] scores / probabilities of one head
-  LineAlignedFloats o;         // [group][q_block][ldo]
-  LineAlignedFloats state;     // [group][3][q_block]: neg_run, sum, alpha
+  LineAlignedFloats q;      // [q_block][d]
+  LineAlignedFloats k;      // [d][ldk]       one section of K, transposed
+  LineAlignedFloats v;      // [section][ldv] one section of V
+  LineAlignedFloats s;      // [q_block][lds] scores / probabilities of one head
+  LineAlignedFloats o;      // [group][q_block][ldo]
+  LineAlignedFloats state;  // [group][3][q_block]: neg_run, sum, alpha
+  // The native bfloat16 path (simd/bf16_dot.h): the same blocks as bfloat16 pairs.
+  LineAligned<uint16_t> q2;    // [group][q_block][d2]  unscaled
+  LineAligned<uint32_t> k2;    // [d2 / 2][ldk]
+  LineAligned<uint32_t> v2;    // [section / 2 + 1][ldv]
+  LineAligned<uint16_t> p2;    // [q_block][lds]
   std::vector<float> convert;  // one row or column being converted
   std::vector<RowInterval> intervals;
   BlockPlan plan;                    // the whole work item: what gets packed
@@ -91,7 +99,10 @@ template <class T>
 void ensure(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
 }
-void ensure(LineAlignedFloats& v, size_t n) { v.ensure(n); }
+template <class T>
+void ensure(LineAligned<T>& v, size_t n) {
+  v.ensure(n);
+}
 
 // Copies the rows x cols matrix src(r, c) = base[r * row_stride + c * col_stride] (dtype) into
 // dst[r * dst_row + c * dst_col] as float32. Runs along whichever source axis is contiguous go
@@ -168,14 +179,65 @@ void pack_kv(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t begin
   }
 }
 
+// Head dims rounded up to whole bfloat16 pairs (simd/bf16_dot.h).
+int64_t pair_dim(int64_t d) { return (d + 1) / 2 * 2; }
+
 // Packs query rows [row0, row0 + rows) of batch b, multiplied by scale: (scale * q) . k differs
-// from scale * (q . k) by one float32 rounding, and MM1's epilogue stays a plain store.
-void pack_q(const Problem& p, const simd::Ops& ops, int64_t b, int64_t row0, int64_t rows, float* q,
-            std::vector<float>& tmp) {
-  pack_matrix(ops, element(p.q, p.dtype, b, row0), p.dtype, p.q.row_stride, p.q.col_stride, rows,
-              p.head_dim, q, p.head_dim, 1, tmp);
-  if (p.scale == 1.0f) return;
-  for (int64_t i = 0; i < rows * p.head_dim; ++i) q[i] *= p.scale;
+// from scale * (q . k) by one float32 rounding, and MM1's epilogue stays a plain store. With q2,
+// also the unscaled rows as bfloat16 for the native path, whose MM1 scales its scores instead
+// (a scaled bfloat16 Q would round every element once more). Returns whether q2's rows hold a
+// subnormal, which the native kernels would flush.
+bool pack_q(const Problem& p, const simd::Ops& ops, int64_t b, int64_t row0, int64_t rows, float* q,
+            uint16_t* q2, std::vector<float>& tmp) {
+  const int64_t d = p.head_dim, d2 = pair_dim(d);
+  pack_matrix(ops, element(p.q, p.dtype, b, row0), p.dtype, p.q.row_stride, p.q.col_stride, rows, d,
+              q, d, 1, tmp);
+  const bool subnormal = q2 && (ops.classify(q, rows * d) & simd::kSubnormal) != 0;
+  for (int64_t r = 0; q2 && r < rows; ++r) {
+    ops.narrow_bf16(q + r * d, d, q2 + r * d2);
+    if (d2 != d) q2[r * d2 + d] = 0;
+  }
+  if (p.scale != 1.0f) {
+    for (int64_t i = 0; i < rows * d; ++i) q[i] *= p.scale;
+  }
+  return subnormal;
+}
+
+// Calls body(begin, end) for each run of consecutive tiles [begin, end) that touch, as offsets
+// from `origin`.
+template <class Body>
+void for_each_run(const TileWork* tiles, int64_t num_tiles, int64_t origin, const Body& body) {
+  for (int64_t t = 0; t < num_tiles;) {
+    const int64_t begin = tiles[t].begin;
+    int64_t end = tiles[t].end;
+    for (++t; t < num_tiles && tiles[t].begin == end; ++t) end = tiles[t].end;
+    body(begin - origin, end - origin);
+  }
+}
+
+// The section's packed float32 K and V again as bfloat16 pairs (simd/bf16_dot.h), exactly (they
+// hold bfloat16 inputs). K pairs run along d, V pairs along the keys: a V pair that straddles the
+// edge of a run of packed tiles takes zeros for the key outside it, so every pair MM2 can read is
+// finite where its P is zero.
+void pack_pairs(const Problem& p, const simd::Ops& ops, const TileWork* tiles, int64_t num_tiles,
+                int64_t sec_begin, int64_t ldk, int64_t ldv, Scratch& sc) {
+  const int64_t d = p.head_dim, pairs = pair_dim(d) / 2, dv_pad = simd::padded(p.value_dim);
+  const float* k = sc.k.data();
+  const float* v = sc.v.data();
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t a = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
+    for (int64_t x = 0; x < pairs; ++x) {
+      const float* odd_row = 2 * x + 1 < d ? k + (2 * x + 1) * ldk + a : nullptr;
+      ops.interleave_bf16(k + 2 * x * ldk + a, odd_row, n, sc.k2.data() + x * ldk + a);
+    }
+  }
+  for_each_run(tiles, num_tiles, sec_begin, [&](int64_t a, int64_t b) {
+    for (int64_t j = a / 2; 2 * j < b; ++j) {
+      const float* even_row = 2 * j >= a ? v + 2 * j * ldv : nullptr;
+      const float* odd_row = 2 * j + 1 < b ? v + (2 * j + 1) * ldv : nullptr;
+      ops.interleave_bf16(even_row, odd_row, dv_pad, sc.v2.data() + j * ldv);
+    }
+  });
 }
 
 // Writes output row i of batch b from its unnormalized accumulator o (scaled in place) and the
@@ -210,6 +272,7 @@ struct HeadRows {
   int64_t row0;                  // global index of the first row (positions, key_bias)
   int64_t prior;                 // prior_used_len of the KV batch
   const float* q;                // [rows][d]
+  const uint16_t* q2;            // [rows][d2] (native bfloat16 path only)
   const RowInterval* intervals;  // [rows]
   float* neg_run;                // [rows]
   float* sum;                    // [rows]
@@ -238,9 +301,10 @@ void apply_modifiers(const Problem& p, const simd::Ops& ops, const HeadRows& hr,
   }
 }
 
-void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const TileWork* tiles,
-                     int64_t num_tiles, int64_t sec_begin, int64_t ldk, int64_t ldv,
-                     const HeadRows& hr) {
+// `dot` non-null: the section runs on the native bfloat16 kernels.
+void process_section(const Problem& p, const simd::Ops& ops, const simd::Bf16DotOps* dot,
+                     Scratch& sc, const TileWork* tiles, int64_t num_tiles, int64_t sec_begin,
+                     int64_t ldk, int64_t ldv, const HeadRows& hr) {
   const int64_t d = p.head_dim, lds = ldk, ldo = ldv, rows = hr.rows;
   float* s = sc.s.data();
   float* row_max = hr.alpha;  // alpha is free until the max is known
@@ -251,8 +315,13 @@ void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const 
     // Unmodified, unmasked tiles fold the row max into MM1's epilogue; the others take it once
     // the scores are final.
     const bool fused_max = !tiles[t].masked && !modify;
-    ops.qk(hr.q, d, rows, sc.k.data() + off, ldk, n, d, s + off, lds,
-           fused_max ? row_max : nullptr);
+    if (dot) {
+      dot->qk(hr.q2, pair_dim(d), rows, sc.k2.data() + off, ldk, n, pair_dim(d), p.scale, s + off,
+              lds, fused_max ? row_max : nullptr);
+    } else {
+      ops.qk(hr.q, d, rows, sc.k.data() + off, ldk, n, d, s + off, lds,
+             fused_max ? row_max : nullptr);
+    }
     if (fused_max) continue;
     if (modify) apply_modifiers(p, ops, hr, tiles[t].begin, n, s + off, lds);
     if (!tiles[t].masked) {
@@ -291,6 +360,24 @@ void process_section(const Problem& p, const simd::Ops& ops, Scratch& sc, const 
   // MM2, with alpha folded into the first tile of the section, over V's padded width (zeros
   // past dv; ldv may be wider still, see simd::odd_cache_lines).
   const int64_t dv_pad = simd::padded(p.value_dim);
+  if (dot) {
+    // Runs of touching tiles on whole pairs of keys; a pair's key outside the run gets P = 0
+    // (and V = 0 or a packed value, pack_pairs).
+    uint16_t* p2 = sc.p2.data();
+    bool first = true;
+    for_each_run(tiles, num_tiles, sec_begin, [&](int64_t a, int64_t b) {
+      const int64_t a2 = a / 2 * 2, b2 = pair_dim(b);
+      for (int64_t r = 0; r < rows; ++r) {
+        ops.narrow_bf16(s + r * lds + a, b - a, p2 + r * lds + a);
+        if (a2 != a) p2[r * lds + a2] = 0;
+        if (b2 != b) p2[r * lds + b] = 0;
+      }
+      dot->pv(p2 + a2, lds, rows, b2 - a2, sc.v2.data() + a2 / 2 * ldv, ldv, dv_pad,
+              first ? hr.alpha : nullptr, hr.o, ldo);
+      first = false;
+    });
+    return;
+  }
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int64_t off = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
     const float* v = sc.v.data() + off * ldv;
@@ -345,14 +432,25 @@ void run_work_item(const Problem& p, const simd::Ops& ops, const ItemRange& item
   ensure(sc.o, group * rows * ldo);
   ensure(sc.state, group * 3 * rows);
   ensure(sc.sub_cursor, subs);
+  // bfloat16 inputs run on the native kernels where the policy says so (simd/bf16_dot.h).
+  const simd::Bf16DotOps* dot = p.dtype == DType::kBFloat16 ? simd::bf16_dot_for(ops) : nullptr;
+  const int64_t d2 = pair_dim(d);
+  if (dot) {
+    ensure(sc.q2, group * rows * d2);
+    ensure(sc.k2, d2 / 2 * ldk);
+    ensure(sc.v2, (section / 2 + 1) * ldv);
+    ensure(sc.p2, std::min(kSubRows, rows) * lds);
+  }
   std::fill(sc.sub_cursor.begin(), sc.sub_cursor.begin() + subs, 0);
 
   // Q resident: every head's rows packed once. Initial state: the sink is a column of logit
   // sink[b] with no value, so it seeds the max and contributes exp(sink - sink) = 1 to the sum
   // (the kernel appends it in section 0).
+  bool q_subnormal = false;
   for (int64_t h = 0; h < group; ++h) {
     const int64_t b = kv_b * group + h;
-    pack_q(p, ops, b, row0, rows, &sc.q[h * rows * d], sc.convert);
+    q_subnormal |= pack_q(p, ops, b, row0, rows, &sc.q[h * rows * d],
+                          dot ? &sc.q2[h * rows * d2] : nullptr, sc.convert);
     float* neg_run = &sc.state[(h * 3 + 0) * rows];
     float* sum = &sc.state[(h * 3 + 1) * rows];
     // A sink of -inf is no sink (validation refuses +inf and NaN). Splits leave the sink to
@@ -362,15 +460,30 @@ void run_work_item(const Problem& p, const simd::Ops& ops, const ItemRange& item
     std::fill(sum, sum + rows, sink == -kInf ? 0.0f : 1.0f);
     std::fill(&sc.o[h * rows * ldo], &sc.o[(h + 1) * rows * ldo], 0.0f);
   }
+  const simd::Bf16DotOps* item_dot = q_subnormal ? nullptr : dot;
 
   for (const SectionWork& sec : sc.plan.sections) {
     sc.v_nonfinite = false;
+    bool subnormal = false;
     for (int64_t t = sec.first_tile; t < sec.end_tile; ++t) {
       const TileWork& tile = sc.plan.tiles[t];
       pack_kv(p, ops, kv_b, tile.begin, tile.end, sec.begin, sc.k.data(), ldk, sc.v.data(), ldv,
               sc.convert);
-      sc.v_nonfinite |= !ops.all_finite(sc.v.data() + (tile.begin - sec.begin) * ldv,
-                                        (tile.end - tile.begin) * ldv);
+      const int64_t off = tile.begin - sec.begin, n = tile.end - tile.begin;
+      const unsigned v_classes = ops.classify(sc.v.data() + off * ldv, n * ldv);
+      sc.v_nonfinite |= (v_classes & simd::kNonFinite) != 0;
+      if (!item_dot) continue;
+      subnormal |= (v_classes & simd::kSubnormal) != 0;
+      for (int64_t x = 0; x < d; ++x) {
+        subnormal |= (ops.classify(sc.k.data() + x * ldk + off, n) & simd::kSubnormal) != 0;
+      }
+    }
+    // The native kernels flush subnormal inputs, and a NaN or Inf value needs the float32 path's
+    // per-row exact MM2 (below): such sections widen.
+    const simd::Bf16DotOps* sec_dot = sc.v_nonfinite || subnormal ? nullptr : item_dot;
+    if (sec_dot) {
+      pack_pairs(p, ops, sc.plan.tiles.data() + sec.first_tile, sec.end_tile - sec.first_tile,
+                 sec.begin, ldk, ldv, sc);
     }
     for (int64_t sb = 0; sb < subs; ++sb) {
       // The sub-block's sections are a subset of the item's, in the same order.
@@ -386,13 +499,14 @@ void run_work_item(const Problem& p, const simd::Ops& ops, const ItemRange& item
         hr.prior = p.prior_used[kv_b];
         hr.rows = std::min(kSubRows, rows - r0);
         hr.q = &sc.q[(h * rows + r0) * d];
+        hr.q2 = item_dot ? &sc.q2[(h * rows + r0) * d2] : nullptr;
         hr.intervals = sc.intervals.data() + r0;
         hr.neg_run = &sc.state[(h * 3 + 0) * rows + r0];
         hr.sum = &sc.state[(h * 3 + 1) * rows + r0];
         hr.alpha = &sc.state[(h * 3 + 2) * rows + r0];
         hr.o = &sc.o[(h * rows + r0) * ldo];
-        process_section(p, ops, sc, sp.tiles.data() + ss.first_tile, ss.end_tile - ss.first_tile,
-                        sec.begin, ldk, ldv, hr);
+        process_section(p, ops, sec_dot, sc, sp.tiles.data() + ss.first_tile,
+                        ss.end_tile - ss.first_tile, sec.begin, ldk, ldv, hr);
       }
     }
   }

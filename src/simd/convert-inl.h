@@ -1,5 +1,6 @@
-// Conversion of a contiguous bfloat16 / float16 run to float32, for the packers (once per
-// element of a K/V tile or a Q block). 2 or 4 bytes in, 4 bytes out per element.
+// Conversions for the packers, once per element of a K/V tile or a Q block: bfloat16 / float16
+// runs to float32 (2 or 4 bytes in, 4 out per element), and float32 that holds bfloat16 values to
+// the native bf16 kernels' layouts (bf16_dot.h): narrowed rows, and pairs of rows interleaved.
 // Width contract W4 (ops.h): whole vectors while n allows, then one lane at a time.
 
 #if defined(FLASHCTE_SRC_SIMD_CONVERT_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -42,6 +43,48 @@ void ToFloat(const void* src, DType dtype, int64_t n, float* dst) {
     default:
       std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
   }
+}
+
+// The high halves of float32 values that are bfloat16 already (packed from bfloat16 inputs, or
+// P rounded by exp_sum): exact, NaN payloads included.
+template <class D>
+HWY_INLINE void NarrowStep(D d, const float* HWY_RESTRICT src, uint16_t* HWY_RESTRICT dst) {
+  const hn::RebindToSigned<D> di;
+  const hn::Rebind<uint16_t, D> d16;
+  // bits >> 16 of a float is below 2^16, so the saturating demotion keeps it as it is.
+  const auto high = hn::ShiftRight<16>(hn::BitCast(hn::RebindToUnsigned<D>(), hn::LoadU(d, src)));
+  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, high)), d16, dst);
+}
+
+void NarrowBf16(const float* src, int64_t n, uint16_t* dst) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  for (; i + N <= n; i += N) NarrowStep(df, src + i, dst + i);
+  const hn::CappedTag<float, 1> d1;
+  for (; i < n; ++i) NarrowStep(d1, src + i, dst + i);
+}
+
+// dst[i] = (bf16(lo[i]), bf16(hi[i])) as one uint32_t, low half first; a null row reads as
+// zeros. Same exactness as NarrowStep.
+template <class D>
+HWY_INLINE void InterleaveStep(D d, const float* lo, const float* hi, uint32_t* dst) {
+  const hn::RebindToUnsigned<D> du;
+  const auto lo_bits = lo ? hn::BitCast(du, hn::LoadU(d, lo)) : hn::Zero(du);
+  const auto hi_bits = hi ? hn::BitCast(du, hn::LoadU(d, hi)) : hn::Zero(du);
+  hn::StoreU(hn::Or(hn::ShiftRight<16>(lo_bits), hn::And(hi_bits, hn::Set(du, 0xFFFF0000u))), du,
+             dst);
+}
+
+void InterleaveBf16(const float* lo, const float* hi, int64_t n, uint32_t* dst) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    InterleaveStep(df, lo ? lo + i : nullptr, hi ? hi + i : nullptr, dst + i);
+  }
+  const hn::CappedTag<float, 1> d1;
+  for (; i < n; ++i) InterleaveStep(d1, lo ? lo + i : nullptr, hi ? hi + i : nullptr, dst + i);
 }
 
 }  // namespace HWY_NAMESPACE

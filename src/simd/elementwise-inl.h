@@ -1,7 +1,7 @@
 // Element-wise passes over one score row (the score modifiers, in Options order: softcap, ALiBi,
-// key bias) and the finiteness check of a packed V tile. Streaming: one load and one store per
-// element, memory- or latency-bound, run only when the mode asks for them.
-// Width contract W4 (ops.h): whole vectors while n allows, then one lane at a time.
+// key bias) and the classification of packed values (non-finite, subnormal). Streaming: one load
+// and one store per element, memory- or latency-bound, run only when the mode asks for them. Width
+// contract W4 (ops.h): whole vectors while n allows, then one lane at a time.
 
 #if defined(FLASHCTE_SRC_SIMD_ELEMENTWISE_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef FLASHCTE_SRC_SIMD_ELEMENTWISE_INL_H_
@@ -62,21 +62,30 @@ void AddRow(float* s, const float* bias, int64_t n) {
   for (; c < n; ++c) s[c] += bias[c];
 }
 
-bool AllFinite(const float* x, int64_t n) {
-  // A float is NaN or Inf exactly when its exponent bits are all ones.
+unsigned Classify(const float* x, int64_t n) {
+  // A float is NaN or Inf exactly when its exponent bits are all ones, and subnormal when they
+  // are all zeros and the rest of its magnitude is not.
   const DF df;
   const hn::RebindToUnsigned<DF> du;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  const auto exp_mask = hn::Set(du, 0x7F800000u);
-  auto bad = hn::Zero(du);
+  const auto exp_mask = hn::Set(du, 0x7F800000u), magnitude = hn::Set(du, 0x7FFFFFFFu);
+  auto nonfinite = hn::Zero(du), subnormal = hn::Zero(du);
   int64_t i = 0;
   for (; i + N <= n; i += N) {
-    const auto e = hn::And(hn::BitCast(du, hn::LoadU(df, x + i)), exp_mask);
-    bad = hn::Or(bad, hn::VecFromMask(du, hn::Eq(e, exp_mask)));
+    const auto bits = hn::BitCast(du, hn::LoadU(df, x + i));
+    const auto e = hn::And(bits, exp_mask);
+    nonfinite = hn::Or(nonfinite, hn::VecFromMask(du, hn::Eq(e, exp_mask)));
+    const auto tiny =
+        hn::And(hn::Eq(e, hn::Zero(du)), hn::Ne(hn::And(bits, magnitude), hn::Zero(du)));
+    subnormal = hn::Or(subnormal, hn::VecFromMask(du, tiny));
   }
-  bool ok = hn::AllTrue(du, hn::Eq(bad, hn::Zero(du)));
-  for (; i < n; ++i) ok &= std::isfinite(x[i]);
-  return ok;
+  unsigned found = (hn::AllTrue(du, hn::Eq(nonfinite, hn::Zero(du))) ? 0u : kNonFinite) |
+                   (hn::AllTrue(du, hn::Eq(subnormal, hn::Zero(du))) ? 0u : kSubnormal);
+  for (; i < n; ++i) {
+    if (!std::isfinite(x[i])) found |= kNonFinite;
+    if (std::fpclassify(x[i]) == FP_SUBNORMAL) found |= kSubnormal;
+  }
+  return found;
 }
 
 }  // namespace HWY_NAMESPACE

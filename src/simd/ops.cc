@@ -21,6 +21,7 @@ namespace HWY_NAMESPACE {
 
 const Ops* GetOps() {
   static const Ops table = {hwy::TargetName(HWY_TARGET),
+                            HWY_TARGET,
                             static_cast<int64_t>(hn::Lanes(DF())),
                             kRows,
                             &Qk,
@@ -29,8 +30,10 @@ const Ops* GetOps() {
                             &Softcap,
                             &Alibi,
                             &AddRow,
-                            &AllFinite,
+                            &Classify,
                             &ToFloat,
+                            &NarrowBf16,
+                            &InterleaveBf16,
                             &Pv};
   return &table;
 }

@@ -8,7 +8,9 @@
 //   mm2-inl.h          MM2, O = alpha O + P.V (pv)
 //   softmax-inl.h      row max, the fused exp-and-sum
 //   elementwise-inl.h  softcap, ALiBi, key bias, the finiteness check
-//   convert-inl.h      bfloat16 / float16 to float32
+//   convert-inl.h      bfloat16 / float16 to float32, float32 to the native bf16 layouts
+//   bf16_dot.cc        the native bfloat16 MM1 and MM2 (AVX512_BF16 intrinsics), and when to
+//                      use them
 //   ops.cc             the per-target table and the run-time dispatch
 //
 // All buffers are float32 and packed by the kernel layer:
@@ -31,7 +33,8 @@
 //       multiple of kPadFloats (hence of N, W1) and at most the leading dimension; it touches
 //       nothing past dv_pad. Columns [dv, dv_pad) of V must be finite (the kernel zeroes them).
 //       P is read at [0, n) of each row.
-//   W4  row_max, exp_sum, softcap, alibi, add, all_finite and to_float touch exactly [0, n):
+//   W4  row_max, exp_sum, softcap, alibi, add, classify, to_float, narrow_bf16 and
+//       interleave_bf16 touch exactly [0, n):
 //       their tails run one lane at a time.
 //   W5  qk's register block is `rows` (Ops::mm_rows) rows; any row count is allowed.
 // tests/simd/ checks each op against these extents with NaN canaries on every target the CPU
@@ -83,10 +86,14 @@ inline constexpr int64_t odd_cache_lines(int64_t n) {
 // Leading dimension of a K or S buffer of n columns: room for qk's whole-vector overrun (W2).
 inline constexpr int64_t leading_dim(int64_t n) { return odd_cache_lines(padded(n) + kPadFloats); }
 
+// Ops::classify's findings.
+inline constexpr unsigned kNonFinite = 1, kSubnormal = 2;
+
 struct Ops {
   const char* target;
-  int64_t lanes;    // N: floats per vector of this target
-  int64_t mm_rows;  // rows of the MM1 / MM2 register block
+  int64_t target_bits;  // the Highway target (HWY_AVX3, ...)
+  int64_t lanes;        // N: floats per vector of this target
+  int64_t mm_rows;      // rows of the MM1 / MM2 register block
 
   // MM1: S[r][c] = sum_k Q[r][k] * K[k][c] for r < rows, c < cols (Q pre-scaled); see W2 for
   // what it may touch past cols. With row_max non-null, also
@@ -110,12 +117,22 @@ struct Ops {
   void (*alibi)(float* s, int64_t n, float slope, float dist0);
   void (*add)(float* s, const float* bias, int64_t n);
 
-  // True when no x[i], i < n, is NaN or Inf (the kernel's rare exact path for such values).
-  bool (*all_finite)(const float* x, int64_t n);
+  // Which of kNonFinite (NaN, Inf) and kSubnormal occur among x[i], i < n: the first takes the
+  // kernel's rare exact path for such values, both keep the native bf16 kernels (which flush
+  // subnormals) off the data.
+  unsigned (*classify)(const float* x, int64_t n);
 
   // dst[i] = float(src[i]) for i < n, src contiguous of dtype float32, bfloat16 or float16
   // (F16C on x86). Used by the packers, which run once per tile.
   void (*to_float)(const void* src, DType dtype, int64_t n, float* dst);
+
+  // For the native bfloat16 kernels (bf16_dot.h), from float32 that holds bfloat16 values
+  // (packed from bfloat16 inputs, or P rounded by exp_sum; then both are exact):
+  //   narrow_bf16      dst[i] = bf16(src[i]) for i < n
+  //   interleave_bf16  dst[i] = the pair (bf16(lo[i]), bf16(hi[i])), low half first, for i < n;
+  //                    a null lo or hi reads as zeros
+  void (*narrow_bf16)(const float* src, int64_t n, uint16_t* dst);
+  void (*interleave_bf16)(const float* lo, const float* hi, int64_t n, uint32_t* dst);
 
   // MM2 with the rescale folded in: O[r][:] = alpha[r] * O[r][:] + sum_{j<n} P[r][j] * V[j][:]
   // for r < rows, over dv_pad columns (W3). alpha may be null (= 1).

@@ -19,12 +19,6 @@
 namespace flashcte::test {
 namespace {
 
-// float32 dot products of `terms` terms, accumulated by FMAs in any order: within
-// terms * 2^-24 * sum |products| (the classic gamma_n bound), doubled for margin.
-double dot_tolerance(int64_t terms, double abs_sum) {
-  return 2.0 * static_cast<double>(terms + 1) * std::ldexp(abs_sum, -24) + 1e-30;
-}
-
 // One qk call: rows x cols scores over head dim d.
 struct QkCase {
   int64_t rows = 1, cols = 1, d = 1;

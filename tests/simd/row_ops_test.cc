@@ -1,4 +1,5 @@
-// Testers of the row micro-kernels (row_max, exp_sum, softcap, alibi, add, all_finite, to_float)
+// Testers of the row micro-kernels (row_max, exp_sum, softcap, alibi, add, classify, to_float,
+// narrow_bf16, interleave_bf16)
 // on every SIMD target this CPU runs: every length where a vector loop has an edge (1, N-1, N,
 // N+1, 2N-1, 2N, 2N+1, 3N+1), aligned and unaligned starts, canaries past the end (W4 of
 // src/simd/ops.h: these touch exactly [0, n)), and a float64 reference.
@@ -196,19 +197,32 @@ TEST(SimdAdd, ExactFloatSum) {
   });
 }
 
-// The canaries past n are NaN, so an all_finite that read past n would answer false.
-TEST(SimdAllFinite, SeesEveryPositionAndNothingPastN) {
+// The canaries past n are NaN, so a classify that read past n would report kNonFinite.
+TEST(SimdClassify, SeesEveryPositionAndNothingPastN) {
   const float kNaN = std::numeric_limits<float>::quiet_NaN();
+  const float kTiny = std::numeric_limits<float>::denorm_min();
+  const float kSmallest = std::numeric_limits<float>::min();  // normal
   for_each_target([&](const simd::Ops& ops) {
     for_each_row(ops, [&](GuardedBuffer& row, int64_t n) {
-      for (int64_t c = 0; c < n; ++c) row.at(0, c) = static_cast<float>(c) - 3.5f;
-      EXPECT_TRUE(ops.all_finite(row.data(), n)) << "finite row (canary NaN past n)";
+      for (int64_t c = 0; c < n; ++c) row.at(0, c) = c % 3 ? static_cast<float>(c) - 3.5f : 0.0f;
+      if (n > 1) row.at(0, n - 1) = -kSmallest;  // normal, however small
+      EXPECT_EQ(ops.classify(row.data(), n), 0u) << "normal and zero (canary NaN past n)";
       for (int64_t at = 0; at < n; ++at) {
+        const float saved = row.at(0, at);
         for (float bad : {kNaN, kInf, -kInf}) {
           row.at(0, at) = bad;
-          EXPECT_FALSE(ops.all_finite(row.data(), n)) << bad << " at " << at;
+          EXPECT_EQ(ops.classify(row.data(), n), simd::kNonFinite) << bad << " at " << at;
         }
-        row.at(0, at) = 1.0f;
+        for (float tiny : {kTiny, -kTiny, std::nextafter(kSmallest, 0.0f)}) {
+          row.at(0, at) = tiny;
+          EXPECT_EQ(ops.classify(row.data(), n), simd::kSubnormal) << tiny << " at " << at;
+        }
+        row.at(0, at) = kNaN;
+        if (n > 1) row.at(0, (at + 1) % n) = kTiny;
+        EXPECT_EQ(ops.classify(row.data(), n),
+                  n > 1 ? simd::kNonFinite | simd::kSubnormal : simd::kNonFinite);
+        if (n > 1) row.at(0, (at + 1) % n) = (at + 1) % n == n - 1 ? -kSmallest : 1.0f;
+        row.at(0, at) = saved;
       }
     });
   });
@@ -247,6 +261,74 @@ TEST(SimdToFloat, ExactEveryDtype) {
           EXPECT_EQ(std::signbit(dst.at(0, i)), std::signbit(want[i])) << "sign of " << i;
         }
       });
+    }
+  });
+}
+
+// float32 values that hold bfloat16 ones (the only inputs the contract allows): random normals,
+// subnormals, zeros of both signs, infinities and a NaN payload, whose high halves must come
+// through bit for bit.
+std::vector<float> bf16_values(int64_t n, std::mt19937& rng) {
+  std::normal_distribution<double> g(0.0, 10.0);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    double v = g(rng);
+    if (i % 7 == 3) v *= 1e-39;
+    if (i % 11 == 5) v = -0.0;
+    if (i % 13 == 6) v = i % 2 ? kInf : -kInf;
+    x[i] = static_cast<float>(reference::round_to_dtype(v, DType::kBFloat16));
+    if (i % 17 == 8) {
+      const uint32_t nan_bits = 0x7FA10000u;  // a NaN with a payload in its high half
+      std::memcpy(&x[i], &nan_bits, sizeof nan_bits);
+    }
+  }
+  return x;
+}
+uint16_t high_half(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Destinations of uint16_t / uint32_t elements with canaries past n (the float canaries' bit
+// pattern, so GuardedBuffer checks them).
+TEST(SimdNarrowBf16, ExactHighHalves) {
+  std::mt19937 rng(7);
+  for_each_target([&](const simd::Ops& ops) {
+    for (int64_t n : edge_lengths(ops.lanes)) {
+      SCOPED_TRACE("n " + std::to_string(n));
+      const std::vector<float> src = bf16_values(n, rng);
+      GuardedBuffer out(1, n / 2 + ops.lanes, 1);  // n uint16_t fit in n / 2 + 1 floats
+      auto* dst = reinterpret_cast<uint16_t*>(out.data());
+      ops.narrow_bf16(src.data(), n, dst);
+      for (int64_t i = 0; i < n; ++i) EXPECT_EQ(dst[i], high_half(src[i])) << "element " << i;
+      // The uint16_t at n shares a float with dst[n - 1] when n is odd: it must be unchanged.
+      if (n % 2) {
+        EXPECT_EQ(dst[n], static_cast<uint16_t>(kCanaryBits >> 16)) << "element n";
+      }
+      EXPECT_EQ(out.untouched_outside(1, (n + 1) / 2), "") << "written past n";
+    }
+  });
+}
+
+TEST(SimdInterleaveBf16, PairsLowHalfFirst) {
+  std::mt19937 rng(8);
+  for_each_target([&](const simd::Ops& ops) {
+    for (int64_t n : edge_lengths(ops.lanes)) {
+      for (int nulls = 0; nulls < 3; ++nulls) {  // 0: both rows, 1: no odd row, 2: no even row
+        SCOPED_TRACE("n " + std::to_string(n) + ", nulls " + std::to_string(nulls));
+        const std::vector<float> lo = bf16_values(n, rng), hi = bf16_values(n, rng);
+        GuardedBuffer out(1, n + ops.lanes, 2);
+        auto* dst = reinterpret_cast<uint32_t*>(out.data());
+        ops.interleave_bf16(nulls == 2 ? nullptr : lo.data(), nulls == 1 ? nullptr : hi.data(), n,
+                            dst);
+        for (int64_t i = 0; i < n; ++i) {
+          const uint32_t want_lo = nulls == 2 ? 0u : high_half(lo[i]);
+          const uint32_t want_hi = nulls == 1 ? 0u : high_half(hi[i]);
+          EXPECT_EQ(dst[i], want_lo | want_hi << 16) << "element " << i;
+        }
+        EXPECT_EQ(out.untouched_outside(1, n), "") << "written past n";
+      }
     }
   });
 }

@@ -14,6 +14,7 @@
 #include <hwy/targets.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -126,6 +127,12 @@ inline std::vector<int64_t> edge_lengths(int64_t lanes) {
 }
 
 inline int64_t round_up(int64_t n, int64_t unit) { return (n + unit - 1) / unit * unit; }
+
+// float32 dot products of `terms` terms, accumulated by FMAs in any order: within
+// terms * 2^-24 * sum |products| (the classic gamma_n bound), doubled for margin.
+inline double dot_tolerance(int64_t terms, double abs_sum) {
+  return 2.0 * static_cast<double>(terms + 1) * std::ldexp(abs_sum, -24) + 1e-30;
+}
 
 }  // namespace flashcte::test
 
