@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "src/simd/bf16_dot.h"
+#include "src/simd/ops.h"
 #include "tests/test_util.h"
 
 namespace flashcte::test {
@@ -58,6 +60,32 @@ TEST(SimdTargets, EveryTargetMatchesReference) {
   hwy::SetSupportedTargetsForTest(0);
   // Each target really ran: the kernel reported as many distinct targets as were set.
   for (size_t i = 1; i < seen.size(); ++i) EXPECT_NE(seen[i], seen[i - 1]);
+}
+
+// bfloat16 inputs on both of the AVX-512 target's paths, native vdpbf16ps and widening to
+// float32, whichever the automatic policy picks on this CPU, with tiles whose edges split key
+// pairs. (The sections that fall back from native to widening, NaN/Inf values and subnormal
+// inputs, are the Poisons and Numerics tests', which run under the automatic policy.)
+TEST(SimdTargets, BothBf16PathsMatchReference) {
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
+  const bool native = simd::bf16_dot_for(simd::ops()) != nullptr;
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
+  if (!native) GTEST_SKIP() << "no AVX512_BF16 on this CPU: only the widening path ran";
+  for (simd::Bf16Dot policy : {simd::Bf16Dot::kNative, simd::Bf16Dot::kWiden}) {
+    simd::set_bf16_dot_policy_for_test(policy);
+    const char* name = policy == simd::Bf16Dot::kNative ? "native" : "widen";
+    for (Case c : target_cases()) {
+      if (c.dtype != DType::kBFloat16) continue;
+      EXPECT_TRUE(check_case(c)) << name;
+      c.options.causal_mask = true;
+      c.options.tiles = TileConfig{};
+      c.options.tiles.kv_tile = 21;  // odd tiles: key pairs straddle every tile edge
+      c.options.tiles.q_block = 10;
+      c.options.tiles.section = 63;  // and several sections
+      EXPECT_TRUE(check_case(c)) << name << ", causal, 21-key tiles, 63-key sections";
+    }
+  }
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
 }
 
 }  // namespace
