@@ -350,8 +350,9 @@ void process_section(const Problem& p, const simd::Ops& ops, const simd::Bf16Dot
     const float bias = neg_new == kInf ? 0.0f : neg_new;
     float section_sum = 0.0f;
     for (int64_t t = 0; t < num_tiles; ++t) {
-      section_sum += ops.exp_sum(srow + (tiles[t].begin - sec_begin), tiles[t].end - tiles[t].begin,
-                                 bias, round_p);
+      const int64_t off = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
+      section_sum += dot ? ops.exp_sum_bf16(srow + off, n, bias, sc.p2.data() + r * lds + off)
+                         : ops.exp_sum(srow + off, n, bias, round_p);
     }
     hr.sum[r] = hr.alpha[r] * hr.sum[r] + section_sum;
     hr.neg_run[r] = neg_new;
@@ -361,14 +362,13 @@ void process_section(const Problem& p, const simd::Ops& ops, const simd::Bf16Dot
   // past dv; ldv may be wider still, see simd::odd_cache_lines).
   const int64_t dv_pad = simd::padded(p.value_dim);
   if (dot) {
-    // Runs of touching tiles on whole pairs of keys; a pair's key outside the run gets P = 0
-    // (and V = 0 or a packed value, pack_pairs).
+    // Runs of touching tiles on whole pairs of keys (P2 from the exp above); a pair's key outside
+    // the run gets P = 0 (and V = 0 or a packed value, pack_pairs).
     uint16_t* p2 = sc.p2.data();
     bool first = true;
     for_each_run(tiles, num_tiles, sec_begin, [&](int64_t a, int64_t b) {
       const int64_t a2 = a / 2 * 2, b2 = pair_dim(b);
       for (int64_t r = 0; r < rows; ++r) {
-        ops.narrow_bf16(s + r * lds + a, b - a, p2 + r * lds + a);
         if (a2 != a) p2[r * lds + a2] = 0;
         if (b2 != b) p2[r * lds + b] = 0;
       }

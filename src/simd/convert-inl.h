@@ -46,27 +46,18 @@ void ToFloat(const void* src, DType dtype, int64_t n, float* dst) {
 }
 
 // The high halves of float32 values that are bfloat16 already (packed from bfloat16 inputs, or
-// P rounded by exp_sum): exact, NaN payloads included.
-template <class D>
-HWY_INLINE void NarrowStep(D d, const float* HWY_RESTRICT src, uint16_t* HWY_RESTRICT dst) {
-  const hn::RebindToSigned<D> di;
-  const hn::Rebind<uint16_t, D> d16;
-  // bits >> 16 of a float is below 2^16, so the saturating demotion keeps it as it is.
-  const auto high = hn::ShiftRight<16>(hn::BitCast(hn::RebindToUnsigned<D>(), hn::LoadU(d, src)));
-  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, high)), d16, dst);
-}
-
+// P rounded by exp_sum): exact.
 void NarrowBf16(const float* src, int64_t n, uint16_t* dst) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   int64_t i = 0;
-  for (; i + N <= n; i += N) NarrowStep(df, src + i, dst + i);
+  for (; i + N <= n; i += N) StoreBf16Halves(df, hn::LoadU(df, src + i), dst + i);
   const hn::CappedTag<float, 1> d1;
-  for (; i < n; ++i) NarrowStep(d1, src + i, dst + i);
+  for (; i < n; ++i) StoreBf16Halves(d1, hn::LoadU(d1, src + i), dst + i);
 }
 
 // dst[i] = (bf16(lo[i]), bf16(hi[i])) as one uint32_t, low half first; a null row reads as
-// zeros. Same exactness as NarrowStep.
+// zeros. Exact for float32 that holds bfloat16 values, as NarrowBf16.
 template <class D>
 HWY_INLINE void InterleaveStep(D d, const float* lo, const float* hi, uint32_t* dst) {
   const hn::RebindToUnsigned<D> du;

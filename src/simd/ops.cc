@@ -27,6 +27,7 @@ const Ops* GetOps() {
                             &Qk,
                             &RowMax,
                             &ExpSum,
+                            &ExpSumBf16,
                             &Softcap,
                             &Alibi,
                             &AddRow,
