@@ -11,6 +11,7 @@ PACKAGES=(
   libclang-rt-14-dev  # sanitizer and fuzzer runtimes for clang
   clang-format clang-tidy
   libopenblas-dev     # benchmarks only: the SGEMM roofline and the materialized peer
+  libbenchmark-dev    # benchmarks only: bench/micro_kernels (Google Benchmark)
   python3 python3-venv python3-pip
 )
 
