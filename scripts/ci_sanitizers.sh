@@ -25,9 +25,10 @@
 # Build directories: build-asan/, build-tsan/, build-fuzz/ (gitignored); the fuzzing corpora
 # persist in build-fuzz/corpus-*/ between runs.
 # Time on 2 cores (measured on a shared machine under a load average of ~10, so an upper bound):
-# asan build ~26 min and ctest ~11 min for ~1,200 tests, tsan ~2 min build + ~1 min, fuzz
-# ~25 s build + 2 x 60 s in parallel. Most of the asan time is the GoogleTest grid under ASan;
-# FLASHCTE_ASAN_CTEST_ARGS (e.g. "-R Reliability|BadInput|Numerics") narrows that stage.
+# asan build ~26 min and ctest ~11 min for ~1,200 tests (the head-dim grid, added since, ~105 s
+# of CPU more), tsan ~2 min build + ~1 min, fuzz ~25 s build + 2 x 60 s in parallel. Most of the
+# asan time is the GoogleTest grid under ASan; FLASHCTE_ASAN_CTEST_ARGS (e.g.
+# "-R Reliability|BadInput|Numerics") narrows that stage.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -54,14 +55,28 @@ for stage in "${STAGES[@]}"; do
       # kernel code behind other packers, which the low-precision tests that stay in (head dims,
       # lengths, modifiers, random configurations) exercise; all three would triple the stage.
       # The large-head-dim shapes (S = 2048, d up to 576) take 15 s each instrumented; the d-tiled
-      # MM1 path they cover also runs in ValueDim (d = 576, 1024) and the random configurations.
+      # MM1 path they cover also runs in ValueDim (d = 576, 1024), the random configurations and
+      # HeadDimGridLarge (d and dv 176..576 at short lengths).
+      # The head-dim grid runs whole (label head_dim_grid, 15 entries): every d and dv in 1..160
+      # and every 16th to 576, every dtype and masking path, on every target this CPU runs. It
+      # costs ~105 s of CPU here (HeadDimGridSmall 70 s, HeadDimGridLarge 36 s; 109 s wall at
+      # -j 2 under a load average of 6). To trim it to every d, dv <= 160 on every target:
+      # FLASHCTE_ASAN_CTEST_ARGS="-LE long|head_dim_grid_large" (ctest keeps only the last -LE).
       ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1:check_initialization_order=1 \
       UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
         ctest --test-dir build-asan -LE long \
         -E '^install_consumer$|PairTest.*_(bfloat16|float16)$|^LargeD/' \
         -j "$JOBS" --output-on-failure \
         --timeout 1200 ${FLASHCTE_ASAN_CTEST_ARGS:-}
-      summary+=("asan+ubsan: ctest -LE long passed")
+      # The targets the instrumented run covered (the head-dim grid, tests/simd and the
+      # determinism tests run every one this CPU runs), stated plainly: an AVX-512 target this
+      # CPU cannot run is reported as NOT run.
+      report="$(build-asan/tests/flashcte_simd_report)"
+      printf '%s\n' "$report"
+      summary+=("asan+ubsan: ctest -LE long passed" "asan+ubsan: ${report%%$'\n'*}")
+      while IFS= read -r line; do
+        if [[ $line == *"NOT run"* ]]; then summary+=("asan+ubsan: ${line#  }"); fi
+      done <<<"$report"
       ;;
 
     tsan)

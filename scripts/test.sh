@@ -24,6 +24,10 @@ scripts/lint.sh build/ci
 
 section "ctest"
 ctest --test-dir build/ci -LE long --output-on-failure -j "$JOBS"
+# What that run exercised: the SIMD targets compiled into the library and the ones this CPU ran
+# (every target-iterating test runs exactly those); on a CPU without AVX-512 it says the AVX-512
+# code did not run. Also a CTest entry (simd_report), which fails if a runnable target does not.
+build/ci/tests/flashcte_simd_report
 
 section "python"
 python/run_tests.sh

@@ -1,0 +1,149 @@
+// flashcte_simd_report: which SIMD targets this build compiled and which of them this CPU ran, for
+// the CI log (scripts/test.sh and scripts/ci_sanitizers.sh print it after their ctest). A test log
+// that says "passed" says nothing about AVX-512 code on a machine without AVX-512; this says so.
+//
+// Compiled: HWY_TARGETS as seen here. This file is built by the same CMake project and compiler
+// with the same flags as src/simd/ops.cc (no per-target -m options anywhere), so it is the set
+// foreach_target.h expanded there. Run: hwy::SupportedAndGeneratedTargets(), the compiled targets
+// whose CPUID bits and OS-enabled register state (XCR0) Highway found. Every test that iterates
+// over targets (tests/simd, simd_targets_test, head_dim_grid_test, determinism_test) runs exactly
+// these; this program also runs one small attention_cte call on each of them and checks that the
+// kernel dispatched to it and returned a convex combination of the values, so "run" is literal.
+//
+// Output (one summary line, then one line per target):
+//   SIMD targets: compiled AVX3 AVX2 SSE4 SSSE3 SCALAR; run AVX3 AVX2 SSE4 SSSE3 SCALAR; ...
+//     AVX3 (AVX-512): compiled, run
+//     AVX3 (AVX-512): compiled, NOT run: this CPU lacks AVX-512      (on a CPU without it)
+// Exit status 1 when a runnable target does not dispatch or its call fails.
+//
+// --simulate-no-avx512 (a CTest entry checks the wording with it): Highway is told to treat the
+// AVX-512 targets as unsupported (hwy::DisableTargets), which is what it concludes on a CPU or OS
+// without AVX-512, and the summary line says that it is a simulation.
+#include <hwy/targets.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "flashcte/flashcte.h"
+
+namespace {
+
+// Every target bit Highway 1.0 defines for x86, widest first, with what it needs from the CPU.
+struct Known {
+  int64_t bit;
+  const char* what;  // the instruction set, for the log
+  const char* lack;  // why a CPU may not run it
+};
+
+std::vector<Known> known_targets() {
+  std::vector<Known> k;
+#if HWY_ARCH_X86
+  k.push_back({HWY_AVX3_DL, "AVX-512 + VNNI/VBMI2/BITALG/VPOPCNTDQ/VAES/GFNI",
+               "this CPU lacks the AVX-512 extensions of Ice Lake"});
+  k.push_back({HWY_AVX3, "AVX-512", "this CPU lacks AVX-512"});
+  k.push_back({HWY_AVX2, "AVX2 + FMA + F16C", "this CPU lacks AVX2/FMA/F16C/BMI2"});
+  k.push_back({HWY_SSE4, "SSE4.2 + CLMUL/AES, 128-bit", "this CPU lacks SSE4.2"});
+  k.push_back({HWY_SSSE3, "SSSE3, 128-bit", "this CPU lacks SSSE3"});
+#endif
+  k.push_back({HWY_EMU128, "portable 128-bit emulation", "not available"});
+  k.push_back({HWY_SCALAR, "no SIMD", "not available"});
+  return k;
+}
+
+// A small call on the current target: 2 heads of 5 x 64 keys, d = dv = 64 (a whole number of
+// vectors on every target), values in [1, 2], so every output must lie in [1, 2].
+bool smoke_call(std::string* why) {
+  const int64_t sq = 5, skv = 64, d = 64, bs = 2;
+  std::vector<float> q(bs * sq * d), k(bs * d * skv), v(bs * skv * d), out(bs * sq * d, NAN);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>((i * 37) % 101) / 101.0f;
+  for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>((i * 53) % 97) / 97.0f;
+  for (size_t i = 0; i < v.size(); ++i) v[i] = 1.0f + static_cast<float>((i * 29) % 89) / 89.0f;
+  flashcte::Options options;
+  options.scale = 0.125f;
+  flashcte::Outputs outputs;
+  outputs.out =
+      flashcte::MutableTensorView::contiguous(out.data(), flashcte::DType::kFloat32, {bs, sq, d});
+  const flashcte::Status s = flashcte::attention_cte(
+      flashcte::TensorView::contiguous(q.data(), flashcte::DType::kFloat32, {bs, sq, d}),
+      flashcte::TensorView::contiguous(k.data(), flashcte::DType::kFloat32, {bs, d, skv}),
+      flashcte::TensorView::contiguous(v.data(), flashcte::DType::kFloat32, {bs, skv, d}), outputs,
+      options);
+  if (!s.ok) {
+    *why = s.message;
+    return false;
+  }
+  for (float x : out) {
+    if (!(x >= 1.0f && x <= 2.0f)) {
+      *why = "an output outside the values' range [1, 2]: " + std::to_string(x);
+      return false;
+    }
+  }
+  return true;
+}
+
+std::string join(const std::vector<std::string>& names) {
+  std::string s;
+  for (const std::string& n : names) s += (s.empty() ? "" : " ") + n;
+  return s.empty() ? "none" : s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool simulate = argc == 2 && std::string(argv[1]) == "--simulate-no-avx512";
+  if (argc > 1 && !simulate) {
+    std::fprintf(stderr, "usage: %s [--simulate-no-avx512]\n", argv[0]);
+    return 2;
+  }
+#if HWY_ARCH_X86
+  if (simulate) {
+    hwy::DisableTargets(HWY_AVX3 | HWY_AVX3_DL);
+    // Highway 1.0 keeps the dispatch's chosen target across DisableTargets; a mock of what is
+    // left makes it choose again, as it would have on such a CPU.
+    hwy::SetSupportedTargetsForTest(hwy::SupportedTargets());
+  }
+#endif
+  const int64_t compiled = HWY_TARGETS;
+  const int64_t supported = hwy::SupportedTargets();
+  int64_t runnable = 0;
+  for (int64_t t : hwy::SupportedAndGeneratedTargets()) runnable |= t;
+  const std::string chosen = flashcte::simd_target();
+
+  std::vector<std::string> compiled_names, run_names, lines;
+  bool ok = true;
+  for (const Known& t : known_targets()) {
+    const std::string name = hwy::TargetName(t.bit);
+    const std::string label = "  " + name + " (" + t.what + "): ";
+    if (compiled & t.bit) compiled_names.push_back(name);
+    if (runnable & t.bit) {
+      hwy::SetSupportedTargetsForTest(t.bit);
+      std::string why;
+      if (flashcte::simd_target() != name) {
+        why = "the kernel dispatched to " + flashcte::simd_target() + " instead";
+      } else {
+        smoke_call(&why);
+      }
+      hwy::SetSupportedTargetsForTest(0);
+      if (why.empty()) {
+        run_names.push_back(name);
+        lines.push_back(label + "compiled, run");
+      } else {
+        ok = false;
+        lines.push_back(label + "compiled, FAILED to run: " + why);
+      }
+    } else if (compiled & t.bit) {
+      lines.push_back(label + "compiled, NOT run: " + t.lack);
+    } else if ((supported & t.bit) && t.bit != HWY_EMU128 && t.bit != HWY_SCALAR) {
+      // e.g. AVX3_DL, which Highway 1.0 compiles only with HWY_WANT_AVX3_DL.
+      lines.push_back(label + "not compiled (this CPU could run it)");
+    }
+  }
+  std::printf("SIMD targets%s: compiled %s; run %s; the kernel picks %s on this CPU\n",
+              simulate ? " (SIMULATED CPU without AVX-512)" : "", join(compiled_names).c_str(),
+              join(run_names).c_str(), chosen.c_str());
+  for (const std::string& line : lines) std::printf("%s\n", line.c_str());
+  return ok ? 0 : 1;
+}
