@@ -3,6 +3,7 @@
 //                 a full Sq x Skv score matrix, a (vectorized) masked row softmax, sgemm P.V.
 //                 float32 only; bfloat16/float16 inputs are widened once, outside the timing.
 //   sgemm         the roofline: one square OpenBLAS sgemm with about attention's FLOP count.
+// and, alone, the arithmetic limit of the cores (--impl peak, peak.h): no attention is timed.
 // Attention impls report GFLOP/s over the useful FLOPs, 4*d*heads*(unmasked query-key pairs), so
 // a dense peer that also computes the masked half is charged for it; sgemm reports 2MNK/time.
 // With --impl all the reps are interleaved (A, B, C, A, B, C, ...) so drift of clocks and
@@ -22,6 +23,7 @@
 #include "tools/args.h"
 #include "tools/attention_flags.h"
 #include "tools/commands.h"
+#include "tools/peak.h"
 #include "tools/tensors.h"
 
 #if FLASHCTE_HAVE_OPENBLAS
@@ -50,15 +52,6 @@ double PeakRssMiB() {
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
-}
-
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) >= 0x20) out += c;
-  }
-  return out + "\"";
 }
 
 class Impl {
@@ -220,13 +213,17 @@ std::vector<FlagSpec> BenchFlagSpecs() {
       {"reps", FlagKind::kInt, "timed repetitions per impl after one warm-up (default 5)", 1,
        100000},
       {"impl", FlagKind::kChoice, "what to time (default flashcte)", 0, 0,
-       "flashcte|materialized|sgemm|all"},
+       "flashcte|materialized|sgemm|all|peak"},
       {"json", FlagKind::kBool, "one JSON object per impl and line"},
       {"q-block", FlagKind::kInt, "flashcte's query rows per work item (0: automatic)", 0,
        kMaxLength},
       {"kv-tile", FlagKind::kInt, "flashcte's KV columns per tile (0: automatic)", 0, kMaxLength},
   };
 }
+
+// The flags --impl peak has no use for: it times no attention.
+constexpr const char* kNotForPeak[] = {"sq",     "skv",   "d",       "heads",  "kv-heads",
+                                       "causal", "dtype", "q-block", "kv-tile"};
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -245,14 +242,38 @@ int BenchCommand(const std::vector<std::string>& args) {
     std::printf(
         "usage: flashcte bench [--sq N --skv N --d N --heads N --kv-heads N --causal B "
         "--dtype D\n                       --threads T --reps R --impl I --json --q-block N "
-        "--kv-tile N]\n\n"
+        "--kv-tile N]\n"
+        "       flashcte bench --impl peak [--threads T --reps R --json]\n\n"
         "Times one configuration (q (heads, Sq, d), k (kv_heads, d, Skv), v (kv_heads, Skv, d),\n"
         "uniform [0, 1) inputs, scale 1/sqrt(d)). Reports the median over --reps after one\n"
         "warm-up; GFLOP/s counts 4*d*heads*(unmasked query-key pairs) for attention impls and\n"
         "2MNK for sgemm. peak_rss_mib is the process's ru_maxrss after the impl's warm-up (impls\n"
         "are set up in the order flashcte, materialized, sgemm, so a later impl's figure\n"
-        "includes the earlier ones' buffers).\n\nflags:\n%s",
+        "includes the earlier ones' buffers).\n\n"
+        "--impl peak measures the arithmetic limit of the cores instead: back-to-back independent\n"
+        "fp32 multiply-adds per SIMD target the CPU runs (2 FLOPs per lane), and the native bf16\n"
+        "dot product vdpbf16ps when the CPU has AVX512_BF16 (64 FLOPs per zmm instruction: 32\n"
+        "bf16 products and 32 adds), on 1 thread and on --threads (default: all), median and\n"
+        "best of --reps rounds of about 0.1 s per measurement. JSON lines: impl \"peak\", kind\n"
+        "(fma_f32, bf16_dot), target, threads, gflops (median), best_gflops, counting.\n\n"
+        "flags:\n%s",
         FlagsHelp(specs).c_str());
+    return kExitOk;
+  }
+  const std::string which = f.text("impl", "flashcte");
+  const int reps = static_cast<int>(f.integer("reps", 5));
+  const bool json = f.boolean("json", false);
+  int threads = static_cast<int>(f.integer("threads", 0));
+  if (threads == 0) threads = omp_get_max_threads();
+  if (which == "peak") {
+    for (const char* flag : kNotForPeak) {
+      if (f.has(flag)) {
+        return UsageError(kCommand, std::string("--") + flag +
+                                        ": not used by --impl peak, which times no attention "
+                                        "(it takes --threads, --reps and --json)");
+      }
+    }
+    PrintPeak(MeasurePeak(threads, reps), reps, json);
     return kExitOk;
   }
   Config c;
@@ -264,8 +285,7 @@ int BenchCommand(const std::vector<std::string>& args) {
   c.causal = f.boolean("causal", true);
   c.dtype = DType::kFloat32;
   if (f.has("dtype")) ParseFloatDType(f.text("dtype"), &c.dtype);
-  c.threads = static_cast<int>(f.integer("threads", 0));
-  if (c.threads == 0) c.threads = omp_get_max_threads();
+  c.threads = threads;
   c.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
   c.tiles.q_block = f.integer("q-block", 0);
   c.tiles.kv_tile = f.integer("kv-tile", 0);
@@ -273,9 +293,6 @@ int BenchCommand(const std::vector<std::string>& args) {
     return UsageError(kCommand, "--kv-heads: " + std::to_string(c.kv_heads) +
                                     " must divide --heads = " + std::to_string(c.heads));
   }
-  const int reps = static_cast<int>(f.integer("reps", 5));
-  const std::string which = f.text("impl", "flashcte");
-  const bool json = f.boolean("json", false);
 
   std::vector<std::unique_ptr<Impl>> impls;
   if (which == "flashcte" || which == "all") impls.push_back(std::make_unique<FlashImpl>(c));
