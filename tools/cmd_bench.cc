@@ -2,7 +2,8 @@
 //   materialized  what a user writes without a flash kernel: per head, OpenBLAS sgemm Q.K^T into
 //                 a full Sq x Skv score matrix, a (vectorized) masked row softmax, sgemm P.V.
 //                 float32 only; bfloat16/float16 inputs are widened once, outside the timing.
-//   sgemm         the roofline: one square OpenBLAS sgemm with about attention's FLOP count.
+//   sgemm         the roofline: one square OpenBLAS sgemm with about attention's FLOP count, with
+//                 OpenBLAS's best kernels for the CPU (openblas_core.h: may re-exec itself).
 // and, alone, the arithmetic limit of the cores (--impl peak, peak.h): no attention is timed.
 // Attention impls report GFLOP/s over the useful FLOPs, 4*d*heads*(unmasked query-key pairs), so
 // a dense peer that also computes the masked half is charged for it; sgemm reports 2MNK/time.
@@ -11,6 +12,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +25,7 @@
 #include "tools/args.h"
 #include "tools/attention_flags.h"
 #include "tools/commands.h"
+#include "tools/openblas_core.h"
 #include "tools/peak.h"
 #include "tools/tensors.h"
 
@@ -46,6 +49,7 @@ struct Config {
   int threads;
   float scale;
   TileConfig tiles;  // 0: the library's automatic choice
+  OpenBlasSelection openblas;
 };
 
 double PeakRssMiB() {
@@ -107,6 +111,14 @@ class FlashImpl : public Impl {
 };
 
 #if FLASHCTE_HAVE_OPENBLAS
+// The OpenBLAS kernels the process runs with, and why, as JSON fields.
+std::string OpenBlasJson(const OpenBlasSelection& o) {
+  return ",\"openblas_core\":" + JsonString(o.used) + ",\"openblas_core_detected\":" +
+         (o.detected.empty() ? std::string("null") : JsonString(o.detected)) +
+         ",\"openblas_core_overridden\":" + (o.overridden ? "true" : "false") +
+         ",\"openblas_core_reason\":" + JsonString(o.reason);
+}
+
 class MaterializedImpl : public Impl {
  public:
   explicit MaterializedImpl(const Config& c) : c_(c) {}
@@ -153,7 +165,7 @@ class MaterializedImpl : public Impl {
            JsonString(std::string(dtype_name(c_.dtype)) + " inputs widened to float32 once, " +
                       "outside the timing");
     }
-    return s + ",\"openblas_core\":" + JsonString(openblas_get_corename());
+    return s + OpenBlasJson(c_.openblas);
   }
 
  private:
@@ -189,7 +201,7 @@ class SgemmImpl : public Impl {
   std::string ExtraJson() const override {
     return ",\"compute_dtype\":\"float32\",\"m\":" + std::to_string(n_) +
            ",\"n\":" + std::to_string(n_) + ",\"k\":" + std::to_string(n_) +
-           ",\"openblas_core\":" + JsonString(openblas_get_corename());
+           OpenBlasJson(c_.openblas);
   }
 
  private:
@@ -218,12 +230,15 @@ std::vector<FlagSpec> BenchFlagSpecs() {
       {"q-block", FlagKind::kInt, "flashcte's query rows per work item (0: automatic)", 0,
        kMaxLength},
       {"kv-tile", FlagKind::kInt, "flashcte's KV columns per tile (0: automatic)", 0, kMaxLength},
+      {"openblas-core", FlagKind::kString,
+       "OpenBLAS kernels: auto (default for sgemm, all), inherit (default for materialized), "
+       "or a core name such as Haswell, Zen, SkylakeX, Cooperlake"},
   };
 }
 
-// The flags --impl peak has no use for: it times no attention.
-constexpr const char* kNotForPeak[] = {"sq",     "skv",   "d",       "heads",  "kv-heads",
-                                       "causal", "dtype", "q-block", "kv-tile"};
+// The flags --impl peak has no use for: it times no attention and no OpenBLAS.
+constexpr const char* kNotForPeak[] = {"sq",     "skv",   "d",       "heads",   "kv-heads",
+                                       "causal", "dtype", "q-block", "kv-tile", "openblas-core"};
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -242,7 +257,7 @@ int BenchCommand(const std::vector<std::string>& args) {
     std::printf(
         "usage: flashcte bench [--sq N --skv N --d N --heads N --kv-heads N --causal B "
         "--dtype D\n                       --threads T --reps R --impl I --json --q-block N "
-        "--kv-tile N]\n"
+        "--kv-tile N\n                       --openblas-core C]\n"
         "       flashcte bench --impl peak [--threads T --reps R --json]\n\n"
         "Times one configuration (q (heads, Sq, d), k (kv_heads, d, Skv), v (kv_heads, Skv, d),\n"
         "uniform [0, 1) inputs, scale 1/sqrt(d)). Reports the median over --reps after one\n"
@@ -250,6 +265,13 @@ int BenchCommand(const std::vector<std::string>& args) {
         "2MNK for sgemm. peak_rss_mib is the process's ru_maxrss after the impl's warm-up (impls\n"
         "are set up in the order flashcte, materialized, sgemm, so a later impl's figure\n"
         "includes the earlier ones' buffers).\n\n"
+        "sgemm is the roofline, so it runs with OpenBLAS's best kernels for this CPU: with\n"
+        "--openblas-core auto it drops OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE inherited from the\n"
+        "environment and, when OpenBLAS's own choice of core is older than the CPU's ISA\n"
+        "(AVX-512 -> SkylakeX, with AVX512_BF16 Cooperlake; AVX2+FMA -> Haswell, on AMD Zen),\n"
+        "re-executes itself with OPENBLAS_CORETYPE set. The core used and why are printed\n"
+        "(JSON: openblas_core, openblas_core_detected, openblas_core_overridden,\n"
+        "openblas_core_reason).\n\n"
         "--impl peak measures the arithmetic limit of the cores instead: back-to-back independent\n"
         "fp32 multiply-adds per SIMD target the CPU runs (2 FLOPs per lane), and the native bf16\n"
         "dot product vdpbf16ps when the CPU has AVX512_BF16 (64 FLOPs per zmm instruction: 32\n"
@@ -270,7 +292,7 @@ int BenchCommand(const std::vector<std::string>& args) {
       if (f.has(flag)) {
         return UsageError(kCommand, std::string("--") + flag +
                                         ": not used by --impl peak, which times no attention "
-                                        "(it takes --threads, --reps and --json)");
+                                        "and no OpenBLAS (it takes --threads, --reps and --json)");
       }
     }
     PrintPeak(MeasurePeak(threads, reps), reps, json);
@@ -293,10 +315,30 @@ int BenchCommand(const std::vector<std::string>& args) {
     return UsageError(kCommand, "--kv-heads: " + std::to_string(c.kv_heads) +
                                     " must divide --heads = " + std::to_string(c.heads));
   }
+  if (f.has("openblas-core") && which == "flashcte") {
+    return UsageError(kCommand, "--openblas-core: --impl flashcte does not use OpenBLAS");
+  }
+  if (const std::string& core = f.text("openblas-core");
+      !std::all_of(core.begin(), core.end(), [](char ch) {
+        return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_';
+      })) {
+    return UsageError(kCommand,
+                      "--openblas-core: expected auto, inherit or an OpenBLAS core name "
+                      "(letters, digits, '_'), got '" +
+                          core + "'");
+  }
 
   std::vector<std::unique_ptr<Impl>> impls;
   if (which == "flashcte" || which == "all") impls.push_back(std::make_unique<FlashImpl>(c));
 #if FLASHCTE_HAVE_OPENBLAS
+  if (which != "flashcte") {
+    // Before anything is set up: this may re-execute the program with other OpenBLAS kernels.
+    const std::string mode = f.text("openblas-core", which == "materialized" ? "inherit" : "auto");
+    if (int rc = SelectOpenBlasCore(mode, openblas_get_corename(), &c.openblas, &error);
+        rc != kExitOk) {
+      return rc == kExitUsage ? UsageError(kCommand, error) : RuntimeError(kCommand, error);
+    }
+  }
   openblas_set_num_threads(c.threads);
   const double attention_flops = 4.0 * c.d * c.heads * UnmaskedPairs(c.sq, c.skv, c.causal);
   if (which == "materialized" || which == "all") {
@@ -361,6 +403,13 @@ int BenchCommand(const std::vector<std::string>& args) {
                   static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads), c.threads,
                   median, gflops, rss[i]);
     }
+  }
+  const bool openblas_used = std::any_of(impls.begin(), impls.end(),
+                                         [](const auto& impl) { return impl->UsesOpenBlas(); });
+  if (!json && openblas_used) {
+    std::printf("\nOpenBLAS core: %s (%s%s)\n", c.openblas.used.c_str(),
+                c.openblas.overridden ? "OPENBLAS_CORETYPE set by this command: " : "",
+                c.openblas.reason.c_str());
   }
   return kExitOk;
 }
