@@ -5,7 +5,8 @@
 // in 1..160 (all residues modulo 32 several times over, the dims of real models) and every 16th one
 // up to 576 (the large-d and MLA heads) runs here, in every dtype, through every masking path, on
 // every target this CPU can run (hwy::SetSupportedTargetsForTest: the kernel's dispatch follows
-// it), against the float64 reference with the suite's tolerances (test_util.cc).
+// it), against the float64 reference with the suite's tolerances (test_util.cc). bfloat16 cases
+// on an AVX-512 target of a CPU with AVX512_BF16 run both bf16 matmul paths, native and widened.
 //
 // The design is a covering array, built deterministically below:
 //   HeadDimGridSmall  d in 1..160. For path p, dv = D[(i + kSmallOffset[p]) mod 160] for d = D[i]
@@ -35,6 +36,8 @@
 #include <tuple>
 #include <vector>
 
+#include "src/simd/bf16_dot.h"
+#include "src/simd/ops.h"
 #include "tests/test_util.h"
 
 namespace flashcte::test {
@@ -222,27 +225,63 @@ class TargetOverride {
   TargetOverride& operator=(const TargetOverride&) = delete;
 };
 
+// Likewise for the bfloat16 matmul policy (src/simd/bf16_dot.h).
+class Bf16PolicyOverride {
+ public:
+  explicit Bf16PolicyOverride(simd::Bf16Dot policy) { simd::set_bf16_dot_policy_for_test(policy); }
+  ~Bf16PolicyOverride() { simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto); }
+  Bf16PolicyOverride(const Bf16PolicyOverride&) = delete;
+  Bf16PolicyOverride& operator=(const Bf16PolicyOverride&) = delete;
+};
+
+// The kernels a case runs on the current target: one, except bfloat16 on an AVX-512 target of a
+// CPU with AVX512_BF16, which has two (native vdpbf16ps MM1/MM2 with their own bf16-pair layouts,
+// and widening to float32); the automatic policy takes one of them per vendor, so both run here.
+std::vector<simd::Bf16Dot> bf16_policies(DType dtype) {
+  if (dtype != DType::kBFloat16) return {simd::Bf16Dot::kAuto};
+  const Bf16PolicyOverride native(simd::Bf16Dot::kNative);
+  if (simd::bf16_dot_for(simd::ops()) == nullptr) return {simd::Bf16Dot::kAuto};
+  return {simd::Bf16Dot::kNative, simd::Bf16Dot::kWiden};
+}
+
+const char* policy_name(simd::Bf16Dot policy) {
+  switch (policy) {
+    case simd::Bf16Dot::kNative:
+      return " (bf16 native)";
+    case simd::Bf16Dot::kWiden:
+      return " (bf16 widened)";
+    default:
+      return "";
+  }
+}
+
 class HeadDimGridTest : public ::testing::TestWithParam<GridCase> {};
 
 TEST_P(HeadDimGridTest, MatchesReferenceOnEveryTarget) {
   const Case c = make_case(GetParam());
   const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
   ASSERT_FALSE(targets.empty());
-  Outcome first;  // the reference outputs, computed with the first target's run
-  for (size_t t = 0; t < targets.size(); ++t) {
-    const TargetOverride override_target(targets[t]);
-    const char* name = hwy::TargetName(targets[t]);
+  Outcome first;  // the reference outputs, computed with the first run
+  bool have_reference = false;
+  for (int64_t target : targets) {
+    const TargetOverride override_target(target);
+    const char* name = hwy::TargetName(target);
     // The kernel really dispatched to this target (not to the best one regardless).
     ASSERT_EQ(simd_target(), name);
-    Outcome o = run_case(c, /*skip_reference=*/t > 0);
-    ASSERT_TRUE(o.status.ok) << name << ": " << o.status.message << "\n" << c.describe();
-    if (t == 0) {
-      first = o;
-    } else {
-      o.exact = first.exact;
-      o.plain = first.plain;
+    for (simd::Bf16Dot policy : bf16_policies(c.dtype)) {
+      const Bf16PolicyOverride override_policy(policy);
+      Outcome o = run_case(c, /*skip_reference=*/have_reference);
+      ASSERT_TRUE(o.status.ok) << name << policy_name(policy) << ": " << o.status.message << "\n"
+                               << c.describe();
+      if (!have_reference) {
+        first = o;
+        have_reference = true;
+      } else {
+        o.exact = first.exact;
+        o.plain = first.plain;
+      }
+      EXPECT_TRUE(compare(c, o)) << "target " << name << policy_name(policy);
     }
-    EXPECT_TRUE(compare(c, o)) << "target " << name;
   }
 }
 

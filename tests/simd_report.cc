@@ -10,9 +10,11 @@
 // these; this program also runs one small attention_cte call on each of them and checks that the
 // kernel dispatched to it and returned a convex combination of the values, so "run" is literal.
 //
-// Output (one summary line, then one line per target):
+// Output (one summary line, then one line per target; for AVX-512, which of its two bfloat16
+// matmul paths ran, each also checked with a call):
 //   SIMD targets: compiled AVX3 AVX2 SSE4 SSSE3 SCALAR; run AVX3 AVX2 SSE4 SSSE3 SCALAR; ...
 //     AVX3 (AVX-512): compiled, run
+//       AVX3 bfloat16 matmuls: native vdpbf16ps run (automatic choice); widened to float32 run
 //     AVX3 (AVX-512): compiled, NOT run: this CPU lacks AVX-512      (on a CPU without it)
 // Exit status 1 when a runnable target does not dispatch or its call fails.
 //
@@ -24,10 +26,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "flashcte/flashcte.h"
+#include "src/simd/bf16_dot.h"
+#include "src/simd/ops.h"
 
 namespace {
 
@@ -54,34 +59,89 @@ std::vector<Known> known_targets() {
 }
 
 // A small call on the current target: 2 heads of 5 x 64 keys, d = dv = 64 (a whole number of
-// vectors on every target), values in [1, 2], so every output must lie in [1, 2].
-bool smoke_call(std::string* why) {
+// vectors on every target), values in [1, 2], so every output must lie in [1, 2]. Every input is
+// a multiple of 1/128 below 2, exact in bfloat16 too.
+bool smoke_call(flashcte::DType dtype, std::string* why) {
   const int64_t sq = 5, skv = 64, d = 64, bs = 2;
-  std::vector<float> q(bs * sq * d), k(bs * d * skv), v(bs * skv * d), out(bs * sq * d, NAN);
-  for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>((i * 37) % 101) / 101.0f;
-  for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>((i * 53) % 97) / 97.0f;
-  for (size_t i = 0; i < v.size(); ++i) v[i] = 1.0f + static_cast<float>((i * 29) % 89) / 89.0f;
+  std::vector<float> q(bs * sq * d), k(bs * d * skv), v(bs * skv * d);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<float>((i * 37) % 128) / 128.0f;
+  for (size_t i = 0; i < k.size(); ++i) k[i] = static_cast<float>((i * 53) % 128) / 128.0f;
+  for (size_t i = 0; i < v.size(); ++i) v[i] = 1.0f + static_cast<float>((i * 29) % 128) / 128.0f;
+  // bfloat16: the upper half of the float32 bits (exact for these values).
+  auto to_bf16 = [](const std::vector<float>& x) {
+    std::vector<uint16_t> b(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &x[i], 4);
+      b[i] = static_cast<uint16_t>(bits >> 16);
+    }
+    return b;
+  };
+  const bool bf16 = dtype == flashcte::DType::kBFloat16;
+  const std::vector<uint16_t> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v);
+  std::vector<float> out(bs * sq * d, NAN);
+  std::vector<uint16_t> out_b(bs * sq * d, 0x7FC0);  // NaN
   flashcte::Options options;
   options.scale = 0.125f;
   flashcte::Outputs outputs;
-  outputs.out =
-      flashcte::MutableTensorView::contiguous(out.data(), flashcte::DType::kFloat32, {bs, sq, d});
+  outputs.out = flashcte::MutableTensorView::contiguous(
+      bf16 ? static_cast<void*>(out_b.data()) : out.data(), dtype, {bs, sq, d});
   const flashcte::Status s = flashcte::attention_cte(
-      flashcte::TensorView::contiguous(q.data(), flashcte::DType::kFloat32, {bs, sq, d}),
-      flashcte::TensorView::contiguous(k.data(), flashcte::DType::kFloat32, {bs, d, skv}),
-      flashcte::TensorView::contiguous(v.data(), flashcte::DType::kFloat32, {bs, skv, d}), outputs,
-      options);
+      flashcte::TensorView::contiguous(bf16 ? static_cast<const void*>(qb.data()) : q.data(), dtype,
+                                       {bs, sq, d}),
+      flashcte::TensorView::contiguous(bf16 ? static_cast<const void*>(kb.data()) : k.data(), dtype,
+                                       {bs, d, skv}),
+      flashcte::TensorView::contiguous(bf16 ? static_cast<const void*>(vb.data()) : v.data(), dtype,
+                                       {bs, skv, d}),
+      outputs, options);
   if (!s.ok) {
     *why = s.message;
     return false;
   }
-  for (float x : out) {
+  for (size_t i = 0; i < out.size(); ++i) {
+    float x = out[i];
+    if (bf16) {
+      const uint32_t bits = static_cast<uint32_t>(out_b[i]) << 16;
+      std::memcpy(&x, &bits, 4);
+    }
     if (!(x >= 1.0f && x <= 2.0f)) {
       *why = "an output outside the values' range [1, 2]: " + std::to_string(x);
       return false;
     }
   }
   return true;
+}
+
+// For an AVX-512 target: which of the two bfloat16 matmul paths ran (src/simd/bf16_dot.h), as a
+// line of the report. Native needs AVX512_BF16; the automatic policy picks it on AMD only.
+std::string bf16_line(const std::string& target, bool* ok) {
+  namespace simd = flashcte::simd;
+  std::string line = "    " + target + " bfloat16 matmuls: ";
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
+  const bool auto_native = simd::bf16_dot_for(simd::ops()) != nullptr;
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
+  const bool native = simd::bf16_dot_for(simd::ops()) != nullptr;
+  std::string why;
+  if (native) {
+    if (smoke_call(flashcte::DType::kBFloat16, &why)) {
+      line += std::string("native vdpbf16ps run") + (auto_native ? " (automatic choice)" : "");
+    } else {
+      *ok = false;
+      line += "native vdpbf16ps FAILED to run: " + why;
+    }
+  } else {
+    line += "native vdpbf16ps NOT run: this CPU lacks AVX512_BF16";
+  }
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kWiden);
+  why.clear();
+  if (smoke_call(flashcte::DType::kBFloat16, &why)) {
+    line += std::string("; widened to float32 run") + (auto_native ? "" : " (automatic choice)");
+  } else {
+    *ok = false;
+    line += "; widened to float32 FAILED to run: " + why;
+  }
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
+  return line;
 }
 
 std::string join(const std::vector<std::string>& names) {
@@ -124,16 +184,17 @@ int main(int argc, char** argv) {
       if (flashcte::simd_target() != name) {
         why = "the kernel dispatched to " + flashcte::simd_target() + " instead";
       } else {
-        smoke_call(&why);
+        smoke_call(flashcte::DType::kFloat32, &why);
       }
-      hwy::SetSupportedTargetsForTest(0);
       if (why.empty()) {
         run_names.push_back(name);
         lines.push_back(label + "compiled, run");
+        if (name.rfind("AVX3", 0) == 0) lines.push_back(bf16_line(name, &ok));
       } else {
         ok = false;
         lines.push_back(label + "compiled, FAILED to run: " + why);
       }
+      hwy::SetSupportedTargetsForTest(0);
     } else if (compiled & t.bit) {
       lines.push_back(label + "compiled, NOT run: " + t.lack);
     } else if ((supported & t.bit) && t.bit != HWY_EMU128 && t.bit != HWY_SCALAR) {
