@@ -351,7 +351,7 @@ void process_section(const Problem& p, const simd::Ops& ops, const simd::Bf16Dot
     float section_sum = 0.0f;
     for (int64_t t = 0; t < num_tiles; ++t) {
       const int64_t off = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
-      section_sum += dot ? ops.exp_sum_bf16(srow + off, n, bias, sc.p2.data() + r * lds + off)
+      section_sum += dot ? dot->exp_sum(srow + off, n, bias, sc.p2.data() + r * lds + off)
                          : ops.exp_sum(srow + off, n, bias, round_p);
     }
     hr.sum[r] = hr.alpha[r] * hr.sum[r] + section_sum;

@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "hwy/detect_targets.h"
+#include "src/simd/exp_common.h"
 #include "src/simd/ops.h"
 
 #if HWY_ARCH_X86
@@ -48,10 +49,15 @@ constexpr int64_t kMaxGroupRows = 48;
 // L1 whatever the head dim (the d-tiling of mm1-inl.h, 128 head-dim entries).
 constexpr int64_t kPairTile = 64;
 
-// _mm512_max_ps, written through its zero-masked form: GCC 12's _mm512_max_ps passes an
-// undefined vector as the merge source, which -Wmaybe-uninitialized reports (fixed in GCC 13).
+// _mm512_max_ps, _mm512_min_ps and _mm512_slli_epi32 through their zero-masked forms: GCC 12's
+// unmasked ones pass an undefined vector as the merge source, which -Wmaybe-uninitialized
+// reports (fixed in GCC 13). With every lane selected they compute the same.
+constexpr __mmask16 kAll = 0xFFFF;
 FLASHCTE_AVX512_BF16 inline __m512 max_ps(__m512 a, __m512 b) {
-  return _mm512_maskz_max_ps(static_cast<__mmask16>(0xFFFF), a, b);
+  return _mm512_maskz_max_ps(kAll, a, b);
+}
+FLASHCTE_AVX512_BF16 inline __m512 min_ps(__m512 a, __m512 b) {
+  return _mm512_maskz_min_ps(kAll, a, b);
 }
 
 inline uint32_t load_pair(const uint16_t* p) {
@@ -207,6 +213,62 @@ FLASHCTE_AVX512_BF16 void pv(const uint16_t* p, int64_t ldp, int64_t rows, int64
   }
 }
 
+// exp(x) for x = s + bias <= 0, as softmax-inl.h's ExpNonPositive at degree 4 (same constants,
+// same operations in the same order).
+FLASHCTE_AVX512_BF16 inline __m512 exp_non_positive(__m512 x) {
+  namespace k = exp_constants;
+  const __m512 lowest = _mm512_set1_ps(k::kLowest), shifter = _mm512_set1_ps(k::kShifter);
+  const __m512 xc = min_ps(max_ps(x, lowest), _mm512_set1_ps(k::kHighest));
+  const __m512 f = _mm512_fmadd_ps(xc, _mm512_set1_ps(k::kLog2e), shifter);
+  const __m512 n = _mm512_sub_ps(f, shifter);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(k::kLn2Hi), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(k::kLn2Lo), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(k::kDegree4[0]), r, _mm512_set1_ps(k::kDegree4[1]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(k::kDegree4[2]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(k::kDegree4[3]));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i scaled = _mm512_add_epi32(
+      _mm512_castps_si512(p), _mm512_maskz_slli_epi32(kAll, _mm512_castps_si512(f), 23));
+  const __mmask16 below = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __m512 e = _mm512_maskz_mov_ps(static_cast<__mmask16>(~below), _mm512_castsi512_ps(scaled));
+  return _mm512_mask_mov_ps(e, nan, x);
+}
+
+// One step of the native exp-and-sum on the lanes of `mask`: P stored as bfloat16 by
+// vcvtneps2bf16 (round to nearest even, as RoundToBf16) in one instruction where the portable
+// pass spends seven.
+FLASHCTE_AVX512_BF16 inline __m512 exp_step(const float* s, __m512 bias, __mmask16 mask,
+                                            uint16_t* p2) {
+  const __m512 e = exp_non_positive(_mm512_add_ps(_mm512_maskz_loadu_ps(mask, s), bias));
+  _mm256_mask_storeu_epi16(p2, mask, (__m256i)_mm512_cvtneps_pbh(e));
+  return e;
+}
+
+// Ops::exp_sum_bf16 with the terms summed in the portable pass's order (softmax-inl.h's
+// ExpSumImpl: two accumulators, one more vector, sum_lanes, then the tail lane by lane), so that
+// a section that widens and one that does not agree bit for bit on the sum.
+FLASHCTE_AVX512_BF16 float exp_sum(const float* s, int64_t n, float bias, uint16_t* p2) {
+  const __m512 vbias = _mm512_set1_ps(bias);
+  __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 2 * kLanes <= n; c += 2 * kLanes) {
+    sum0 = _mm512_add_ps(sum0, exp_step(s + c, vbias, kAll, p2 + c));
+    sum1 = _mm512_add_ps(sum1, exp_step(s + c + kLanes, vbias, kAll, p2 + c + kLanes));
+  }
+  for (; c + kLanes <= n; c += kLanes)
+    sum0 = _mm512_add_ps(sum0, exp_step(s + c, vbias, kAll, p2 + c));
+  alignas(64) float lanes[kLanes];
+  _mm512_store_ps(lanes, _mm512_add_ps(sum0, sum1));
+  float total = sum_lanes(lanes, kLanes);
+  if (c < n) {
+    const __mmask16 tail = static_cast<__mmask16>((uint32_t{1} << (n - c)) - 1u);
+    _mm512_store_ps(lanes, exp_step(s + c, vbias, tail, p2 + c));
+    for (int64_t l = 0; l < n - c; ++l) total += lanes[l];
+  }
+  return total;
+}
+
 // CPUID: AVX-512 F, BW, VL (leaf 7.0 EBX bits 16, 30, 31) and BF16 (leaf 7.1 EAX bit 5), and
 // the OS saving the opmask and zmm state (XCR0 bits 1, 2, 5, 6, 7).
 bool native_available() {
@@ -236,7 +298,7 @@ bool native_pays() {
   return std::string(vendor) == "AuthenticAMD";
 }
 
-constexpr Bf16DotOps kNativeOps = {kLanes, kRows, &qk, &pv};
+constexpr Bf16DotOps kNativeOps = {kLanes, kRows, &qk, &pv, &exp_sum};
 
 #endif  // HWY_ARCH_X86
 

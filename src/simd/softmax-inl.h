@@ -18,6 +18,7 @@
 #include <limits>
 
 #include "hwy/highway.h"
+#include "src/simd/exp_common.h"
 #include "src/simd/shared-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -59,28 +60,18 @@ HWY_INLINE V RoundToBf16(D d, V x) {
 template <int kDegree, class D>
 HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
   static_assert(kDegree == 4 || kDegree == 6, "fitted degrees");
+  namespace k = exp_constants;
   const hn::RebindToSigned<D> di;
-  const auto kLowest = hn::Set(d, -87.0f);
-  const auto kShifter = hn::Set(d, 12582912.0f);  // 1.5 * 2^23
-  const auto xc = hn::Min(hn::Max(x, kLowest), hn::Set(d, 88.0f));
-  const auto f = hn::MulAdd(xc, hn::Set(d, 1.44269504088896341f), kShifter);
+  const auto kLowest = hn::Set(d, k::kLowest);
+  const auto kShifter = hn::Set(d, k::kShifter);
+  const auto xc = hn::Min(hn::Max(x, kLowest), hn::Set(d, k::kHighest));
+  const auto f = hn::MulAdd(xc, hn::Set(d, k::kLog2e), kShifter);
   const auto n = hn::Sub(f, kShifter);
-  const auto kLn2Hi = hn::Set(d, 0.693145751953125f);  // 15 significant bits
-  const auto kLn2Lo = hn::Set(d, 1.42860676533018705e-6f);
-  auto r = hn::NegMulAdd(n, kLn2Hi, xc);
-  r = hn::NegMulAdd(n, kLn2Lo, r);
-  hn::Vec<D> p;
-  if constexpr (kDegree == 6) {
-    p = hn::MulAdd(hn::Set(d, 0.0013843653723597527f), r, hn::Set(d, 0.00837415549904108f));
-    p = hn::MulAdd(p, r, hn::Set(d, 0.04166800156235695f));
-    p = hn::MulAdd(p, r, hn::Set(d, 0.16666431725025177f));
-    p = hn::MulAdd(p, r, hn::Set(d, 0.4999999403953552f));
-    p = hn::MulAdd(p, r, hn::Set(d, 1.0f));
-  } else {
-    p = hn::MulAdd(hn::Set(d, 0.041513849049806595f), r, hn::Set(d, 0.16787473857402802f));
-    p = hn::MulAdd(p, r, hn::Set(d, 0.5000301599502563f));
-    p = hn::MulAdd(p, r, hn::Set(d, 0.9999668598175049f));
-  }
+  auto r = hn::NegMulAdd(n, hn::Set(d, k::kLn2Hi), xc);
+  r = hn::NegMulAdd(n, hn::Set(d, k::kLn2Lo), r);
+  const float* coef = kDegree == 6 ? k::kDegree6 : k::kDegree4;
+  auto p = hn::MulAdd(hn::Set(d, coef[0]), r, hn::Set(d, coef[1]));
+  for (int i = 2; i < kDegree; ++i) p = hn::MulAdd(p, r, hn::Set(d, coef[i]));
   p = hn::MulAdd(p, r, hn::Set(d, 1.0f));
   // 2^n: f's bits are those of 1.5 * 2^23 plus n, whose low 9 bits shifted into the exponent
   // field give n << 23 (the rest shifts out).
@@ -123,7 +114,9 @@ float ExpSumImpl(const float* in, float* out, uint16_t* p2, int64_t n, float bia
     sum1 = hn::Add(sum1, ExpStep<kOut>(df, in, out, p2, c + N, vbias));
   }
   for (; c + N <= n; c += N) sum0 = hn::Add(sum0, ExpStep<kOut>(df, in, out, p2, c, vbias));
-  float total = hn::GetLane(hn::SumOfLanes(df, hn::Add(sum0, sum1)));
+  HWY_ALIGN float lanes[kMaxLanes];
+  hn::Store(hn::Add(sum0, sum1), df, lanes);
+  float total = sum_lanes(lanes, N);
   // The tail, one lane at a time with the same polynomial.
   const hn::CappedTag<float, 1> d1;
   const auto vbias1 = hn::Set(d1, bias);

@@ -240,6 +240,54 @@ TEST(SimdBf16DotPv, EveryRowCountAndAlphaMode) {
   }
 }
 
+// The native exp-and-sum is the portable exp_sum_bf16 on vcvtneps2bf16: the same P bits and the
+// same sum bit for bit at every edge length (masked tail), nothing written past n; -inf gives 0,
+// NaN stays NaN.
+TEST(SimdBf16DotExpSum, MatchesThePortablePassBitForBit) {
+  const simd::Bf16DotOps* dot = native();
+  SKIP_WITHOUT_NATIVE(dot);
+  const simd::Ops& ops = simd::ops();
+  std::mt19937 rng(15);
+  std::uniform_real_distribution<float> u(-100.0f, 0.5f);
+  for (int64_t n : edge_lengths(dot->lanes)) {
+    for (bool poison : {false, true}) {
+      SCOPED_TRACE("n " + std::to_string(n) + (poison ? ", -inf and NaN" : ""));
+      std::vector<float> s(static_cast<size_t>(n));
+      for (float& x : s) x = u(rng);
+      if (poison) {
+        s[0] = -std::numeric_limits<float>::infinity();
+        s[n - 1] = std::numeric_limits<float>::quiet_NaN();
+      }
+      std::vector<uint16_t> want(static_cast<size_t>(n));
+      const float want_sum = ops.exp_sum_bf16(s.data(), n, -0.5f, want.data());
+      GuardedBuffer out(1, n / 2 + dot->lanes, 1);
+      uint16_t* got = halves(out);
+      const float got_sum = dot->exp_sum(s.data(), n, -0.5f, got);
+      for (int64_t c = 0; c < n; ++c) {
+        // A NaN may come back with another payload (vcvtneps2bf16 quiets it its own way).
+        const auto is_nan = [](uint16_t h) { return (h & 0x7F80u) == 0x7F80u && (h & 0x7Fu); };
+        if (is_nan(want[c])) {
+          EXPECT_TRUE(is_nan(got[c])) << "column " << c;
+        } else {
+          EXPECT_EQ(got[c], want[c]) << "column " << c;
+        }
+      }
+      if (poison) {
+        EXPECT_TRUE(std::isnan(got_sum));
+        if (n > 1) {
+          EXPECT_EQ(got[0], 0) << "exp(-inf)";
+        }
+      } else {
+        EXPECT_EQ(got_sum, want_sum);
+      }
+      if (n % 2) {
+        EXPECT_EQ(got[n], static_cast<uint16_t>(kCanaryBits >> 16)) << "element n";
+      }
+      EXPECT_EQ(out.untouched_outside(1, (n + 1) / 2), "") << "P2 written past n";
+    }
+  }
+}
+
 // The policy: native under kNative, never under kWiden, and never with a table narrower than
 // AVX-512 (the float32 kernels of AVX2 and below widen bfloat16 whatever the CPU has).
 TEST(SimdBf16Dot, PolicyAndTargets) {
