@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
@@ -334,7 +335,9 @@ int BenchCommand(const std::vector<std::string>& args) {
   if (which != "flashcte") {
     // Before anything is set up: this may re-execute the program with other OpenBLAS kernels.
     const std::string mode = f.text("openblas-core", which == "materialized" ? "inherit" : "auto");
-    if (int rc = SelectOpenBlasCore(mode, openblas_get_corename(), &c.openblas, &error);
+    const bool dynamic_arch = std::strstr(openblas_get_config(), "DYNAMIC_ARCH") != nullptr;
+    if (int rc =
+            SelectOpenBlasCore(mode, openblas_get_corename(), dynamic_arch, &c.openblas, &error);
         rc != kExitOk) {
       return rc == kExitUsage ? UsageError(kCommand, error) : RuntimeError(kCommand, error);
     }

@@ -221,10 +221,22 @@ CoreChoice ChooseOpenBlasCore(const std::string& detected, const CpuIsa& isa) {
                     ": OPENBLAS_CORETYPE=" + best};
 }
 
-int SelectOpenBlasCore(const std::string& mode, const std::string& current_core,
+int SelectOpenBlasCore(const std::string& mode, const std::string& current_core, bool dynamic_arch,
                        OpenBlasSelection* out, std::string* error) {
   const std::string stage = EnvText(kStageVar);
   out->used = current_core;
+  if (!dynamic_arch) {  // one kernel set, fixed when OpenBLAS was built
+    if (mode != "auto" && mode != "inherit") {
+      *error = "--openblas-core " + mode +
+               ": this OpenBLAS is built without DYNAMIC_ARCH, so its kernels (" + current_core +
+               ") cannot be changed";
+      return kExitRuntime;
+    }
+    out->detected = current_core;
+    out->overridden = false;
+    out->reason = "OpenBLAS built without DYNAMIC_ARCH: its one kernel set is " + current_core;
+    return kExitOk;
+  }
   if (mode == "inherit") {
     const char* inherited = Env(kCoreTypeVar);
     out->detected = inherited ? "" : current_core;

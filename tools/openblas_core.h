@@ -62,7 +62,9 @@ struct OpenBlasSelection {
   std::string reason;
 };
 
-// Applies `mode` to this process, whose OpenBLAS reports `current_core`:
+// Applies `mode` to this process, whose OpenBLAS reports `current_core` (and was built with
+// DYNAMIC_ARCH, i.e. reads OPENBLAS_CORETYPE, when `dynamic_arch`; without it nothing can change
+// and a core name is a runtime error):
 //   "auto"     OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE inherited from the environment are removed
 //              (re-exec), then ChooseOpenBlasCore decides (re-exec when it overrides);
 //   "inherit"  the environment as it is, no re-exec;
@@ -71,7 +73,7 @@ struct OpenBlasSelection {
 // that branch does not return. Returns 0 with *out filled when this process should measure,
 // 2 (usage) or 1 (runtime) with *error set. Environment variables FLASHCTE_BENCH_OPENBLAS_*
 // carry the state across the re-exec and stop a second one.
-int SelectOpenBlasCore(const std::string& mode, const std::string& current_core,
+int SelectOpenBlasCore(const std::string& mode, const std::string& current_core, bool dynamic_arch,
                        OpenBlasSelection* out, std::string* error);
 
 }  // namespace flashcte::tools

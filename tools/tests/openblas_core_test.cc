@@ -80,5 +80,19 @@ TEST(OpenBlasCore, NotOlderOrUnrankedIsKept) {
   EXPECT_EQ(ChooseOpenBlasCore("Prescott", Isa(CpuVendor::kIntel, IsaTier::kSse)).coretype, "");
 }
 
+TEST(OpenBlasCore, WithoutDynamicArchNothingChanges) {
+  // Such an OpenBLAS ignores OPENBLAS_CORETYPE, so there is nothing to re-execute for.
+  OpenBlasSelection sel;
+  std::string error;
+  ASSERT_EQ(SelectOpenBlasCore("auto", "Haswell", /*dynamic_arch=*/false, &sel, &error), 0);
+  EXPECT_EQ(sel.used, "Haswell");
+  EXPECT_FALSE(sel.overridden);
+  EXPECT_NE(sel.reason.find("without DYNAMIC_ARCH"), std::string::npos) << sel.reason;
+  EXPECT_EQ(SelectOpenBlasCore("Zen", "Haswell", /*dynamic_arch=*/false, &sel, &error), 1);
+  EXPECT_NE(error.find("--openblas-core Zen: this OpenBLAS is built without DYNAMIC_ARCH"),
+            std::string::npos)
+      << error;
+}
+
 }  // namespace
 }  // namespace flashcte::tools
