@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -196,7 +197,12 @@ int main(int argc, char** argv) {
       }
       hwy::SetSupportedTargetsForTest(0);
     } else if (compiled & t.bit) {
-      lines.push_back(label + "compiled, NOT run: " + t.lack);
+      const char* cap = std::getenv("FLASHCTE_SIMD_TARGET");
+      const bool capped = cap != nullptr && *cap != '\0' && !simulate;
+      lines.push_back(label + "compiled, NOT run: " +
+                      (capped ? std::string("FLASHCTE_SIMD_TARGET=") + cap +
+                                    " disabled it (the CPU may have it)"
+                              : t.lack));
     } else if ((supported & t.bit) && t.bit != HWY_EMU128 && t.bit != HWY_SCALAR) {
       // e.g. AVX3_DL, which Highway 1.0 compiles only with HWY_WANT_AVX3_DL.
       lines.push_back(label + "not compiled (this CPU could run it)");

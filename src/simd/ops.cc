@@ -44,11 +44,93 @@ const Ops* GetOps() {
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
 namespace flashcte::simd {
+namespace {
 
 HWY_EXPORT(GetOps);
 
-const Ops& ops() { return *HWY_DYNAMIC_DISPATCH(GetOps)(); }
+// The x86 targets' tables by target bit, for the cap below (other architectures dispatch as
+// Highway chooses).
+struct TargetTable {
+  int64_t bit;
+  const Ops* (*get)();
+};
+constexpr TargetTable kTables[] = {
+#if HWY_TARGETS & HWY_AVX3_DL
+    {HWY_AVX3_DL, &N_AVX3_DL::GetOps},
+#endif
+#if HWY_TARGETS & HWY_AVX3
+    {HWY_AVX3, &N_AVX3::GetOps},
+#endif
+#if HWY_TARGETS & HWY_AVX2
+    {HWY_AVX2, &N_AVX2::GetOps},
+#endif
+#if HWY_TARGETS & HWY_SSE4
+    {HWY_SSE4, &N_SSE4::GetOps},
+#endif
+#if HWY_TARGETS & HWY_SSSE3
+    {HWY_SSSE3, &N_SSSE3::GetOps},
+#endif
+#if HWY_TARGETS & HWY_EMU128
+    {HWY_EMU128, &N_EMU128::GetOps},
+#endif
+#if HWY_TARGETS & HWY_SCALAR
+    {HWY_SCALAR, &N_SCALAR::GetOps},
+#endif
+    {0, nullptr},
+};
+
+// FLASHCTE_SIMD_TARGET=NAME (a Highway target name: AVX3, AVX2, SSE4, ...) caps the dispatch at
+// that target, as on a CPU without the better ones: for reproducing another machine's results
+// or timings, and for CI, which runs the suite under FLASHCTE_SIMD_TARGET=AVX2 as well. Returns
+// the bit of the capped target, or 0 for no cap; a name that is not a compiled x86 target is
+// reported and ignored.
+int64_t target_cap_from_env() {
+  const char* env = std::getenv("FLASHCTE_SIMD_TARGET");
+  if (env == nullptr || *env == '\0') return 0;
+  std::string known;
+  for (const TargetTable& t : kTables) {
+    if (t.get == nullptr) break;
+    if (std::string(hwy::TargetName(t.bit)) == env) {
+      // Highway numbers better targets with lower bits. Disabled, they leave the lists of
+      // supported targets (what tests iterate over) too.
+      hwy::DisableTargets(HWY_TARGETS & (t.bit - 1));
+      return t.bit;
+    }
+    known += std::string(known.empty() ? "" : ", ") + hwy::TargetName(t.bit);
+  }
+  std::fprintf(stderr,
+               "flashcte: FLASHCTE_SIMD_TARGET=%s is not one of this build's targets (%s); "
+               "ignored\n",
+               env, known.empty() ? "none on this architecture" : known.c_str());
+  return 0;
+}
+
+// At load time, before anyone (a test enumerating targets, say) asks Highway what the CPU runs.
+const int64_t kTargetCap = target_cap_from_env();
+
+// The table of the best target the CPU runs at or below the cap.
+const Ops& capped_table() {
+  const int64_t allowed = hwy::SupportedTargets() & HWY_TARGETS;
+  for (const TargetTable& t : kTables) {
+    if (t.get != nullptr && t.bit >= kTargetCap && (allowed & t.bit)) return *t.get();
+  }
+  return *HWY_DYNAMIC_DISPATCH(GetOps)();
+}
+
+}  // namespace
+
+const Ops& ops() {
+  const Ops& chosen = *HWY_DYNAMIC_DISPATCH(GetOps)();
+  // Highway 1.0.3 can keep a target that DisableTargets removed as its chosen one (a later
+  // SupportedTargets() call re-chooses from the CPU's full set), so the cap is enforced here.
+  if (kTargetCap == 0 || chosen.target_bits >= kTargetCap) return chosen;
+  return capped_table();
+}
 
 }  // namespace flashcte::simd
 #endif  // HWY_ONCE
