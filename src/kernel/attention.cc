@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "src/kernel/convert.h"
+#include "src/kernel/pack.h"
 #include "src/kernel/plan.h"
 #include "src/simd/bf16_dot.h"
 
@@ -102,142 +103,6 @@ void ensure(std::vector<T>& v, size_t n) {
 template <class T>
 void ensure(LineAligned<T>& v, size_t n) {
   v.ensure(n);
-}
-
-// Copies the rows x cols matrix src(r, c) = base[r * row_stride + c * col_stride] (dtype) into
-// dst[r * dst_row + c * dst_col] as float32. Runs along whichever source axis is contiguous go
-// through the vector converter; the scatter into dst is then one scalar store per element.
-void pack_matrix(const simd::Ops& ops, const void* base, DType dtype, int64_t row_stride,
-                 int64_t col_stride, int64_t rows, int64_t cols, float* dst, int64_t dst_row,
-                 int64_t dst_col, std::vector<float>& tmp) {
-  const char* bytes = static_cast<const char*>(base);
-  const int64_t size = dtype_size(dtype);
-  if (col_stride == 1 || row_stride != 1) {
-    // Contiguous (or neither) along columns: convert row by row, kRowBlock rows at a time so a
-    // transposing store (K: dst_row 1) writes kRowBlock consecutive floats, not one per line.
-    constexpr int64_t kRowBlock = 16;
-    ensure(tmp, kRowBlock * cols);
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
-      const int64_t n = std::min(kRowBlock, rows - r0);
-      for (int64_t r = r0; r < r0 + n; ++r) {
-        const char* src = bytes + r * row_stride * size;
-        float* row = dst_col == 1 ? dst + r * dst_row : &tmp[(r - r0) * cols];
-        if (col_stride == 1) {
-          ops.to_float(src, dtype, cols, row);
-        } else {
-          for (int64_t c = 0; c < cols; ++c) row[c] = load_as_float(src, c * col_stride, dtype);
-        }
-      }
-      if (dst_col == 1) continue;
-      for (int64_t c = 0; c < cols; ++c) {
-        float* out = dst + c * dst_col + r0 * dst_row;
-        for (int64_t r = 0; r < n; ++r) out[r * dst_row] = tmp[r * cols + c];
-      }
-    }
-    return;
-  }
-  // Contiguous along rows: convert column by column.
-  ensure(tmp, rows);
-  for (int64_t c = 0; c < cols; ++c) {
-    const char* src = bytes + c * col_stride * size;
-    float* out = dst + c * dst_col;
-    if (dst_row == 1) {
-      ops.to_float(src, dtype, rows, out);
-      continue;
-    }
-    ops.to_float(src, dtype, rows, tmp.data());
-    for (int64_t r = 0; r < rows; ++r) out[r * dst_row] = tmp[r];
-  }
-}
-
-const void* element(const View3& t, DType dtype, int64_t b, int64_t row) {
-  return static_cast<const char*>(t.data) +
-         (b * t.batch_stride + row * t.row_stride) * dtype_size(dtype);
-}
-
-// Packs keys [begin, end) of KV batch kv_b's concatenated axis: K transposed into
-// k[c * ldk + (j - base)], V into v[(j - base) * ldv + c].
-void pack_kv(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
-             int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp) {
-  const int64_t prior = p.prior_used[kv_b];
-  // The prior part [begin, min(end, prior)) and the new part [max(begin, prior), end).
-  for (int part = 0; part < 2; ++part) {
-    const int64_t j0 = part == 0 ? begin : std::max(begin, prior);
-    const int64_t j1 = part == 0 ? std::min(end, prior) : end;
-    if (j0 >= j1) continue;
-    const View3& kt = part == 0 ? p.k_prior : p.k;
-    const View3& vt = part == 0 ? p.v_prior : p.v;
-    const int64_t row0 = part == 0 ? j0 : j0 - prior;
-    pack_matrix(ops, element(kt, p.dtype, kv_b, row0), p.dtype, kt.row_stride, kt.col_stride,
-                j1 - j0, p.head_dim, k + (j0 - base), 1, ldk, tmp);
-    pack_matrix(ops, element(vt, p.dtype, kv_b, row0), p.dtype, vt.row_stride, vt.col_stride,
-                j1 - j0, p.value_dim, v + (j0 - base) * ldv, ldv, 1, tmp);
-    // MM2 runs over the padded width: keep the padding zero (stale values could be NaN).
-    for (int64_t j = j0; j < j1; ++j) {
-      std::fill(v + (j - base) * ldv + p.value_dim, v + (j - base + 1) * ldv, 0.0f);
-    }
-  }
-}
-
-// Head dims rounded up to whole bfloat16 pairs (simd/bf16_dot.h).
-int64_t pair_dim(int64_t d) { return (d + 1) / 2 * 2; }
-
-// Packs query rows [row0, row0 + rows) of batch b, multiplied by scale: (scale * q) . k differs
-// from scale * (q . k) by one float32 rounding, and MM1's epilogue stays a plain store. With q2,
-// also the unscaled rows as bfloat16 for the native path, whose MM1 scales its scores instead
-// (a scaled bfloat16 Q would round every element once more). Returns whether q2's rows hold a
-// subnormal, which the native kernels would flush.
-bool pack_q(const Problem& p, const simd::Ops& ops, int64_t b, int64_t row0, int64_t rows, float* q,
-            uint16_t* q2, std::vector<float>& tmp) {
-  const int64_t d = p.head_dim, d2 = pair_dim(d);
-  pack_matrix(ops, element(p.q, p.dtype, b, row0), p.dtype, p.q.row_stride, p.q.col_stride, rows, d,
-              q, d, 1, tmp);
-  const bool subnormal = q2 && (ops.classify(q, rows * d) & simd::kSubnormal) != 0;
-  for (int64_t r = 0; q2 && r < rows; ++r) {
-    ops.narrow_bf16(q + r * d, d, q2 + r * d2);
-    if (d2 != d) q2[r * d2 + d] = 0;
-  }
-  if (p.scale != 1.0f) {
-    for (int64_t i = 0; i < rows * d; ++i) q[i] *= p.scale;
-  }
-  return subnormal;
-}
-
-// Calls body(begin, end) for each run of consecutive tiles [begin, end) that touch, as offsets
-// from `origin`.
-template <class Body>
-void for_each_run(const TileWork* tiles, int64_t num_tiles, int64_t origin, const Body& body) {
-  for (int64_t t = 0; t < num_tiles;) {
-    const int64_t begin = tiles[t].begin;
-    int64_t end = tiles[t].end;
-    for (++t; t < num_tiles && tiles[t].begin == end; ++t) end = tiles[t].end;
-    body(begin - origin, end - origin);
-  }
-}
-
-// The section's packed float32 K and V again as bfloat16 pairs (simd/bf16_dot.h), exactly (they
-// hold bfloat16 inputs). K pairs run along d, V pairs along the keys: a V pair that straddles the
-// edge of a run of packed tiles takes zeros for the key outside it, so every pair MM2 can read is
-// finite where its P is zero.
-void pack_pairs(const Problem& p, const simd::Ops& ops, const TileWork* tiles, int64_t num_tiles,
-                int64_t sec_begin, int64_t ldk, int64_t ldv, Scratch& sc) {
-  const int64_t d = p.head_dim, pairs = pair_dim(d) / 2, dv_pad = simd::padded(p.value_dim);
-  const float* k = sc.k.data();
-  const float* v = sc.v.data();
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    const int64_t a = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
-    for (int64_t x = 0; x < pairs; ++x) {
-      const float* odd_row = 2 * x + 1 < d ? k + (2 * x + 1) * ldk + a : nullptr;
-      ops.interleave_bf16(k + 2 * x * ldk + a, odd_row, n, sc.k2.data() + x * ldk + a);
-    }
-  }
-  for_each_run(tiles, num_tiles, sec_begin, [&](int64_t a, int64_t b) {
-    for (int64_t j = a / 2; 2 * j < b; ++j) {
-      const float* even_row = 2 * j >= a ? v + 2 * j * ldv : nullptr;
-      const float* odd_row = 2 * j + 1 < b ? v + (2 * j + 1) * ldv : nullptr;
-      ops.interleave_bf16(even_row, odd_row, dv_pad, sc.v2.data() + j * ldv);
-    }
-  });
 }
 
 // Writes output row i of batch b from its unnormalized accumulator o (scaled in place) and the
@@ -396,6 +261,41 @@ void process_section(const Problem& p, const simd::Ops& ops, const simd::Bf16Dot
   }
 }
 
+// Packs section `sec` of the item's plan for the path it runs on and returns the native
+// kernels when that path is theirs (dot non-null and the section's values allow it), else null.
+// The native kernels flush subnormal inputs, and a NaN or Inf value needs the float32 path's
+// per-row exact MM2 (process_section): such sections widen.
+const simd::Bf16DotOps* pack_section(const Problem& p, const simd::Ops& ops,
+                                     const simd::Bf16DotOps* dot, int64_t kv_b,
+                                     const SectionWork& sec, int64_t ldk, int64_t ldv,
+                                     Scratch& sc) {
+  const TileWork* tiles = sc.plan.tiles.data() + sec.first_tile;
+  const int64_t num_tiles = sec.end_tile - sec.first_tile;
+  sc.v_nonfinite = false;
+  if (dot && can_pack_pairs_directly(p) &&
+      !pack_pairs_directly(p, ops, kv_b, tiles, num_tiles, sec.begin, ldk, ldv, sc.k2.data(),
+                           sc.v2.data())) {
+    return dot;
+  }
+  bool subnormal = false;
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    pack_kv(p, ops, kv_b, tiles[t].begin, tiles[t].end, sec.begin, sc.k.data(), ldk, sc.v.data(),
+            ldv, sc.convert);
+    const int64_t off = tiles[t].begin - sec.begin, n = tiles[t].end - tiles[t].begin;
+    const unsigned v_classes = ops.classify(sc.v.data() + off * ldv, n * ldv);
+    sc.v_nonfinite |= (v_classes & simd::kNonFinite) != 0;
+    if (!dot) continue;
+    subnormal |= (v_classes & simd::kSubnormal) != 0;
+    for (int64_t x = 0; x < p.head_dim; ++x) {
+      subnormal |= (ops.classify(sc.k.data() + x * ldk + off, n) & simd::kSubnormal) != 0;
+    }
+  }
+  if (!dot || sc.v_nonfinite || subnormal) return nullptr;
+  pack_pairs(p, ops, tiles, num_tiles, sec.begin, sc.k.data(), ldk, sc.v.data(), ldv, sc.k2.data(),
+             sc.v2.data());
+  return dot;
+}
+
 }  // namespace
 
 void run_work_item(const Problem& p, const simd::Ops& ops, const ItemRange& item, float* partial) {
@@ -463,28 +363,7 @@ void run_work_item(const Problem& p, const simd::Ops& ops, const ItemRange& item
   const simd::Bf16DotOps* item_dot = q_subnormal ? nullptr : dot;
 
   for (const SectionWork& sec : sc.plan.sections) {
-    sc.v_nonfinite = false;
-    bool subnormal = false;
-    for (int64_t t = sec.first_tile; t < sec.end_tile; ++t) {
-      const TileWork& tile = sc.plan.tiles[t];
-      pack_kv(p, ops, kv_b, tile.begin, tile.end, sec.begin, sc.k.data(), ldk, sc.v.data(), ldv,
-              sc.convert);
-      const int64_t off = tile.begin - sec.begin, n = tile.end - tile.begin;
-      const unsigned v_classes = ops.classify(sc.v.data() + off * ldv, n * ldv);
-      sc.v_nonfinite |= (v_classes & simd::kNonFinite) != 0;
-      if (!item_dot) continue;
-      subnormal |= (v_classes & simd::kSubnormal) != 0;
-      for (int64_t x = 0; x < d; ++x) {
-        subnormal |= (ops.classify(sc.k.data() + x * ldk + off, n) & simd::kSubnormal) != 0;
-      }
-    }
-    // The native kernels flush subnormal inputs, and a NaN or Inf value needs the float32 path's
-    // per-row exact MM2 (below): such sections widen.
-    const simd::Bf16DotOps* sec_dot = sc.v_nonfinite || subnormal ? nullptr : item_dot;
-    if (sec_dot) {
-      pack_pairs(p, ops, sc.plan.tiles.data() + sec.first_tile, sec.end_tile - sec.first_tile,
-                 sec.begin, ldk, ldv, sc);
-    }
+    const simd::Bf16DotOps* sec_dot = pack_section(p, ops, item_dot, kv_b, sec, ldk, ldv, sc);
     for (int64_t sb = 0; sb < subs; ++sb) {
       // The sub-block's sections are a subset of the item's, in the same order.
       const BlockPlan& sp = sc.sub_plans[sb];

@@ -78,6 +78,47 @@ void InterleaveBf16(const float* lo, const float* hi, int64_t n, uint32_t* dst) 
   for (; i < n; ++i) InterleaveStep(d1, lo ? lo + i : nullptr, hi ? hi + i : nullptr, dst + i);
 }
 
+// One step of PairBf16 (d: float lanes, for the uint32_t pairs): the pairs stored, and in
+// `unusual` all-ones lanes where either value is non-finite or subnormal: with m its magnitude
+// bits, m >= 0x7F80 (exponent all ones) or 0 < m < 0x80 (exponent zero, mantissa not).
+template <class D, class VU>
+HWY_INLINE void PairStep(D /* d */, const uint16_t* lo, const uint16_t* hi, uint32_t* dst,
+                         VU& unusual) {
+  const hn::RebindToUnsigned<D> du;
+  const hn::Rebind<uint16_t, D> d16;
+  const auto vlo = lo ? hn::PromoteTo(du, hn::LoadU(d16, lo)) : hn::Zero(du);
+  const auto vhi = hi ? hn::PromoteTo(du, hn::LoadU(d16, hi)) : hn::Zero(du);
+  hn::StoreU(hn::Or(vlo, hn::ShiftLeft<16>(vhi)), du, dst);
+  const auto magnitude = hn::Set(du, 0x7FFFu), one = hn::Set(du, 1u);
+  for (const auto& v : {vlo, vhi}) {
+    const auto m = hn::And(v, magnitude);
+    // m - 1 wraps to 0xFFFFFFFF for m = 0, so one unsigned compare finds 0 < m < 0x80.
+    const auto odd =
+        hn::Or(hn::Gt(m, hn::Set(du, 0x7F7Fu)), hn::Lt(hn::Sub(m, one), hn::Set(du, 0x7Fu)));
+    unusual = hn::Or(unusual, hn::VecFromMask(du, odd));
+  }
+}
+
+// dst[i] = lo[i] | hi[i] << 16 for i < n: two rows of bfloat16 bits as the native kernels' pairs
+// (bf16_dot.h), a null row read as zeros; returns whether any value read is non-finite or
+// subnormal.
+bool PairBf16(const uint16_t* lo, const uint16_t* hi, int64_t n, uint32_t* dst) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  auto unusual = hn::Zero(du);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    PairStep(df, lo ? lo + i : nullptr, hi ? hi + i : nullptr, dst + i, unusual);
+  }
+  bool found = !hn::AllTrue(du, hn::Eq(unusual, hn::Zero(du)));
+  const hn::CappedTag<float, 1> d1;
+  const hn::RebindToUnsigned<decltype(d1)> du1;
+  auto unusual1 = hn::Zero(du1);
+  for (; i < n; ++i) PairStep(d1, lo ? lo + i : nullptr, hi ? hi + i : nullptr, dst + i, unusual1);
+  return found || !hn::AllTrue(du1, hn::Eq(unusual1, hn::Zero(du1)));
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace flashcte::simd
 HWY_AFTER_NAMESPACE();

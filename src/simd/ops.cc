@@ -35,6 +35,7 @@ const Ops* GetOps() {
                             &ToFloat,
                             &NarrowBf16,
                             &InterleaveBf16,
+                            &PairBf16,
                             &Pv};
   return &table;
 }

@@ -33,8 +33,8 @@
 //       multiple of kPadFloats (hence of N, W1) and at most the leading dimension; it touches
 //       nothing past dv_pad. Columns [dv, dv_pad) of V must be finite (the kernel zeroes them).
 //       P is read at [0, n) of each row.
-//   W4  row_max, exp_sum(_bf16), softcap, alibi, add, classify, to_float, narrow_bf16 and
-//       interleave_bf16 touch exactly [0, n):
+//   W4  row_max, exp_sum(_bf16), softcap, alibi, add, classify, to_float, narrow_bf16,
+//       interleave_bf16 and pair_bf16 touch exactly [0, n):
 //       their tails run one lane at a time.
 //   W5  qk's register block is `rows` (Ops::mm_rows) rows; any row count is allowed.
 // tests/simd/ checks each op against these extents with NaN canaries on every target the CPU
@@ -136,6 +136,9 @@ struct Ops {
   //                    a null lo or hi reads as zeros
   void (*narrow_bf16)(const float* src, int64_t n, uint16_t* dst);
   void (*interleave_bf16)(const float* lo, const float* hi, int64_t n, uint32_t* dst);
+  // The same pairs from rows of bfloat16 bits: dst[i] = lo[i] | hi[i] << 16 for i < n (a null
+  // row reads as zeros); returns whether any value read is non-finite or subnormal.
+  bool (*pair_bf16)(const uint16_t* lo, const uint16_t* hi, int64_t n, uint32_t* dst);
 
   // MM2 with the rescale folded in: O[r][:] = alpha[r] * O[r][:] + sum_{j<n} P[r][j] * V[j][:]
   // for r < rows, over dv_pad columns (W3). alpha may be null (= 1).

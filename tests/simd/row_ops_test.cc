@@ -360,5 +360,51 @@ TEST(SimdInterleaveBf16, PairsLowHalfFirst) {
   });
 }
 
+// pair_bf16 pairs rows of bfloat16 bits exactly and tells whether it read a non-finite value
+// (exponent all ones) or a subnormal one (exponent zero, mantissa not), at any position.
+TEST(SimdPairBf16, ExactPairsAndFindings) {
+  std::mt19937 rng(10);
+  std::uniform_int_distribution<int> bits(0, 0xFFFF);
+  for_each_target([&](const simd::Ops& ops) {
+    for (int64_t n : edge_lengths(ops.lanes)) {
+      for (int nulls = 0; nulls < 3; ++nulls) {  // 0: both rows, 1: no odd row, 2: no even row
+        SCOPED_TRACE("n " + std::to_string(n) + ", nulls " + std::to_string(nulls));
+        // Normal values only (exponent 1..254), then one unusual value planted at a time.
+        auto normal = [&] {
+          const int b = bits(rng);
+          return static_cast<uint16_t>((b & 0x807F) | ((1 + b % 254) << 7));
+        };
+        std::vector<uint16_t> lo(static_cast<size_t>(n)), hi(lo.size());
+        for (int64_t i = 0; i < n; ++i) {
+          lo[i] = normal();
+          hi[i] = normal();
+        }
+        const uint16_t* lo_row = nulls == 2 ? nullptr : lo.data();
+        const uint16_t* hi_row = nulls == 1 ? nullptr : hi.data();
+        GuardedBuffer out(1, n + ops.lanes, 2);
+        auto* dst = reinterpret_cast<uint32_t*>(out.data());
+        EXPECT_FALSE(ops.pair_bf16(lo_row, hi_row, n, dst)) << "normal values";
+        for (int64_t i = 0; i < n; ++i) {
+          const uint32_t want = (lo_row ? lo[i] : 0u) | (hi_row ? uint32_t{hi[i]} << 16 : 0u);
+          EXPECT_EQ(dst[i], want) << "element " << i;
+        }
+        EXPECT_EQ(out.untouched_outside(1, n), "") << "written past n";
+        std::vector<uint16_t>& planted = nulls == 2 ? hi : lo;
+        for (int64_t at = 0; at < n; ++at) {
+          const uint16_t saved = planted[at];
+          for (uint16_t odd : {uint16_t{0x7F80}, uint16_t{0xFFC1}, uint16_t{0x0001},
+                               uint16_t{0x807F}, uint16_t{0x0000}, uint16_t{0x8000}}) {
+            planted[at] = odd;
+            const bool want =
+                (odd & 0x7F80u) == 0x7F80u || ((odd & 0x7F80u) == 0 && (odd & 0x7Fu) != 0);
+            EXPECT_EQ(ops.pair_bf16(lo_row, hi_row, n, dst), want) << odd << " at " << at;
+          }
+          planted[at] = saved;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 }  // namespace flashcte::test

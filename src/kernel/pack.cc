@@ -1,0 +1,186 @@
+// Packing: the Q rows, K and V tiles of a work item from the caller's tensors (any dtype, any
+// strides) into the micro-kernels' layouts (src/simd/ops.h, bf16_dot.h).
+#include "src/kernel/pack.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "src/kernel/convert.h"
+
+namespace flashcte::internal {
+namespace {
+
+// Copies the rows x cols matrix src(r, c) = base[r * row_stride + c * col_stride] (dtype) into
+// dst[r * dst_row + c * dst_col] as float32. Runs along whichever source axis is contiguous go
+// through the vector converter; the scatter into dst is then one scalar store per element.
+void pack_matrix(const simd::Ops& ops, const void* base, DType dtype, int64_t row_stride,
+                 int64_t col_stride, int64_t rows, int64_t cols, float* dst, int64_t dst_row,
+                 int64_t dst_col, std::vector<float>& tmp) {
+  const char* bytes = static_cast<const char*>(base);
+  const int64_t size = dtype_size(dtype);
+  if (col_stride == 1 || row_stride != 1) {
+    // Contiguous (or neither) along columns: convert row by row, kRowBlock rows at a time so a
+    // transposing store (K: dst_row 1) writes kRowBlock consecutive floats, not one per line.
+    constexpr int64_t kRowBlock = 16;
+    if (tmp.size() < static_cast<size_t>(kRowBlock * cols)) tmp.resize(kRowBlock * cols);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+      const int64_t n = std::min(kRowBlock, rows - r0);
+      for (int64_t r = r0; r < r0 + n; ++r) {
+        const char* src = bytes + r * row_stride * size;
+        float* row = dst_col == 1 ? dst + r * dst_row : &tmp[(r - r0) * cols];
+        if (col_stride == 1) {
+          ops.to_float(src, dtype, cols, row);
+        } else {
+          for (int64_t c = 0; c < cols; ++c) row[c] = load_as_float(src, c * col_stride, dtype);
+        }
+      }
+      if (dst_col == 1) continue;
+      for (int64_t c = 0; c < cols; ++c) {
+        float* out = dst + c * dst_col + r0 * dst_row;
+        for (int64_t r = 0; r < n; ++r) out[r * dst_row] = tmp[r * cols + c];
+      }
+    }
+    return;
+  }
+  // Contiguous along rows: convert column by column.
+  if (tmp.size() < static_cast<size_t>(rows)) tmp.resize(rows);
+  for (int64_t c = 0; c < cols; ++c) {
+    const char* src = bytes + c * col_stride * size;
+    float* out = dst + c * dst_col;
+    if (dst_row == 1) {
+      ops.to_float(src, dtype, rows, out);
+      continue;
+    }
+    ops.to_float(src, dtype, rows, tmp.data());
+    for (int64_t r = 0; r < rows; ++r) out[r * dst_row] = tmp[r];
+  }
+}
+
+const void* element(const View3& t, DType dtype, int64_t b, int64_t row) {
+  return static_cast<const char*>(t.data) +
+         (b * t.batch_stride + row * t.row_stride) * dtype_size(dtype);
+}
+
+}  // namespace
+
+// Packs keys [begin, end) of KV batch kv_b's concatenated axis: K transposed into
+// k[c * ldk + (j - base)], V into v[(j - base) * ldv + c].
+void pack_kv(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
+             int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp) {
+  const int64_t prior = p.prior_used[kv_b];
+  // The prior part [begin, min(end, prior)) and the new part [max(begin, prior), end).
+  for (int part = 0; part < 2; ++part) {
+    const int64_t j0 = part == 0 ? begin : std::max(begin, prior);
+    const int64_t j1 = part == 0 ? std::min(end, prior) : end;
+    if (j0 >= j1) continue;
+    const View3& kt = part == 0 ? p.k_prior : p.k;
+    const View3& vt = part == 0 ? p.v_prior : p.v;
+    const int64_t row0 = part == 0 ? j0 : j0 - prior;
+    pack_matrix(ops, element(kt, p.dtype, kv_b, row0), p.dtype, kt.row_stride, kt.col_stride,
+                j1 - j0, p.head_dim, k + (j0 - base), 1, ldk, tmp);
+    pack_matrix(ops, element(vt, p.dtype, kv_b, row0), p.dtype, vt.row_stride, vt.col_stride,
+                j1 - j0, p.value_dim, v + (j0 - base) * ldv, ldv, 1, tmp);
+    // MM2 runs over the padded width: keep the padding zero (stale values could be NaN).
+    for (int64_t j = j0; j < j1; ++j) {
+      std::fill(v + (j - base) * ldv + p.value_dim, v + (j - base + 1) * ldv, 0.0f);
+    }
+  }
+}
+
+// Packs query rows [row0, row0 + rows) of batch b, multiplied by scale: (scale * q) . k differs
+// from scale * (q . k) by one float32 rounding, and MM1's epilogue stays a plain store. With q2,
+// also the unscaled rows as bfloat16 for the native path, whose MM1 scales its scores instead
+// (a scaled bfloat16 Q would round every element once more). Returns whether q2's rows hold a
+// subnormal, which the native kernels would flush.
+bool pack_q(const Problem& p, const simd::Ops& ops, int64_t b, int64_t row0, int64_t rows, float* q,
+            uint16_t* q2, std::vector<float>& tmp) {
+  const int64_t d = p.head_dim, d2 = pair_dim(d);
+  pack_matrix(ops, element(p.q, p.dtype, b, row0), p.dtype, p.q.row_stride, p.q.col_stride, rows, d,
+              q, d, 1, tmp);
+  const bool subnormal = q2 && (ops.classify(q, rows * d) & simd::kSubnormal) != 0;
+  for (int64_t r = 0; q2 && r < rows; ++r) {
+    ops.narrow_bf16(q + r * d, d, q2 + r * d2);
+    if (d2 != d) q2[r * d2 + d] = 0;
+  }
+  if (p.scale != 1.0f) {
+    for (int64_t i = 0; i < rows * d; ++i) q[i] *= p.scale;
+  }
+  return subnormal;
+}
+
+// The section's packed float32 K and V again as bfloat16 pairs (simd/bf16_dot.h), exactly (they
+// hold bfloat16 inputs). K pairs run along d, V pairs along the keys: a V pair that straddles the
+// edge of a run of packed tiles takes zeros for the key outside it, so every pair MM2 can read is
+// finite where its P is zero.
+void pack_pairs(const Problem& p, const simd::Ops& ops, const TileWork* tiles, int64_t num_tiles,
+                int64_t sec_begin, const float* k, int64_t ldk, const float* v, int64_t ldv,
+                uint32_t* k2, uint32_t* v2) {
+  const int64_t d = p.head_dim, pairs = pair_dim(d) / 2, dv_pad = simd::padded(p.value_dim);
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t a = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
+    for (int64_t x = 0; x < pairs; ++x) {
+      const float* odd_row = 2 * x + 1 < d ? k + (2 * x + 1) * ldk + a : nullptr;
+      ops.interleave_bf16(k + 2 * x * ldk + a, odd_row, n, k2 + x * ldk + a);
+    }
+  }
+  for_each_run(tiles, num_tiles, sec_begin, [&](int64_t a, int64_t b) {
+    for (int64_t j = a / 2; 2 * j < b; ++j) {
+      const float* even_row = 2 * j >= a ? v + 2 * j * ldv : nullptr;
+      const float* odd_row = 2 * j + 1 < b ? v + (2 * j + 1) * ldv : nullptr;
+      ops.interleave_bf16(even_row, odd_row, dv_pad, v2 + j * ldv);
+    }
+  });
+}
+
+bool can_pack_pairs_directly(const Problem& p) {
+  if (p.dtype != DType::kBFloat16) return false;
+  // K with the keys of a channel contiguous (the Neuron (d, Skv) layout), V with the channels of
+  // a key contiguous ((Skv, dv)); the prior part, when there is one, alike.
+  const bool prior = p.k_prior.data != nullptr;
+  return p.k.row_stride == 1 && p.v.col_stride == 1 &&
+         (!prior || (p.k_prior.row_stride == 1 && p.v_prior.col_stride == 1));
+}
+
+bool pack_pairs_directly(const Problem& p, const simd::Ops& ops, int64_t kv_b,
+                         const TileWork* tiles, int64_t num_tiles, int64_t sec_begin, int64_t ldk,
+                         int64_t ldv, uint32_t* k2, uint32_t* v2) {
+  const int64_t d = p.head_dim, pairs = pair_dim(d) / 2, dv = p.value_dim;
+  const int64_t dv_pad = simd::padded(dv), prior = p.prior_used[kv_b];
+  const int64_t size = dtype_size(p.dtype);
+  // Element (key j, channel c) of the concatenated axis (prior part, then new), as bfloat16 bits.
+  auto at = [&](const View3& prior_part, const View3& new_part, int64_t j, int64_t c) {
+    const View3& t = j < prior ? prior_part : new_part;
+    const int64_t row = j < prior ? j : j - prior;
+    return reinterpret_cast<const uint16_t*>(
+        static_cast<const char*>(t.data) +
+        (kv_b * t.batch_stride + row * t.row_stride + c * t.col_stride) * size);
+  };
+  bool unusual = false;
+  // K2[x][j] = (K[j][2x], K[j][2x + 1]): two channel rows, contiguous over the keys, paired;
+  // each tile in its prior and its new part.
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    for (int part = 0; part < 2; ++part) {
+      const int64_t j0 = part == 0 ? tiles[t].begin : std::max(tiles[t].begin, prior);
+      const int64_t j1 = part == 0 ? std::min(tiles[t].end, prior) : tiles[t].end;
+      for (int64_t x = 0; x < pairs && j0 < j1; ++x) {
+        const uint16_t* odd = 2 * x + 1 < d ? at(p.k_prior, p.k, j0, 2 * x + 1) : nullptr;
+        unusual |= ops.pair_bf16(at(p.k_prior, p.k, j0, 2 * x), odd, j1 - j0,
+                                 k2 + x * ldk + (j0 - sec_begin));
+      }
+    }
+  }
+  // V2[j][c] = (V[2j][c], V[2j + 1][c]): two key rows paired, zeros for a key outside its run
+  // (as pack_pairs) and for the padding columns.
+  for_each_run(tiles, num_tiles, sec_begin, [&](int64_t a, int64_t b) {
+    for (int64_t j = a / 2; 2 * j < b; ++j) {
+      const uint16_t* even = 2 * j >= a ? at(p.v_prior, p.v, sec_begin + 2 * j, 0) : nullptr;
+      const uint16_t* odd = 2 * j + 1 < b ? at(p.v_prior, p.v, sec_begin + 2 * j + 1, 0) : nullptr;
+      unusual |= ops.pair_bf16(even, odd, dv, v2 + j * ldv);
+      std::fill(v2 + j * ldv + dv, v2 + j * ldv + dv_pad, 0u);
+    }
+  });
+  return unusual;
+}
+
+}  // namespace flashcte::internal

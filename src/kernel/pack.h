@@ -1,0 +1,63 @@
+// Packing: a work item's Q rows and K/V tiles from the caller's tensors into the micro-kernels'
+// layouts, once per item (Q) or per section (K, V), against O(rows x tile x d) arithmetic.
+//   float32 (every dtype widened): Q [rows][d] scaled, K [d][ldk] transposed, V [keys][ldv]
+//   bfloat16 pairs for the native kernels (src/simd/bf16_dot.h): Q2, K2, V2; from the float32
+//     blocks (pack_pairs) or, for bfloat16 tensors in the usual layouts, straight from the
+//     tensors (pack_pairs_directly), which skips the float32 pass
+#ifndef FLASHCTE_SRC_KERNEL_PACK_H_
+#define FLASHCTE_SRC_KERNEL_PACK_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "src/dispatch/problem.h"
+#include "src/kernel/plan.h"
+#include "src/simd/ops.h"
+
+namespace flashcte::internal {
+
+// Head dims rounded up to whole bfloat16 pairs (simd/bf16_dot.h).
+inline int64_t pair_dim(int64_t d) { return (d + 1) / 2 * 2; }
+
+// Calls body(begin, end) for each run of consecutive tiles [begin, end) that touch, as offsets
+// from `origin`.
+template <class Body>
+void for_each_run(const TileWork* tiles, int64_t num_tiles, int64_t origin, const Body& body) {
+  for (int64_t t = 0; t < num_tiles;) {
+    const int64_t begin = tiles[t].begin;
+    int64_t end = tiles[t].end;
+    for (++t; t < num_tiles && tiles[t].begin == end; ++t) end = tiles[t].end;
+    body(begin - origin, end - origin);
+  }
+}
+
+// Packs keys [begin, end) of KV batch kv_b's concatenated axis: K transposed into
+// k[c * ldk + (j - base)], V into v[(j - base) * ldv + c], V's padding columns zero.
+void pack_kv(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
+             int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp);
+
+// Packs query rows [row0, row0 + rows) of batch b, multiplied by scale, into q [rows][d]; with
+// q2, also the unscaled rows as bfloat16 [rows][pair_dim(d)]. Returns whether q2's rows hold a
+// subnormal, which the native kernels would flush.
+bool pack_q(const Problem& p, const simd::Ops& ops, int64_t b, int64_t row0, int64_t rows, float* q,
+            uint16_t* q2, std::vector<float>& tmp);
+
+// The section's tiles of packed float32 K and V (pack_kv) again as bfloat16 pairs in k2, v2.
+void pack_pairs(const Problem& p, const simd::Ops& ops, const TileWork* tiles, int64_t num_tiles,
+                int64_t sec_begin, const float* k, int64_t ldk, const float* v, int64_t ldv,
+                uint32_t* k2, uint32_t* v2);
+
+// Whether pack_pairs_directly serves this problem: bfloat16 K with the keys of a channel
+// contiguous and V with the channels of a key contiguous.
+bool can_pack_pairs_directly(const Problem& p);
+
+// The section's tiles as pack_kv + pack_pairs would leave k2 and v2, straight from the tensors;
+// returns whether any value read is non-finite or subnormal (then the section needs the float32
+// path, which the caller packs).
+bool pack_pairs_directly(const Problem& p, const simd::Ops& ops, int64_t kv_b,
+                         const TileWork* tiles, int64_t num_tiles, int64_t sec_begin, int64_t ldk,
+                         int64_t ldv, uint32_t* k2, uint32_t* v2);
+
+}  // namespace flashcte::internal
+
+#endif  // FLASHCTE_SRC_KERNEL_PACK_H_
