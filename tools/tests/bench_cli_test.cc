@@ -192,7 +192,11 @@ TEST(BenchPeak, RejectsFlagsItDoesNotUse) {
   EXPECT_NE(o.err.find("--reps: 0 is out of range"), std::string::npos) << o.err;
 }
 
-constexpr char kSmallSgemm[] = "bench --impl sgemm --sq 256 --heads 1 --kv-heads 1 --reps 1";
+// The tests run OpenBLAS with the environment they were given (--openblas-core inherit): the
+// machine may set OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE because other cores misbehave on it, and
+// only the one benchmark command that measures the roofline may change them.
+constexpr char kSmallSgemm[] =
+    "bench --impl sgemm --sq 256 --heads 1 --kv-heads 1 --reps 1 --openblas-core inherit";
 
 TEST(BenchSgemm, ReportsTheOpenBlasCoreItRan) {
   if (!FLASHCTE_CLI_HAS_OPENBLAS) GTEST_SKIP() << "this build of flashcte has no OpenBLAS";
@@ -205,10 +209,8 @@ TEST(BenchSgemm, ReportsTheOpenBlasCoreItRan) {
   EXPECT_EQ(j["impl"], "sgemm");
   EXPECT_FALSE(j["openblas_core"].empty()) << lines[0];
   EXPECT_FALSE(j["openblas_core_reason"].empty()) << lines[0];
-  ASSERT_TRUE(j["openblas_core_overridden"] == "true" || j["openblas_core_overridden"] == "false");
-  if (j["openblas_core_overridden"] == "false") {
-    EXPECT_EQ(j["openblas_core_detected"], j["openblas_core"]) << lines[0];
-  }
+  EXPECT_EQ(j["openblas_core_overridden"], "false") << lines[0];
+  EXPECT_EQ(j["openblas_core_detected"], j["openblas_core"]) << lines[0];
   const std::string core = j["openblas_core"];
 
   o = RunCli(kSmallSgemm);
@@ -216,36 +218,12 @@ TEST(BenchSgemm, ReportsTheOpenBlasCoreItRan) {
   EXPECT_NE(o.out.find("OpenBLAS core: " + core + " ("), std::string::npos) << o.out;
 }
 
-TEST(BenchSgemm, NamedCoreReExecutesWithTheSameArguments) {
-  if (!FLASHCTE_CLI_HAS_OPENBLAS) GTEST_SKIP() << "this build of flashcte has no OpenBLAS";
-#if !defined(__x86_64__)
-  GTEST_SKIP() << "Prescott is an x86-64 OpenBLAS core";
-#endif
-  Output o = RunCli(std::string(kSmallSgemm) + " --json");
-  ASSERT_EQ(o.exit_code, 0) << o.err;
-  if (o.out.find("without DYNAMIC_ARCH") != std::string::npos) {
-    GTEST_SKIP() << "this OpenBLAS has one kernel set: " << o.out;
-  }
-  // Prescott (SSE3) runs on every x86-64 CPU and is no one's default on a recent one, so the
-  // name in the output shows that the re-executed process is the one that measured.
-  o = RunCli(std::string(kSmallSgemm) + " --json --openblas-core Prescott");
-  ASSERT_EQ(o.exit_code, 0) << o.err;
-  std::map<std::string, std::string> j;
-  ASSERT_TRUE(ParseFlatJson(Lines(o.out).at(0), &j)) << o.out;
-  EXPECT_EQ(j["openblas_core"], "Prescott") << o.out;
-  EXPECT_EQ(j["openblas_core_overridden"], "true") << o.out;
-  EXPECT_EQ(j["openblas_core_reason"], "--openblas-core Prescott") << o.out;
-  EXPECT_EQ(Number(j, "sq"), 256) << "the re-executed process lost the arguments: " << o.out;
-  EXPECT_EQ(Number(j, "reps"), 1) << o.out;
-
-  o = RunCli(std::string(kSmallSgemm) + " --openblas-core NoSuchCore");
-  EXPECT_EQ(o.exit_code, 1);
-  EXPECT_NE(o.err.find("OpenBLAS did not take OPENBLAS_CORETYPE=NoSuchCore"), std::string::npos)
-      << o.err;
-  o = RunCli(std::string(kSmallSgemm) + " --openblas-core 'Zen;x'");
-  EXPECT_EQ(o.exit_code, 2);
+// Bad --openblas-core values are refused before OpenBLAS runs.
+TEST(BenchSgemm, RejectsBadCoreNames) {
+  Output o = RunCli("bench --impl sgemm --sq 256 --heads 1 --kv-heads 1 --openblas-core 'Zen;x'");
+  EXPECT_EQ(o.exit_code, 2) << o.err;
   o = RunCli("bench --impl flashcte --openblas-core Zen");
-  EXPECT_EQ(o.exit_code, 2);
+  EXPECT_EQ(o.exit_code, 2) << o.err;
 }
 
 }  // namespace
