@@ -5,13 +5,17 @@
 //       every head of the GQA group ("Q resident, KV streams");
 //     for each query head of the group:
 //       MM1   S = (scale * Q).K^T per tile, masked element-wise only on tiles that straddle a
-//             row's interval (plan.h);
+//             row's interval (plan.h); on the native bf16 kernels S = scale * (Q.K^T);
 //       max   neg_new = min(neg_run, -rowmax(S))       the negated running max, as on Neuron
 //             alpha   = exp(-neg_run + neg_new)         = exp(m_old - m_new)
 //       exp   P = exp(S + neg_new), summed as it goes   the bias is the shift: no subtract pass
 //       sum   l = alpha * l + sum(P)
 //       MM2   O = alpha * O + P.V                       the rescale folded into MM2's first tile
 //   out = O * (1 / l): one reciprocal per row, at the end.
+//
+// bfloat16 inputs run either on float32 blocks (widened at packing, the Ops table's FMA kernels)
+// or, where simd::bf16_dot_for says so, on bfloat16 pairs and vdpbf16ps (simd/bf16_dot.h), per
+// section: a section with a NaN, Inf or subnormal value widens.
 //
 // The Neuron kernel keeps O in HBM between sections; here O stays in per-thread scratch
 // (G x q_block x dv floats), which fits L2. Its 3-stage software pipeline is not reproduced:
@@ -38,8 +42,8 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Query rows whose scores are live at once (the S buffer's height). The work item's q_block rows
 // share each packed K/V tile; they are computed kSubRows at a time so that S stays small.
-// 48 = 8 blocks of the 6-row MM1 micro-kernel and 12 of the 4-row MM2 one; a sub-block of
-// 48 x 256 scores is 48 KiB, L1/L2 resident.
+// 48 = 8 register blocks of the 6-row float32 micro-kernels and 6 of the 8-row native bf16 ones;
+// a sub-block of 48 x 256 scores is 48 KiB, L1/L2 resident.
 constexpr int64_t kSubRows = 48;
 
 // Elements on 64-byte cache lines. The micro-kernels load 64-byte rows of K, V, S and O (leading
