@@ -245,9 +245,9 @@ FLASHCTE_AVX512_BF16 inline __m512 exp_step(const float* s, __m512 bias, __mmask
   return e;
 }
 
-// Ops::exp_sum_bf16 with the terms summed in the portable pass's order (softmax-inl.h's
-// ExpSumImpl: two accumulators, one more vector, sum_lanes, then the tail lane by lane), so that
-// a section that widens and one that does not agree bit for bit on the sum.
+// Ops::exp_sum's bfloat16 pass with the terms summed in its order (softmax-inl.h's ExpSumImpl:
+// two accumulators, one more vector, sum_lanes, then the tail lane by lane), so that a section
+// that widens and one that does not agree bit for bit on the sum.
 FLASHCTE_AVX512_BF16 float exp_sum(const float* s, int64_t n, float bias, uint16_t* p2) {
   const __m512 vbias = _mm512_set1_ps(bias);
   __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();

@@ -37,8 +37,8 @@ struct Bf16DotOps {
   void (*pv)(const uint16_t* p, int64_t ldp, int64_t rows, int64_t n2, const uint32_t* v,
              int64_t ldv, int64_t dv_pad, const float* alpha, float* o, int64_t ldo);
 
-  // Ops::exp_sum_bf16 on vcvtneps2bf16: the same P bits and the same terms, summed in another
-  // order. Touches exactly [0, n) of s and p2.
+  // Ops::exp_sum with round_bf16, P written as bfloat16 to p2 (s is only read), rounded by
+  // vcvtneps2bf16: the same P bits and the same sum. Touches exactly [0, n) of s and p2.
   float (*exp_sum)(const float* s, int64_t n, float bias, uint16_t* p2);
 };
 

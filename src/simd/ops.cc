@@ -27,7 +27,6 @@ const Ops* GetOps() {
                             &Qk,
                             &RowMax,
                             &ExpSum,
-                            &ExpSumBf16,
                             &Softcap,
                             &Alibi,
                             &AddRow,

@@ -33,7 +33,7 @@
 //       multiple of kPadFloats (hence of N, W1) and at most the leading dimension; it touches
 //       nothing past dv_pad. Columns [dv, dv_pad) of V must be finite (the kernel zeroes them).
 //       P is read at [0, n) of each row.
-//   W4  row_max, exp_sum(_bf16), softcap, alibi, add, classify, to_float, narrow_bf16,
+//   W4  row_max, exp_sum, softcap, alibi, add, classify, to_float, narrow_bf16,
 //       interleave_bf16 and pair_bf16 touch exactly [0, n):
 //       their tails run one lane at a time.
 //   W5  qk's register block is `rows` (Ops::mm_rows) rows; any row count is allowed.
@@ -110,9 +110,6 @@ struct Ops {
   // round_bf16, the stored values are rounded to bfloat16 (as the Neuron engine's P feeding MM2)
   // while the sum keeps float32 values.
   float (*exp_sum)(float* s, int64_t n, float bias, bool round_bf16);
-  // The same with round_bf16, P written as bfloat16 to p2[c] instead (the native kernels' P2,
-  // bf16_dot.h); s is only read.
-  float (*exp_sum_bf16)(const float* s, int64_t n, float bias, uint16_t* p2);
 
   // Score modifiers, applied to one row of a tile after MM1 (Options order):
   //   s[c] = cap * tanh(s[c] / cap);  s[c] -= slope * |dist0 + c|;  s[c] += bias[c].

@@ -58,16 +58,6 @@ HWY_INLINE void ForEachRowBlock(int64_t rows, const Body& body) {
   RemainderBlock<kRows - 1>(rows - r, r, body);
 }
 
-// Stores the high halves of v's lanes as uint16_t: v's lanes hold bfloat16 values (low halves
-// zero), so this is their exact bfloat16 encoding, NaN payloads included.
-template <class D>
-HWY_INLINE void StoreBf16Halves(D /* d */, hn::Vec<D> v, uint16_t* HWY_RESTRICT dst) {
-  const hn::Rebind<uint16_t, D> d16;
-  const auto high = hn::ShiftRight<16>(hn::BitCast(hn::RebindToUnsigned<D>(), v));
-  // bits >> 16 is below 2^16, so the saturating demotion keeps it as it is.
-  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(hn::RebindToSigned<D>(), high)), d16, dst);
-}
-
 }  // namespace HWY_NAMESPACE
 }  // namespace flashcte::simd
 HWY_AFTER_NAMESPACE();

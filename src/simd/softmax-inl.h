@@ -81,56 +81,41 @@ HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
   return hn::IfThenElse(hn::IsNaN(x), x, e);
 }
 
-// Where exp_sum puts P: float32 in place, bfloat16 values in place (the widening path's MM2
-// input), or bfloat16 into a row of its own (the native kernels' P2, bf16_dot.h).
-enum class ExpOut { kFloat, kBf16InPlace, kBf16 };
-
-// Step at column c: reads in[c], writes out[c] (float modes) or p2[c] (kBf16).
-template <ExpOut kOut, class D>
-HWY_INLINE hn::Vec<D> ExpStep(D d, const float* in, float* out, uint16_t* p2, int64_t c,
-                              hn::Vec<D> bias) {
+template <bool kRoundBf16, class D>
+HWY_INLINE hn::Vec<D> ExpStep(D d, float* p, hn::Vec<D> bias) {
   // Degree 4 where P is rounded to bfloat16 anyway (ExpNonPositive).
-  constexpr int kDegree = kOut == ExpOut::kFloat ? 6 : 4;
-  const auto e = ExpNonPositive<kDegree>(d, hn::Add(hn::LoadU(d, in + c), bias));
-  if constexpr (kOut == ExpOut::kFloat) {
-    hn::StoreU(e, d, out + c);
-  } else if constexpr (kOut == ExpOut::kBf16InPlace) {
-    hn::StoreU(RoundToBf16(d, e), d, out + c);
-  } else {
-    StoreBf16Halves(d, RoundToBf16(d, e), p2 + c);
-  }
+  constexpr int kDegree = kRoundBf16 ? 4 : 6;
+  const auto e = ExpNonPositive<kDegree>(d, hn::Add(hn::LoadU(d, p), bias));
+  hn::StoreU(kRoundBf16 ? RoundToBf16(d, e) : e, d, p);
   return e;
 }
 
-template <ExpOut kOut>
-float ExpSumImpl(const float* in, float* out, uint16_t* p2, int64_t n, float bias) {
+// The lanes are summed in sum_lanes' order (exp_common.h), which the native bf16 exp-and-sum
+// (bf16_dot.cc) shares.
+template <bool kRoundBf16>
+float ExpSumImpl(float* s, int64_t n, float bias) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const auto vbias = hn::Set(df, bias);
   auto sum0 = hn::Zero(df), sum1 = hn::Zero(df);
   int64_t c = 0;
   for (; c + 2 * N <= n; c += 2 * N) {
-    sum0 = hn::Add(sum0, ExpStep<kOut>(df, in, out, p2, c, vbias));
-    sum1 = hn::Add(sum1, ExpStep<kOut>(df, in, out, p2, c + N, vbias));
+    sum0 = hn::Add(sum0, ExpStep<kRoundBf16>(df, s + c, vbias));
+    sum1 = hn::Add(sum1, ExpStep<kRoundBf16>(df, s + c + N, vbias));
   }
-  for (; c + N <= n; c += N) sum0 = hn::Add(sum0, ExpStep<kOut>(df, in, out, p2, c, vbias));
+  for (; c + N <= n; c += N) sum0 = hn::Add(sum0, ExpStep<kRoundBf16>(df, s + c, vbias));
   HWY_ALIGN float lanes[kMaxLanes];
   hn::Store(hn::Add(sum0, sum1), df, lanes);
   float total = sum_lanes(lanes, N);
   // The tail, one lane at a time with the same polynomial.
   const hn::CappedTag<float, 1> d1;
   const auto vbias1 = hn::Set(d1, bias);
-  for (; c < n; ++c) total += hn::GetLane(ExpStep<kOut>(d1, in, out, p2, c, vbias1));
+  for (; c < n; ++c) total += hn::GetLane(ExpStep<kRoundBf16>(d1, s + c, vbias1));
   return total;
 }
 
 float ExpSum(float* s, int64_t n, float bias, bool round_bf16) {
-  return round_bf16 ? ExpSumImpl<ExpOut::kBf16InPlace>(s, s, nullptr, n, bias)
-                    : ExpSumImpl<ExpOut::kFloat>(s, s, nullptr, n, bias);
-}
-
-float ExpSumBf16(const float* s, int64_t n, float bias, uint16_t* p2) {
-  return ExpSumImpl<ExpOut::kBf16>(s, nullptr, p2, n, bias);
+  return round_bf16 ? ExpSumImpl<true>(s, n, bias) : ExpSumImpl<false>(s, n, bias);
 }
 
 }  // namespace HWY_NAMESPACE
