@@ -8,8 +8,9 @@
 // The loop order is the float32 kernels' (mm1-inl.h, mm2-inl.h): column panel outer, row blocks
 // inner, so a panel of K2 or V2 stays in L1 while the rows stream past it.
 //
-// Every function that runs AVX-512 instructions carries kTarget, so no AVX-512 code reaches the
-// rest of the build, and nothing here runs unless native_available() said the CPU has it.
+// Every function that runs AVX-512 instructions carries FLASHCTE_AVX512_BF16, so no AVX-512 code
+// reaches the rest of the build, and nothing here runs unless native_available() said the CPU has
+// it.
 #include "src/simd/bf16_dot.h"
 
 #include <algorithm>
@@ -310,7 +311,7 @@ Bf16Dot policy_from_env() {
   return Bf16Dot::kAuto;
 }
 
-Bf16Dot& policy() {
+[[maybe_unused]] Bf16Dot& policy() {
   static Bf16Dot current = policy_from_env();
   return current;
 }
