@@ -72,20 +72,11 @@ void run_qk(const simd::Bf16DotOps& dot, int64_t rows, int64_t cols, int64_t d, 
       halves(k)[2 * ((x / 2) * ldk + c) + x % 2] = x < d ? random_bf16(rng, -1, 1) : 0;
     }
   }
-  std::vector<float> before(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) {
-    before[r] = r % 2 ? static_cast<float>(d) : -std::numeric_limits<float>::infinity();
-    row_max.at(0, r) = before[r];
-  }
+  // |score| <= d * scale < d: a start of d is above every score.
+  const std::vector<float> start = start_row_max(row_max, rows, static_cast<float>(d));
   const float scale = 0.37f;
-  q.seal();
-  k.seal();
-  row_max.seal();
-  dot.qk(halves(q), ldq, rows, pairs(k), ldk, cols, d2, scale, s.data(), touched,
-         fused_max ? row_max.data() : nullptr);
-  int bad = 0;
+  Reference ref(rows, cols);
   for (int64_t r = 0; r < rows; ++r) {
-    float seen = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < cols; ++c) {
       double want = 0, abs_sum = 0;
       for (int64_t x = 0; x < d; ++x) {
@@ -94,26 +85,19 @@ void run_qk(const simd::Bf16DotOps& dot, int64_t rows, int64_t cols, int64_t d, 
         want += t;
         abs_sum += std::abs(t);
       }
-      want *= scale;
-      const float got = s.at(r, c);
-      seen = std::max(seen, got);
-      if (!(std::abs(got - want) <= dot_tolerance(d, abs_sum * scale)) && ++bad <= 3) {
-        ADD_FAILURE() << "S[" << r << "][" << c << "] = " << got << ", want " << want;
-      }
-    }
-    const float want_max = fused_max ? std::max(before[r], seen) : before[r];
-    if (row_max.at(0, r) != want_max && ++bad <= 3) {
-      ADD_FAILURE() << "row_max[" << r << "] = " << row_max.at(0, r) << ", want " << want_max;
+      ref.want[r * cols + c] = want * scale;
+      ref.tol[r * cols + c] = dot_tolerance(d, abs_sum * scale);
     }
   }
+  q.seal();
+  k.seal();
+  dot.qk(halves(q), ldq, rows, pairs(k), ldk, cols, d2, scale, s.data(), touched,
+         fused_max ? row_max.data() : nullptr);
+  expect_near(s, ref, "S");
+  expect_row_max(s, cols, row_max, start, fused_max);
   EXPECT_EQ(s.untouched_outside(rows, touched), "") << "S written past round_up(cols, 16)";
   EXPECT_EQ(q.unchanged(), "") << "Q written";
   EXPECT_EQ(k.unchanged(), "") << "K written";
-  if (fused_max) {
-    EXPECT_EQ(row_max.untouched_outside(1, rows), "") << "row_max written past rows";
-  } else {
-    EXPECT_EQ(row_max.unchanged(), "") << "row_max written without a fused max";
-  }
 }
 
 void run_pv(const simd::Bf16DotOps& dot, int64_t rows, int64_t n, int64_t dv, bool with_alpha,
@@ -138,7 +122,7 @@ void run_pv(const simd::Bf16DotOps& dot, int64_t rows, int64_t n, int64_t dv, bo
       halves(v)[2 * ((j / 2) * dv_pad + c) + j % 2] = j < n && c < dv ? random_bf16(rng, -1, 1) : 0;
     }
   }
-  std::vector<double> want(static_cast<size_t>(rows * dv_pad)), tol(want.size());
+  Reference ref(rows, dv_pad);
   for (int64_t r = 0; r < rows; ++r) {
     const double a = with_alpha ? alpha.at(0, r) : 1.0;
     for (int64_t c = 0; c < dv_pad; ++c) {
@@ -149,8 +133,8 @@ void run_pv(const simd::Bf16DotOps& dot, int64_t rows, int64_t n, int64_t dv, bo
         acc += t;
         abs_sum += std::abs(t);
       }
-      want[r * dv_pad + c] = acc;
-      tol[r * dv_pad + c] = dot_tolerance(n + 1, abs_sum);
+      ref.want[r * dv_pad + c] = acc;
+      ref.tol[r * dv_pad + c] = dot_tolerance(n + 1, abs_sum);
     }
   }
   p.seal();
@@ -158,16 +142,7 @@ void run_pv(const simd::Bf16DotOps& dot, int64_t rows, int64_t n, int64_t dv, bo
   alpha.seal();
   dot.pv(halves(p), ldp, rows, n2, pairs(v), dv_pad, dv_pad, with_alpha ? alpha.data() : nullptr,
          o.data(), dv_pad);
-  int bad = 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < dv_pad; ++c) {
-      const float got = o.at(r, c);
-      if (!(std::abs(got - want[r * dv_pad + c]) <= tol[r * dv_pad + c]) && ++bad <= 3) {
-        ADD_FAILURE() << "O[" << r << "][" << c << "] = " << got << ", want "
-                      << want[r * dv_pad + c];
-      }
-    }
-  }
+  expect_near(o, ref, "O");
   EXPECT_EQ(o.untouched_outside(rows, dv_pad), "") << "O written past dv_pad";
   EXPECT_EQ(p.unchanged(), "") << "P written";
   EXPECT_EQ(v.unchanged(), "") << "V written";

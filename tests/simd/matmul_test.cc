@@ -49,23 +49,10 @@ struct QkCase {
     for (int64_t x = 0; x < d; ++x) {
       for (int64_t c = 0; c < cols; ++c) k.at(x, c) = u(rng);
     }
-    std::vector<float> max_before(static_cast<size_t>(rows));
+    // |score| <= d: a start of d + 1 is above every score.
+    const std::vector<float> start = start_row_max(row_max, rows, static_cast<float>(d) + 1.0f);
+    Reference ref(rows, cols);
     for (int64_t r = 0; r < rows; ++r) {
-      // Half the rows start above every score (|score| <= d), so the max must keep them.
-      max_before[r] =
-          r % 2 ? static_cast<float>(d) + 1.0f : -std::numeric_limits<float>::infinity();
-      row_max.at(0, r) = max_before[r];
-    }
-
-    q.seal();
-    k.seal();
-    row_max.seal();
-    ops.qk(q.data(), ldq, rows, k.data(), ldk, cols, d, s.data(), lds,
-           fused_max ? row_max.data() : nullptr);
-
-    int bad = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      float max_seen = -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < cols; ++c) {
         double want = 0, abs_sum = 0;
         for (int64_t x = 0; x < d; ++x) {
@@ -73,26 +60,21 @@ struct QkCase {
           want += t;
           abs_sum += std::abs(t);
         }
-        const float got = s.at(r, c);
-        max_seen = std::max(max_seen, got);
-        if (!(std::abs(got - want) <= dot_tolerance(d, abs_sum)) && ++bad <= 3) {
-          ADD_FAILURE() << "S[" << r << "][" << c << "] = " << got << ", want " << want;
-        }
-      }
-      const float want_max = fused_max ? std::max(max_before[r], max_seen) : max_before[r];
-      // Exact: the fused max is taken over the very accumulators that were stored.
-      if (row_max.at(0, r) != want_max && ++bad <= 3) {
-        ADD_FAILURE() << "row_max[" << r << "] = " << row_max.at(0, r) << ", want " << want_max;
+        ref.want[r * cols + c] = want;
+        ref.tol[r * cols + c] = dot_tolerance(d, abs_sum);
       }
     }
+
+    q.seal();
+    k.seal();
+    ops.qk(q.data(), ldq, rows, k.data(), ldk, cols, d, s.data(), lds,
+           fused_max ? row_max.data() : nullptr);
+
+    expect_near(s, ref, "S");
+    expect_row_max(s, cols, row_max, start, fused_max);
     EXPECT_EQ(s.untouched_outside(rows, touched), "") << "S written past round_up(cols, N)";
     EXPECT_EQ(q.unchanged(), "") << "Q written";
     EXPECT_EQ(k.unchanged(), "") << "K written";
-    if (fused_max) {
-      EXPECT_EQ(row_max.untouched_outside(1, rows), "") << "row_max written past rows";
-    } else {
-      EXPECT_EQ(row_max.unchanged(), "") << "row_max written without a fused max";
-    }
   }
 };
 
@@ -127,7 +109,7 @@ struct PvCase {
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t c = 0; c < dv_pad; ++c) v.at(j, c) = c < dv ? u(rng) : 0.0f;
     }
-    std::vector<double> want(static_cast<size_t>(rows * dv_pad)), tol(want.size());
+    Reference ref(rows, dv_pad);
     for (int64_t r = 0; r < rows; ++r) {
       const double a = with_alpha ? alpha.at(0, r) : 1.0;
       for (int64_t c = 0; c < dv_pad; ++c) {
@@ -137,8 +119,8 @@ struct PvCase {
           acc += t;
           abs_sum += std::abs(t);
         }
-        want[r * dv_pad + c] = acc;
-        tol[r * dv_pad + c] = dot_tolerance(n + 1, abs_sum);
+        ref.want[r * dv_pad + c] = acc;
+        ref.tol[r * dv_pad + c] = dot_tolerance(n + 1, abs_sum);
       }
     }
 
@@ -148,16 +130,7 @@ struct PvCase {
     ops.pv(p.data(), ldp, rows, n, v.data(), ldv, dv_pad, with_alpha ? alpha.data() : nullptr,
            o.data(), ldo);
 
-    int bad = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t c = 0; c < dv_pad; ++c) {
-        const float got = o.at(r, c);
-        if (!(std::abs(got - want[r * dv_pad + c]) <= tol[r * dv_pad + c]) && ++bad <= 3) {
-          ADD_FAILURE() << "O[" << r << "][" << c << "] = " << got << ", want "
-                        << want[r * dv_pad + c];
-        }
-      }
-    }
+    expect_near(o, ref, "O");
     EXPECT_EQ(o.untouched_outside(rows, dv_pad), "") << "O written past dv_pad";
     EXPECT_EQ(v.unchanged(), "") << "V written";
     EXPECT_EQ(p.unchanged(), "") << "P written";

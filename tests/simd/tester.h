@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -132,6 +133,60 @@ inline int64_t round_up(int64_t n, int64_t unit) { return (n + unit - 1) / unit 
 // terms * 2^-24 * sum |products| (the classic gamma_n bound), doubled for margin.
 inline double dot_tolerance(int64_t terms, double abs_sum) {
   return 2.0 * static_cast<double>(terms + 1) * std::ldexp(abs_sum, -24) + 1e-30;
+}
+
+// A matmul call's float64 reference: want[r * cols + c] within tol[r * cols + c], r < rows,
+// c < cols.
+struct Reference {
+  int64_t rows = 0, cols = 0;
+  std::vector<double> want, tol;
+  Reference(int64_t r, int64_t c)
+      : rows(r), cols(c), want(static_cast<size_t>(r * c)), tol(static_cast<size_t>(r * c)) {}
+};
+
+// got's rows x cols against the reference (the first three misses reported, named `name`).
+inline void expect_near(const GuardedBuffer& got, const Reference& ref, const char* name) {
+  int bad = 0;
+  for (int64_t r = 0; r < ref.rows; ++r) {
+    for (int64_t c = 0; c < ref.cols; ++c) {
+      const float g = got.at(r, c);
+      const size_t i = static_cast<size_t>(r * ref.cols + c);
+      if (!(std::abs(g - ref.want[i]) <= ref.tol[i]) && ++bad <= 3) {
+        ADD_FAILURE() << name << "[" << r << "][" << c << "] = " << g << ", want " << ref.want[i];
+      }
+    }
+  }
+}
+
+// qk's row max: row_max starts at start_row_max's values (every other row above any score, so a
+// fused max must keep it); afterwards it must be exactly max(start, max_{c < cols} S[r][c]) over
+// the scores stored (the fused max is taken over the very accumulators stored), and written at
+// rows < rows only, or not at all without a fused max.
+inline std::vector<float> start_row_max(GuardedBuffer& row_max, int64_t rows, float above) {
+  std::vector<float> start(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    start[r] = r % 2 ? above : -std::numeric_limits<float>::infinity();
+    row_max.at(0, r) = start[r];
+  }
+  row_max.seal();
+  return start;
+}
+inline void expect_row_max(const GuardedBuffer& s, int64_t cols, const GuardedBuffer& row_max,
+                           const std::vector<float>& start, bool fused) {
+  int bad = 0;
+  for (int64_t r = 0; r < static_cast<int64_t>(start.size()); ++r) {
+    float want = start[r];
+    for (int64_t c = 0; fused && c < cols; ++c) want = std::max(want, s.at(r, c));
+    if (row_max.at(0, r) != want && ++bad <= 3) {
+      ADD_FAILURE() << "row_max[" << r << "] = " << row_max.at(0, r) << ", want " << want;
+    }
+  }
+  if (fused) {
+    EXPECT_EQ(row_max.untouched_outside(1, static_cast<int64_t>(start.size())), "")
+        << "row_max written past rows";
+  } else {
+    EXPECT_EQ(row_max.unchanged(), "") << "row_max written without a fused max";
+  }
 }
 
 }  // namespace flashcte::test
