@@ -5,7 +5,7 @@
 #include <cstring>
 #include <new>
 
-#include "tools/half.h"
+#include "src/core/half.h"
 
 namespace flashcte::tools {
 namespace {
@@ -106,7 +106,7 @@ bool ConvertFloatArray(const NpyArray& a, DType target, HostTensor* out) {
     switch (a.dtype) {
       case NpyDtype::kFloat16:
         std::memcpy(&h, src + 2 * i, 2);
-        x = f16_to_float(h);
+        x = half::f16_to_float(h);
         break;
       case NpyDtype::kFloat32: {
         float f;
@@ -123,12 +123,12 @@ bool ConvertFloatArray(const NpyArray& a, DType target, HostTensor* out) {
         out->as<float>()[i] = static_cast<float>(x);
         break;
       case DType::kBFloat16:
-        out->as<uint16_t>()[i] = double_to_bf16(x);
+        out->as<uint16_t>()[i] = half::double_to_bf16(x);
         break;
       case DType::kFloat16:
         // A float16 source is already exact; skip the round trip for speed and bit-exactness of
         // NaN payloads.
-        out->as<uint16_t>()[i] = a.dtype == NpyDtype::kFloat16 ? h : double_to_f16(x);
+        out->as<uint16_t>()[i] = a.dtype == NpyDtype::kFloat16 ? h : half::double_to_f16(x);
         break;
       default:
         return false;
@@ -203,9 +203,9 @@ float ElementAsFloat(const HostTensor& t, int64_t i) {
     case DType::kFloat32:
       return t.as<float>()[i];
     case DType::kBFloat16:
-      return bf16_to_float(t.as<uint16_t>()[i]);
+      return half::bf16_to_float(t.as<uint16_t>()[i]);
     case DType::kFloat16:
-      return f16_to_float(t.as<uint16_t>()[i]);
+      return half::f16_to_float(t.as<uint16_t>()[i]);
     case DType::kInt32:
       return static_cast<float>(t.as<int32_t>()[i]);
     case DType::kInt64:
@@ -241,10 +241,10 @@ void FillUniform(HostTensor* t, uint64_t seed, float lo, float hi) {
         t->as<float>()[i] = x;
         break;
       case DType::kBFloat16:
-        t->as<uint16_t>()[i] = float_to_bf16(x);
+        t->as<uint16_t>()[i] = half::float_to_bf16(x);
         break;
       case DType::kFloat16:
-        t->as<uint16_t>()[i] = float_to_f16(x);
+        t->as<uint16_t>()[i] = half::float_to_f16(x);
         break;
       default:
         break;

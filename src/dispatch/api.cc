@@ -4,9 +4,9 @@
 #include <new>
 
 #include "flashcte/flashcte.h"
-#include "src/dispatch/problem.h"
+#include "src/core/problem.h"
+#include "src/dispatch/validate.h"
 #include "src/kernel/attention.h"
-#include "src/kernel/plan.h"
 #include "src/schedule/schedule.h"
 #include "src/simd/ops.h"
 
@@ -74,8 +74,7 @@ Status attention_cte(const TensorView& q, const TensorView& k, const TensorView&
     internal::Problem problem;
     Status s = internal::validate(q, k, v, outputs, options, false, &problem);
     if (!s.ok) return s;
-    internal::resolve_tiles(&problem);
-    internal::run_all(problem);
+    internal::run_all(internal::AttentionKernel(problem));
     return Status::Ok();
   } catch (const std::bad_alloc&) {
     return Status::Error("memory: allocation of scratch or plan buffers failed");
@@ -104,7 +103,6 @@ Status plan_attention(const TensorView& q, const TensorView& k, const TensorView
     o.cache_softmax = false;  // statistics do not change the plan
     Status s = internal::validate(q, k, v, outputs, o, true, &p);
     if (!s.ok) return s;
-    internal::resolve_tiles(&p);
 
     PlanSummary& r = *summary;
     r = PlanSummary{};
@@ -114,27 +112,11 @@ Status plan_attention(const TensorView& q, const TensorView& k, const TensorView
     r.seqlen_kv = p.max_kv_total();
     r.head_dim = p.head_dim;
     r.value_dim = p.value_dim;
-    r.tiles = p.tiles;
-    r.q_blocks = internal::num_q_blocks(p);
-    r.kv_tiles = (r.seqlen_kv + p.tiles.kv_tile - 1) / p.tiles.kv_tile;
-    const int64_t section = p.kv_batch > 0 ? internal::section_length(p, 0) : p.tiles.section;
-    r.sections = (r.seqlen_kv + section - 1) / section;
-    r.kv_splits = internal::kv_splits(p);
-    r.work_items = p.kv_batch * r.q_blocks * r.kv_splits;
-    r.threads = internal::resolve_threads(p, r.work_items);
-    const double pair_flops = 2.0 * static_cast<double>(p.head_dim + p.value_dim);
-    for (int64_t kv_b = 0; kv_b < p.kv_batch; ++kv_b) {
-      for (int64_t qb = 0; qb < r.q_blocks; ++qb) {
-        const internal::ItemCounts c = internal::count_work_item(p, kv_b, qb);
-        r.tiles_full += c.tiles_full * p.group;
-        r.tiles_masked += c.tiles_masked * p.group;
-        r.tiles_skipped += c.tiles_skipped * p.group;
-        r.flops_done += pair_flops * static_cast<double>(c.pairs_computed * p.group);
-        r.flops_useful += pair_flops * static_cast<double>(c.pairs_useful * p.group);
-        const int64_t rows = std::min(p.tiles.q_block, p.seqlen_q - qb * p.tiles.q_block);
-        r.flops_dense += pair_flops * static_cast<double>(rows * p.kv_total(kv_b) * p.group);
-      }
-    }
+    const internal::AttentionKernel kernel(p);
+    kernel.describe(&r);
+    r.kv_splits = internal::kv_splits(kernel);
+    r.work_items = kernel.num_items() * r.kv_splits;
+    r.threads = internal::resolve_threads(p.threads, r.work_items);
     return Status::Ok();
   } catch (const std::bad_alloc&) {
     return Status::Error("memory: allocation of plan buffers failed");

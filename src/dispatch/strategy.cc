@@ -12,9 +12,7 @@
 #include <algorithm>
 #include <string>
 
-#include "src/dispatch/problem.h"
-#include "src/kernel/plan.h"
-#include "src/schedule/schedule.h"
+#include "flashcte/flashcte.h"
 
 namespace flashcte {
 namespace {
@@ -278,23 +276,28 @@ Status cpu_strategy(const CpuStrategyInputs& in, CpuDecision* decision) {
   }
   if (in.threads < 0) return Status::Error("threads: must be >= 0, got " + Str(in.threads));
 
-  // The kernel's thread count, resolved by the schedule as plan_attention counts it: one work
-  // item per query block of each KV batch and KV split, never more threads than items.
-  internal::Problem p;
-  p.dtype = in.dtype;
-  p.batch = in.batch;
-  p.kv_batch = kv_batch;
-  p.group = kv_batch > 0 ? in.batch / kv_batch : 1;
-  p.seqlen_q = in.seqlen_q;
-  p.seqlen_kv = in.seqlen_kv;
-  p.head_dim = p.value_dim = in.head_dim;
-  p.prior_used.assign(static_cast<size_t>(kv_batch), 0);
-  if (in.causal) p.window_right = 0;
-  p.threads = in.threads;
-  internal::resolve_tiles(&p);
-  const int64_t kernel_items =
-      kv_batch * internal::num_q_blocks(p) * (kv_batch > 0 ? internal::kv_splits(p) : 1);
-  const int kernel_threads = internal::resolve_threads(p, kernel_items);
+  // The kernel's thread count, as plan_attention resolves it for this shape.
+  int kernel_threads = 1;
+  if (in.batch > 0 && in.seqlen_q > 0 && in.seqlen_kv > 0) {
+    const auto shape_only = [&](int64_t batch, int64_t rows, int64_t cols) {
+      TensorView t;
+      t.dtype = in.dtype;
+      t.rank = 3;
+      t.shape = {batch, rows, cols};
+      t.strides = {rows * cols, cols, 1};
+      return t;
+    };
+    Options options;
+    options.causal_mask = in.causal;
+    options.num_threads = in.threads;
+    PlanSummary plan;
+    const Status planned =
+        plan_attention(shape_only(in.batch, in.seqlen_q, in.head_dim),
+                       shape_only(kv_batch, in.head_dim, in.seqlen_kv),
+                       shape_only(kv_batch, in.seqlen_kv, in.head_dim), options, &plan);
+    if (!planned.ok) return planned;
+    kernel_threads = plan.threads;
+  }
   // A materialized path splits heads over threads, one head per thread: the measured peer's
   // second thread inside one head (an OpenMP team for a few softmax rows) made it 3 to 1000
   // times slower than the kernel at every shape on 2 threads, so that is not how NONE would run.

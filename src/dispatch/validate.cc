@@ -8,7 +8,7 @@
 #include <limits>
 #include <string>
 
-#include "src/dispatch/problem.h"
+#include "src/dispatch/validate.h"
 
 namespace flashcte::internal {
 namespace {
@@ -235,12 +235,6 @@ Status read_stat(const char* name, const MutableTensorView& t, int64_t bs, int64
 }
 
 }  // namespace
-
-int64_t Problem::max_kv_total() const {
-  int64_t m = seqlen_kv;
-  for (int64_t p : prior_used) m = std::max(m, p + seqlen_kv);
-  return m;
-}
 
 Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
                 const Outputs& outputs, const Options& o, bool shapes_only, Problem* p) {
@@ -604,7 +598,7 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
     return Status::Error("tiles.section: " + std::to_string(t.section) +
                          " must be a multiple of tiles.kv_tile = " + std::to_string(t.kv_tile));
   }
-  p->tiles = t;
+  p->tile_request = t;
   p->threads = o.num_threads;
   return Status::Ok();
 }

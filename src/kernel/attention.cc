@@ -2,15 +2,9 @@
 //
 //   for each softmax section of the KV axis (one tile by default; 8K tokens on Neuron):
 //     pack the section's computed K tiles ([d][keys], the k_sb layout) and V tiles once, for
-//       every head of the GQA group ("Q resident, KV streams");
-//     for each query head of the group:
-//       MM1   S = (scale * Q).K^T per tile, masked element-wise only on tiles that straddle a
-//             row's interval (plan.h); on the native bf16 kernels S = scale * (Q.K^T);
-//       max   neg_new = min(neg_run, -rowmax(S))       the negated running max, as on Neuron
-//             alpha   = exp(-neg_run + neg_new)         = exp(m_old - m_new)
-//       exp   P = exp(S + neg_new), summed as it goes   the bias is the shift: no subtract pass
-//       sum   l = alpha * l + sum(P)
-//       MM2   O = alpha * O + P.V                       the rescale folded into MM2's first tile
+//       every head of the GQA group ("Q resident, KV streams"; pack.h);
+//     for each query sub-block and head of the group: MM1, max, exp, MM2 (section.h), the
+//       online softmax in SoftmaxState (softmax_state.h);
 //   out = O * (1 / l): one reciprocal per row, at the end.
 //
 // bfloat16 inputs run either on float32 blocks (widened at packing, the Ops table's FMA kernels)
@@ -23,441 +17,259 @@
 #include "src/kernel/attention.h"
 
 #include <algorithm>
-#include <cmath>
-#include <cstdlib>
 #include <limits>
-#include <memory>
-#include <new>
 #include <vector>
 
+#include "src/core/math.h"
 #include "src/kernel/convert.h"
 #include "src/kernel/pack.h"
 #include "src/kernel/plan.h"
+#include "src/kernel/scratch.h"
+#include "src/kernel/section.h"
+#include "src/kernel/softmax_state.h"
 #include "src/simd/bf16_dot.h"
 
 namespace flashcte::internal {
-namespace {
-
-constexpr float kInf = std::numeric_limits<float>::infinity();
-
-// Query rows whose scores are live at once (the S buffer's height). The work item's q_block rows
-// share each packed K/V tile; they are computed kSubRows at a time so that S stays small.
-// 48 = 8 register blocks of the 6-row float32 micro-kernels and 6 of the 8-row native bf16 ones;
-// a sub-block of 48 x 256 scores is 48 KiB, L1/L2 resident.
-constexpr int64_t kSubRows = 48;
-
-// Elements on 64-byte cache lines. The micro-kernels load 64-byte rows of K, V, S and O (leading
-// dimensions are multiples of 16 floats); from std::vector, whose large blocks start 16 bytes
-// into a page, every such row straddled two lines.
-template <class T>
-class LineAligned {
- public:
-  T* data() { return data_.get(); }
-  T& operator[](size_t i) { return data_.get()[i]; }
-  // At least n elements; the contents are not kept when it grows.
-  void ensure(size_t n) {
-    if (n <= size_) return;
-    constexpr size_t kLine = 64;
-    const size_t bytes = (n * sizeof(T) + kLine - 1) / kLine * kLine;
-    data_.reset(static_cast<T*>(std::aligned_alloc(kLine, bytes)));
-    if (!data_) throw std::bad_alloc();
-    size_ = n;
-  }
-
- private:
-  struct Free {
-    void operator()(T* p) const { std::free(p); }
-  };
-  std::unique_ptr<T, Free> data_;
-  size_t size_ = 0;
-};
-using LineAlignedFloats = LineAligned<float>;
-
-// Per-thread buffers, grown on demand and kept across calls so that the hot path allocates
-// nothing once warm.
-struct Scratch {
-  LineAlignedFloats q;      // [q_block][d]
-  LineAlignedFloats k;      // [d][ldk]       one section of K, transposed
-  LineAlignedFloats v;      // [section][ldv] one section of V
-  LineAlignedFloats s;      // [q_block][lds] scores / probabilities of one head
-  LineAlignedFloats o;      // [group][q_block][ldo]
-  LineAlignedFloats state;  // [group][3][q_block]: neg_run, sum, alpha
-  // The native bfloat16 path (simd/bf16_dot.h): the same blocks as bfloat16 pairs.
-  LineAligned<uint16_t> q2;    // [group][q_block][d2]  unscaled
-  LineAligned<uint32_t> k2;    // [d2 / 2][ldk]
-  LineAligned<uint32_t> v2;    // [section / 2 + 1][ldv]
-  LineAligned<uint16_t> p2;    // [q_block][lds]
-  std::vector<float> convert;  // one row or column being converted
-  std::vector<RowInterval> intervals;
-  BlockPlan plan;                    // the whole work item: what gets packed
-  std::vector<BlockPlan> sub_plans;  // each sub-block: what it computes
-  std::vector<size_t> sub_cursor;    // next section of each sub-block
-  bool v_nonfinite = false;          // the packed V section holds a NaN or Inf
-};
 
 Scratch& thread_scratch() {
   static thread_local Scratch scratch;
   return scratch;
 }
 
-template <class T>
-void ensure(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-}
-template <class T>
-void ensure(LineAligned<T>& v, size_t n) {
-  v.ensure(n);
+namespace {
+
+// Per query row and head, the fixed work besides the pairs (Q packing, the softmax state and the
+// write-back), in units of one query-key pair; keeps empty rows from costing nothing. A rough
+// figure, not a measurement: it only orders items for the largest-first hand-out.
+constexpr double kRowOverheadPairs = 16.0;
+
+// The sink logit of query batch b, -inf for none. A KV split leaves the sink to the merge, which
+// seeds its state with it; validation refuses +inf and NaN.
+float sink_logit(const Problem& p, int64_t b, bool kv_split) {
+  if (p.sink == nullptr || kv_split) return -std::numeric_limits<float>::infinity();
+  return p.sink[b * p.sink_stride];
 }
 
-// Writes output row i of batch b from its unnormalized accumulator o (scaled in place) and the
+// Normalizes row r of `state` and writes it as output row i of query batch b, with its
 // statistics.
-void write_row(const Problem& p, int64_t b, int64_t i, float* o, float neg_run, float sum) {
+void write_row(const Problem& p, int64_t b, int64_t i, SoftmaxState& state, int64_t r) {
+  const SoftmaxState::Stats stats = state.finish(r);
   const MutView3& out = p.out;
-  const int64_t off = b * out.batch_stride + i * out.row_stride;
-  float neg_max = neg_run, sum_recip, lse;
-  // Empty only when the sum is exactly 0: a NaN sum (a NaN or Inf among the row's scores or
-  // values) must come out as NaN, not as an empty row.
-  if (sum != 0.0f) {
-    sum_recip = 1.0f / sum;
-    for (int64_t c = 0; c < p.value_dim; ++c) o[c] *= sum_recip;
-    lse = -neg_run + std::log(sum);
-  } else {
-    // No key and no sink: the documented empty-row result.
-    std::fill(o, o + p.value_dim, 0.0f);
-    neg_max = kInf;
-    sum_recip = kInf;
-    lse = -kInf;
-  }
-  store_row_from_float(out.data, off, out.col_stride, p.dtype, o, p.value_dim);
-  if (p.neg_max.data) *p.neg_max.at(b, i) = neg_max;
-  if (p.sum_recip.data) *p.sum_recip.at(b, i) = sum_recip;
-  if (p.lse.data) *p.lse.at(b, i) = lse;
+  store_row_from_float(out.data, b * out.batch_stride + i * out.row_stride, out.col_stride,
+                       p.dtype, state.o(r), p.value_dim);
+  if (p.neg_max.data) *p.neg_max.at(b, i) = stats.neg_max;
+  if (p.sum_recip.data) *p.sum_recip.at(b, i) = stats.sum_recip;
+  if (p.lse.data) *p.lse.at(b, i) = stats.lse;
 }
 
-// One head's rows (a sub-block of the work item) through one softmax section: MM1, the mask of
-// straddling tiles, the negated running max and alpha, the fused exp-and-sum, MM2.
-struct HeadRows {
-  int64_t b;                     // query batch
-  int64_t row0;                  // global index of the first row (positions, key_bias)
-  int64_t prior;                 // prior_used_len of the KV batch
-  const float* q;                // [rows][d]
-  const uint16_t* q2;            // [rows][d2] (native bfloat16 path only)
-  const RowInterval* intervals;  // [rows]
-  float* neg_run;                // [rows]
-  float* sum;                    // [rows]
-  float* alpha;                  // [rows]
-  float* o;                      // [rows][ldo]
-  int64_t rows;
+// The work item's geometry: its rows, leading dimensions and sub-blocks.
+struct ItemShape {
+  int64_t kv_batch, row0, rows, section, ldk, ldv, sub_blocks;
+  int64_t lds() const { return ldk; }
+  int64_t ldo() const { return ldv; }
 };
 
-// softcap, ALiBi and key_bias on the rows x n scores of the tile starting at key j0.
-void apply_modifiers(const Problem& p, const simd::Ops& ops, const HeadRows& hr, int64_t j0,
-                     int64_t n, float* s, int64_t lds) {
-  const float slope = p.alibi_slopes ? p.alibi_slopes[hr.b * p.alibi_stride] : 0.0f;
-  const float* bias = p.key_bias ? p.key_bias + hr.b * p.key_bias_batch_stride : nullptr;
-  for (int64_t r = 0; r < hr.rows; ++r) {
-    float* srow = s + r * lds;
-    if (p.softcap > 0.0f) ops.softcap(srow, n, p.softcap);
-    if (p.alibi_slopes) {
-      const int64_t q_pos = p.q_pos_offset + (hr.row0 + r) * p.cp_stride;
-      ops.alibi(srow, n, slope, static_cast<float>(j0 - hr.prior - q_pos));
-    }
-    if (bias && p.key_bias_key_stride == 1) {
-      ops.add(srow, bias + j0, n);
-    } else if (bias) {
-      for (int64_t c = 0; c < n; ++c) srow[c] += bias[(j0 + c) * p.key_bias_key_stride];
-    }
-  }
+ItemShape item_shape(const Problem& p, const TileConfig& tiles, int64_t kv_b, int64_t q_block) {
+  const QueryBlock block = query_block(p, tiles, q_block);
+  const int64_t section = section_length(p, tiles, kv_b);
+  return {kv_b,
+          block.row0,
+          block.rows,
+          section,
+          simd::leading_dim(section),
+          simd::odd_cache_lines(simd::padded(p.value_dim)),
+          ceil_div(block.rows, kSubBlockRows)};
 }
 
-// `dot` non-null: the section runs on the native bfloat16 kernels.
-void process_section(const Problem& p, const simd::Ops& ops, const simd::Bf16DotOps* dot,
-                     Scratch& sc, const TileWork* tiles, int64_t num_tiles, int64_t sec_begin,
-                     int64_t ldk, int64_t ldv, const HeadRows& hr) {
-  const int64_t d = p.head_dim, lds = ldk, ldo = ldv, rows = hr.rows;
-  float* s = sc.s.data();
-  float* row_max = hr.alpha;  // alpha is free until the max is known
-  std::fill(row_max, row_max + rows, -kInf);
-  const bool modify = p.has_modifiers();
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    const int64_t off = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
-    // Unmodified, unmasked tiles fold the row max into MM1's epilogue; the others take it once
-    // the scores are final.
-    const bool fused_max = !tiles[t].masked && !modify;
-    if (dot) {
-      dot->qk(hr.q2, pair_dim(d), rows, sc.k2.data() + off, ldk, n, pair_dim(d), p.scale, s + off,
-              lds, fused_max ? row_max : nullptr);
-    } else {
-      ops.qk(hr.q, d, rows, sc.k.data() + off, ldk, n, d, s + off, lds,
-             fused_max ? row_max : nullptr);
-    }
-    if (fused_max) continue;
-    if (modify) apply_modifiers(p, ops, hr, tiles[t].begin, n, s + off, lds);
-    if (!tiles[t].masked) {
-      for (int64_t r = 0; r < rows; ++r) {
-        row_max[r] = std::max(row_max[r], ops.row_max(s + r * lds + off, n));
-      }
-      continue;
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      // Columns [lo, hi) of this tile, relative to the tile, are the row's unmasked ones.
-      float* srow = s + r * lds + off;
-      const int64_t lo = std::clamp(hr.intervals[r].lo - tiles[t].begin, int64_t{0}, n);
-      const int64_t hi = std::clamp(hr.intervals[r].hi - tiles[t].begin, lo, n);
-      std::fill(srow, srow + lo, -kInf);
-      std::fill(srow + hi, srow + n, -kInf);
-      if (hi > lo) row_max[r] = std::max(row_max[r], ops.row_max(srow + lo, hi - lo));
-    }
-  }
-
-  const bool round_p = p.dtype == DType::kBFloat16;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* srow = s + r * lds;
-    const float neg_new = std::min(hr.neg_run[r], -row_max[r]);
-    hr.alpha[r] = hr.neg_run[r] == kInf ? 0.0f : std::exp(neg_new - hr.neg_run[r]);
-    // A row with nothing unmasked yet keeps bias 0 so that exp(-inf + 0) = 0, not NaN.
-    const float bias = neg_new == kInf ? 0.0f : neg_new;
-    float section_sum = 0.0f;
-    for (int64_t t = 0; t < num_tiles; ++t) {
-      const int64_t off = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
-      section_sum += dot ? dot->exp_sum(srow + off, n, bias, sc.p2.data() + r * lds + off)
-                         : ops.exp_sum(srow + off, n, bias, round_p);
-    }
-    hr.sum[r] = hr.alpha[r] * hr.sum[r] + section_sum;
-    hr.neg_run[r] = neg_new;
-  }
-
-  // MM2, with alpha folded into the first tile of the section, over V's padded width (zeros
-  // past dv; ldv may be wider still, see simd::odd_cache_lines).
-  const int64_t dv_pad = simd::padded(p.value_dim);
-  if (dot) {
-    // Runs of touching tiles on whole pairs of keys (P2 from the exp above); a pair's key outside
-    // the run gets P = 0 (and V = 0 or a packed value, pack_pairs).
-    uint16_t* p2 = sc.p2.data();
-    bool first = true;
-    for_each_run(tiles, num_tiles, sec_begin, [&](int64_t a, int64_t b) {
-      const int64_t a2 = a / 2 * 2, b2 = pair_dim(b);
-      for (int64_t r = 0; r < rows; ++r) {
-        if (a2 != a) p2[r * lds + a2] = 0;
-        if (b2 != b) p2[r * lds + b] = 0;
-      }
-      dot->pv(p2 + a2, lds, rows, b2 - a2, sc.v2.data() + a2 / 2 * ldv, ldv, dv_pad,
-              first ? hr.alpha : nullptr, hr.o, ldo);
-      first = false;
-    });
-    return;
-  }
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    const int64_t off = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
-    const float* v = sc.v.data() + off * ldv;
-    if (!(tiles[t].masked && sc.v_nonfinite)) {
-      ops.pv(s + off, lds, rows, n, v, ldv, dv_pad, t == 0 ? hr.alpha : nullptr, hr.o, ldo);
-      continue;
-    }
-    // A NaN or Inf value must reach only the rows that attend its key: 0 * NaN is NaN, so
-    // each row contracts over its own unmasked columns only (rare: non-finite inputs).
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t lo = std::clamp(hr.intervals[r].lo - tiles[t].begin, int64_t{0}, n);
-      const int64_t hi = std::clamp(hr.intervals[r].hi - tiles[t].begin, lo, n);
-      ops.pv(s + r * lds + off + lo, lds, 1, hi - lo, v + lo * ldv, ldv, dv_pad,
-             t == 0 ? hr.alpha + r : nullptr, hr.o + r * ldo, ldo);
-    }
-  }
+// Head h's softmax state rows [r0, r0 + rows) in the item's scratch.
+SoftmaxState head_state(const Problem& p, Scratch& sc, const ItemShape& item, int64_t h,
+                        int64_t r0, int64_t rows) {
+  const int64_t first = h * item.rows + r0;
+  return SoftmaxState(&sc.neg_max[first], &sc.sum[first], &sc.alpha[first],
+                      &sc.o[first * item.ldo()], item.ldo(), rows, p.value_dim);
 }
 
-// Packs section `sec` of the item's plan for the path it runs on and returns the native
-// kernels when that path is theirs (dot non-null and the section's values allow it), else null.
-// The native kernels flush subnormal inputs, and a NaN or Inf value needs the float32 path's
-// per-row exact MM2 (process_section): such sections widen.
-const simd::Bf16DotOps* pack_section(const Problem& p, const simd::Ops& ops,
-                                     const simd::Bf16DotOps* dot, int64_t kv_b,
-                                     const SectionWork& sec, int64_t ldk, int64_t ldv,
-                                     Scratch& sc) {
-  const TileWork* tiles = sc.plan.tiles.data() + sec.first_tile;
-  const int64_t num_tiles = sec.end_tile - sec.first_tile;
-  sc.v_nonfinite = false;
-  if (dot && can_pack_pairs_directly(p) &&
-      !pack_pairs_directly(p, ops, kv_b, tiles, num_tiles, sec.begin, ldk, ldv, sc.k2.data(),
-                           sc.v2.data())) {
-    return dot;
+// The item's plan (what gets packed) and each sub-block's (what it computes), from the rows'
+// intervals clipped to the KV range (a KV split sees only its own keys).
+void plan_item(const Problem& p, const TileConfig& tiles, const ItemShape& item, int64_t kv_begin,
+               int64_t kv_end, Scratch& sc) {
+  ensure(sc.intervals, item.rows);
+  for (int64_t r = 0; r < item.rows; ++r) {
+    RowInterval interval = row_interval(p, item.kv_batch, item.row0 + r);
+    interval.lo = std::max(interval.lo, kv_begin);
+    interval.hi = std::max(interval.lo, std::min(interval.hi, kv_end));
+    sc.intervals[r] = interval;
   }
-  bool subnormal = false;
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    pack_kv(p, ops, kv_b, tiles[t].begin, tiles[t].end, sec.begin, sc.k.data(), ldk, sc.v.data(),
-            ldv, sc.convert);
-    const int64_t off = tiles[t].begin - sec.begin, n = tiles[t].end - tiles[t].begin;
-    const unsigned v_classes = ops.classify(sc.v.data() + off * ldv, n * ldv);
-    sc.v_nonfinite |= (v_classes & simd::kNonFinite) != 0;
-    if (!dot) continue;
-    subnormal |= (v_classes & simd::kSubnormal) != 0;
-    for (int64_t x = 0; x < p.head_dim; ++x) {
-      subnormal |= (ops.classify(sc.k.data() + x * ldk + off, n) & simd::kSubnormal) != 0;
+  plan_block(p, tiles, item.kv_batch, sc.intervals.data(), item.rows, &sc.plan);
+  if (sc.sub_plans.size() < static_cast<size_t>(item.sub_blocks)) {
+    sc.sub_plans.resize(item.sub_blocks);
+  }
+  for (int64_t sb = 0; sb < item.sub_blocks; ++sb) {
+    const int64_t r0 = sb * kSubBlockRows;
+    plan_block(p, tiles, item.kv_batch, sc.intervals.data() + r0,
+               std::min(kSubBlockRows, item.rows - r0), &sc.sub_plans[sb]);
+  }
+  ensure(sc.sub_cursor, item.sub_blocks);
+  std::fill(sc.sub_cursor.begin(), sc.sub_cursor.begin() + item.sub_blocks, 0);
+}
+
+void ensure_scratch(const Problem& p, const ItemShape& item, bool native, Scratch& sc) {
+  const int64_t group = p.group, d = p.head_dim, sub_rows = std::min(kSubBlockRows, item.rows);
+  ensure(sc.q, group * item.rows * d);
+  ensure(sc.k, d * item.ldk);
+  ensure(sc.v, (item.section + simd::kPadFloats) * item.ldv);
+  ensure(sc.s, sub_rows * item.lds());
+  ensure(sc.o, group * item.rows * item.ldo());
+  for (LineAligned<float>* row_state : {&sc.neg_max, &sc.sum, &sc.alpha}) {
+    ensure(*row_state, group * item.rows);
+  }
+  if (!native) return;
+  const int64_t d2 = pair_dim(d);
+  ensure(sc.q2, group * item.rows * d2);
+  ensure(sc.k2, d2 / 2 * item.ldk);
+  ensure(sc.v2, (item.section / 2 + 1) * item.ldv);
+  ensure(sc.p2, sub_rows * item.lds());
+}
+
+// Every sub-block and head of the item through one packed section.
+void attend_packed_section(const Problem& p, const simd::Ops& ops, const ItemShape& item,
+                           const PackedSection& packed, bool q_pairs, Scratch& sc) {
+  const int64_t d = p.head_dim, d2 = pair_dim(d);
+  for (int64_t sb = 0; sb < item.sub_blocks; ++sb) {
+    // The sub-block's sections are a subset of the item's, in the same order.
+    const BlockPlan& sub_plan = sc.sub_plans[sb];
+    size_t& cursor = sc.sub_cursor[sb];
+    if (cursor >= sub_plan.sections.size() || sub_plan.sections[cursor].begin != packed.begin) {
+      continue;
+    }
+    const SectionWork& sub_section = sub_plan.sections[cursor++];
+    const int64_t r0 = sb * kSubBlockRows, rows = std::min(kSubBlockRows, item.rows - r0);
+    for (int64_t h = 0; h < p.group; ++h) {
+      HeadBlock head;
+      head.batch = item.kv_batch * p.group + h;
+      head.first_row = item.row0 + r0;
+      head.prior = p.prior_used[item.kv_batch];
+      head.q = &sc.q[(h * item.rows + r0) * d];
+      head.q_pairs = q_pairs ? &sc.q2[(h * item.rows + r0) * d2] : nullptr;
+      head.intervals = sc.intervals.data() + r0;
+      SoftmaxState state = head_state(p, sc, item, h, r0, rows);
+      attend_section(p, ops, packed, sub_plan.tiles.data() + sub_section.first_tile,
+                     sub_section.end_tile - sub_section.first_tile, head,
+                     {sc.s.data(), sc.p2.data(), item.lds()}, state);
     }
   }
-  if (!dot || sc.v_nonfinite || subnormal) return nullptr;
-  pack_pairs(p, ops, tiles, num_tiles, sec.begin, sc.k.data(), ldk, sc.v.data(), ldv, sc.k2.data(),
-             sc.v2.data());
-  return dot;
 }
 
 }  // namespace
 
-void run_work_item(const Problem& p, const simd::Ops& ops, const ItemRange& item, float* partial) {
+AttentionKernel::AttentionKernel(const Problem& problem)
+    : problem_(problem), tiles_(resolve_tiles(problem)), ops_(simd::ops()) {}
+
+int64_t AttentionKernel::num_items() const {
+  return problem_.kv_batch * num_q_blocks(problem_, tiles_);
+}
+
+int64_t AttentionKernel::split_granule() const { return section_length(problem_, tiles_, 0); }
+
+int64_t AttentionKernel::partial_floats() const {
+  return problem_.group * tiles_.q_block * SoftmaxState::saved_row_floats(problem_.value_dim);
+}
+
+double AttentionKernel::cost(int64_t item, int64_t kv_begin, int64_t kv_end) const {
+  const int64_t blocks = num_q_blocks(problem_, tiles_);
+  const int64_t kv_b = item / blocks;
+  const QueryBlock block = query_block(problem_, tiles_, item % blocks);
+  double pairs = 0;
+  for (int64_t i = block.row0; i < block.row0 + block.rows; ++i) {
+    const RowInterval interval = row_interval(problem_, kv_b, i);
+    const int64_t lo = std::max(interval.lo, kv_begin), hi = std::min(interval.hi, kv_end);
+    pairs += static_cast<double>(std::max<int64_t>(hi - lo, 0)) + kRowOverheadPairs;
+  }
+  return pairs * static_cast<double>(problem_.group);
+}
+
+void AttentionKernel::run(int64_t item_index, int64_t kv_begin, int64_t kv_end,
+                          float* partial) const {
+  const Problem& p = problem_;
   Scratch& sc = thread_scratch();
-  const int64_t kv_b = item.kv_batch, q_block = item.q_block;
-  const int64_t row0 = q_block * p.tiles.q_block;
-  const int64_t rows = std::min(p.tiles.q_block, p.seqlen_q - row0);
-  const int64_t group = p.group, d = p.head_dim;
-  const int64_t section = section_length(p, kv_b);
-  const int64_t ldk = simd::leading_dim(section), lds = ldk;
-  const int64_t ldv = simd::odd_cache_lines(simd::padded(p.value_dim)), ldo = ldv;
-  const int64_t subs = (rows + kSubRows - 1) / kSubRows;
-
-  // The item's plan decides what is packed; each sub-block's own plan what it computes.
-  // A KV split sees only its own keys: its rows' intervals are clipped to the split.
-  ensure(sc.intervals, rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    RowInterval iv = row_interval(p, kv_b, row0 + r);
-    iv.lo = std::max(iv.lo, item.kv_begin);
-    iv.hi = std::max(iv.lo, std::min(iv.hi, item.kv_end));
-    sc.intervals[r] = iv;
-  }
-  plan_block(p, kv_b, sc.intervals.data(), rows, &sc.plan);
-  if (sc.sub_plans.size() < static_cast<size_t>(subs)) sc.sub_plans.resize(subs);
-  for (int64_t sb = 0; sb < subs; ++sb) {
-    const int64_t r0 = sb * kSubRows;
-    plan_block(p, kv_b, sc.intervals.data() + r0, std::min(kSubRows, rows - r0), &sc.sub_plans[sb]);
-  }
-
-  ensure(sc.q, group * rows * d);
-  ensure(sc.k, d * ldk);
-  ensure(sc.v, (section + simd::kPadFloats) * ldv);
-  ensure(sc.s, std::min(kSubRows, rows) * lds);
-  ensure(sc.o, group * rows * ldo);
-  ensure(sc.state, group * 3 * rows);
-  ensure(sc.sub_cursor, subs);
+  const int64_t blocks = num_q_blocks(p, tiles_);
+  const ItemShape item = item_shape(p, tiles_, item_index / blocks, item_index % blocks);
+  plan_item(p, tiles_, item, kv_begin, kv_end, sc);
   // bfloat16 inputs run on the native kernels where the policy says so (simd/bf16_dot.h).
-  const simd::Bf16DotOps* dot = p.dtype == DType::kBFloat16 ? simd::bf16_dot_for(ops) : nullptr;
-  const int64_t d2 = pair_dim(d);
-  if (dot) {
-    ensure(sc.q2, group * rows * d2);
-    ensure(sc.k2, d2 / 2 * ldk);
-    ensure(sc.v2, (section / 2 + 1) * ldv);
-    ensure(sc.p2, std::min(kSubRows, rows) * lds);
-  }
-  std::fill(sc.sub_cursor.begin(), sc.sub_cursor.begin() + subs, 0);
+  const simd::Bf16DotOps* dot = p.dtype == DType::kBFloat16 ? simd::bf16_dot_for(ops_) : nullptr;
+  ensure_scratch(p, item, dot != nullptr, sc);
 
-  // Q resident: every head's rows packed once. Initial state: the sink is a column of logit
-  // sink[b] with no value, so it seeds the max and contributes exp(sink - sink) = 1 to the sum
-  // (the kernel appends it in section 0).
+  // Q resident: every head's rows packed once; each head's state seeded with its sink (splits
+  // leave the sink to the merge).
+  const int64_t d = p.head_dim, d2 = pair_dim(d);
   bool q_subnormal = false;
-  for (int64_t h = 0; h < group; ++h) {
-    const int64_t b = kv_b * group + h;
-    q_subnormal |= pack_q(p, ops, b, row0, rows, &sc.q[h * rows * d],
-                          dot ? &sc.q2[h * rows * d2] : nullptr, sc.convert);
-    float* neg_run = &sc.state[(h * 3 + 0) * rows];
-    float* sum = &sc.state[(h * 3 + 1) * rows];
-    // A sink of -inf is no sink (validation refuses +inf and NaN). Splits leave the sink to
-    // the merge.
-    const float sink = p.sink && !partial ? p.sink[b * p.sink_stride] : -kInf;
-    std::fill(neg_run, neg_run + rows, -sink);
-    std::fill(sum, sum + rows, sink == -kInf ? 0.0f : 1.0f);
-    std::fill(&sc.o[h * rows * ldo], &sc.o[(h + 1) * rows * ldo], 0.0f);
+  for (int64_t h = 0; h < p.group; ++h) {
+    const int64_t b = item.kv_batch * p.group + h;
+    q_subnormal |= pack_q(p, ops_, b, item.row0, item.rows, &sc.q[h * item.rows * d],
+                          dot ? &sc.q2[h * item.rows * d2] : nullptr, sc.convert);
+    head_state(p, sc, item, h, 0, item.rows).seed(sink_logit(p, b, partial != nullptr));
   }
+  // The native kernels would flush a subnormal query: such items widen.
   const simd::Bf16DotOps* item_dot = q_subnormal ? nullptr : dot;
-
-  for (const SectionWork& sec : sc.plan.sections) {
-    const simd::Bf16DotOps* sec_dot = pack_section(p, ops, item_dot, kv_b, sec, ldk, ldv, sc);
-    for (int64_t sb = 0; sb < subs; ++sb) {
-      // The sub-block's sections are a subset of the item's, in the same order.
-      const BlockPlan& sp = sc.sub_plans[sb];
-      size_t& cursor = sc.sub_cursor[sb];
-      if (cursor >= sp.sections.size() || sp.sections[cursor].begin != sec.begin) continue;
-      const SectionWork& ss = sp.sections[cursor++];
-      const int64_t r0 = sb * kSubRows;
-      for (int64_t h = 0; h < group; ++h) {
-        HeadRows hr;
-        hr.b = kv_b * group + h;
-        hr.row0 = row0 + r0;
-        hr.prior = p.prior_used[kv_b];
-        hr.rows = std::min(kSubRows, rows - r0);
-        hr.q = &sc.q[(h * rows + r0) * d];
-        hr.q2 = item_dot ? &sc.q2[(h * rows + r0) * d2] : nullptr;
-        hr.intervals = sc.intervals.data() + r0;
-        hr.neg_run = &sc.state[(h * 3 + 0) * rows + r0];
-        hr.sum = &sc.state[(h * 3 + 1) * rows + r0];
-        hr.alpha = &sc.state[(h * 3 + 2) * rows + r0];
-        hr.o = &sc.o[(h * rows + r0) * ldo];
-        process_section(p, ops, sec_dot, sc, sp.tiles.data() + ss.first_tile,
-                        ss.end_tile - ss.first_tile, sec.begin, ldk, ldv, hr);
-      }
-    }
+  for (const SectionWork& section : sc.plan.sections) {
+    const PackedSection packed =
+        pack_section(p, ops_, item_dot, item.kv_batch, section, item.ldk, item.ldv, sc);
+    attend_packed_section(p, ops_, item, packed, item_dot != nullptr, sc);
   }
 
-  for (int64_t h = 0; h < group; ++h) {
-    const int64_t b = kv_b * group + h;
-    const float* neg_run = &sc.state[(h * 3 + 0) * rows];
-    const float* sum = &sc.state[(h * 3 + 1) * rows];
-    for (int64_t r = 0; r < rows; ++r) {
-      float* o = &sc.o[(h * rows + r) * ldo];
+  const int64_t saved_floats = SoftmaxState::saved_row_floats(p.value_dim);
+  for (int64_t h = 0; h < p.group; ++h) {
+    SoftmaxState state = head_state(p, sc, item, h, 0, item.rows);
+    for (int64_t r = 0; r < item.rows; ++r) {
       if (partial == nullptr) {
-        write_row(p, b, row0 + r, o, neg_run[r], sum[r]);
-        continue;
+        write_row(p, item.kv_batch * p.group + h, item.row0 + r, state, r);
+      } else {
+        state.save(r, partial + (h * tiles_.q_block + r) * saved_floats);
       }
-      float* dst = partial + (h * p.tiles.q_block + r) * (p.value_dim + 2);
-      std::copy(o, o + p.value_dim, dst);
-      dst[p.value_dim] = neg_run[r];
-      dst[p.value_dim + 1] = sum[r];
     }
   }
 }
 
-ItemCounts count_work_item(const Problem& p, int64_t kv_b, int64_t q_block) {
-  ItemCounts counts;
-  const int64_t row0 = q_block * p.tiles.q_block;
-  const int64_t rows = std::min(p.tiles.q_block, p.seqlen_q - row0);
-  std::vector<RowInterval> iv(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) {
-    iv[r] = row_interval(p, kv_b, row0 + r);
-    counts.pairs_useful += iv[r].hi - iv[r].lo;
-  }
-  BlockPlan plan;
-  for (int64_t r0 = 0; r0 < rows; r0 += kSubRows) {
-    const int64_t n = std::min(kSubRows, rows - r0);
-    plan_block(p, kv_b, iv.data() + r0, n, &plan);
-    counts.tiles_full += plan.tiles_full;
-    counts.tiles_masked += plan.tiles_masked;
-    counts.tiles_skipped += plan.tiles_skipped;
-    counts.pairs_computed += n * plan.computed_columns;
-  }
-  return counts;
-}
-
-void merge_splits(const Problem& p, int64_t kv_b, int64_t q_block, const float* partials,
-                  int64_t splits) {
-  const int64_t row0 = q_block * p.tiles.q_block;
-  const int64_t rows = std::min(p.tiles.q_block, p.seqlen_q - row0);
-  const int64_t dv = p.value_dim, stride = dv + 2;
-  std::vector<float> o(static_cast<size_t>(dv));
+void AttentionKernel::merge(int64_t item, const float* partials, int64_t splits) const {
+  const Problem& p = problem_;
+  const int64_t blocks = num_q_blocks(p, tiles_), kv_b = item / blocks;
+  const QueryBlock block = query_block(p, tiles_, item % blocks);
+  const int64_t saved_floats = SoftmaxState::saved_row_floats(p.value_dim);
+  std::vector<float> o(static_cast<size_t>(p.value_dim));
+  float neg_max = 0, sum = 0, alpha = 0;
+  SoftmaxState state(&neg_max, &sum, &alpha, o.data(), p.value_dim, 1, p.value_dim);
   for (int64_t h = 0; h < p.group; ++h) {
     const int64_t b = kv_b * p.group + h;
-    const float sink = p.sink ? p.sink[b * p.sink_stride] : -kInf;
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < block.rows; ++r) {
       // The same recurrence as across sections, over the splits in order; the sink seeds it.
-      float neg_run = -sink, sum = sink == -kInf ? 0.0f : 1.0f;
-      std::fill(o.begin(), o.end(), 0.0f);
-      for (int64_t sp = 0; sp < splits; ++sp) {
-        const float* part = partials + sp * partial_floats(p) + (h * p.tiles.q_block + r) * stride;
-        const float part_neg = part[dv], part_sum = part[dv + 1];
-        if (part_sum == 0.0f) continue;  // the split saw no key of this row
-        const float neg_new = std::min(neg_run, part_neg);
-        const float alpha = neg_run == kInf ? 0.0f : std::exp(neg_new - neg_run);
-        const float beta = std::exp(neg_new - part_neg);
-        for (int64_t c = 0; c < dv; ++c) o[c] = alpha * o[c] + beta * part[c];
-        sum = alpha * sum + beta * part_sum;
-        neg_run = neg_new;
+      state.seed(sink_logit(p, b, false));
+      for (int64_t split = 0; split < splits; ++split) {
+        state.merge_saved(0, partials + split * partial_floats() + (h * tiles_.q_block + r) *
+                                                                         saved_floats);
       }
-      write_row(p, b, row0 + r, o.data(), neg_run, sum);
+      write_row(p, b, block.row0 + r, state, 0);
+    }
+  }
+}
+
+void AttentionKernel::describe(PlanSummary* summary) const {
+  const Problem& p = problem_;
+  PlanSummary& r = *summary;
+  r.tiles = tiles_;
+  r.q_blocks = num_q_blocks(p, tiles_);
+  r.kv_tiles = ceil_div(r.seqlen_kv, tiles_.kv_tile);
+  r.sections = ceil_div(r.seqlen_kv, p.kv_batch > 0 ? split_granule() : tiles_.section);
+  const double pair_flops = 2.0 * static_cast<double>(p.head_dim + p.value_dim);
+  for (int64_t kv_b = 0; kv_b < p.kv_batch; ++kv_b) {
+    for (int64_t qb = 0; qb < r.q_blocks; ++qb) {
+      const BlockCounts c = count_block(p, tiles_, kv_b, qb);
+      r.tiles_full += c.tiles_full * p.group;
+      r.tiles_masked += c.tiles_masked * p.group;
+      r.tiles_skipped += c.tiles_skipped * p.group;
+      r.flops_done += pair_flops * static_cast<double>(c.pairs_computed * p.group);
+      r.flops_useful += pair_flops * static_cast<double>(c.pairs_useful * p.group);
+      const int64_t rows = query_block(p, tiles_, qb).rows;
+      r.flops_dense += pair_flops * static_cast<double>(rows * p.kv_total(kv_b) * p.group);
     }
   }
 }

@@ -10,8 +10,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "src/dispatch/problem.h"
+#include "src/core/problem.h"
 #include "src/kernel/plan.h"
+#include "src/kernel/scratch.h"
+#include "src/kernel/section.h"
+#include "src/simd/bf16_dot.h"
 #include "src/simd/ops.h"
 
 namespace flashcte::internal {
@@ -57,6 +60,14 @@ bool can_pack_pairs_directly(const Problem& p);
 bool pack_pairs_directly(const Problem& p, const simd::Ops& ops, int64_t kv_b,
                          const TileWork* tiles, int64_t num_tiles, int64_t sec_begin, int64_t ldk,
                          int64_t ldv, uint32_t* k2, uint32_t* v2);
+
+// Packs section `section` of the work item's plan (scratch.plan) for the path it runs on: the
+// native bfloat16 kernels when `dot` is non-null and the section's values allow it, else float32
+// blocks. The native kernels flush subnormal inputs, and a NaN or Inf value needs the float32
+// path's per-row exact MM2 (section.cc): such sections widen.
+PackedSection pack_section(const Problem& p, const simd::Ops& ops, const simd::Bf16DotOps* dot,
+                           int64_t kv_b, const SectionWork& section, int64_t ldk, int64_t ldv,
+                           Scratch& scratch);
 
 }  // namespace flashcte::internal
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "src/core/math.h"
+
 namespace flashcte::internal {
 namespace {
 
@@ -48,14 +50,24 @@ int64_t default_kv_tile(int64_t d, int64_t dv) {
 
 }  // namespace
 
-void resolve_tiles(Problem* p) {
-  TileConfig& t = p->tiles;
-  if (t.q_block == 0) t.q_block = default_q_block(p->group, p->head_dim, p->value_dim);
+TileConfig resolve_tiles(const Problem& p) {
+  TileConfig t = p.tile_request;
+  if (t.q_block == 0) t.q_block = default_q_block(p.group, p.head_dim, p.value_dim);
   if (t.kv_tile == 0) {
-    t.kv_tile = default_kv_tile(p->head_dim, p->value_dim);
+    t.kv_tile = default_kv_tile(p.head_dim, p.value_dim);
     if (t.section > 0 && t.section % t.kv_tile != 0) t.kv_tile = t.section;
   }
   if (t.section == 0) t.section = t.kv_tile;
+  return t;
+}
+
+QueryBlock query_block(const Problem& p, const TileConfig& tiles, int64_t q_block) {
+  const int64_t row0 = q_block * tiles.q_block;
+  return {row0, std::min(tiles.q_block, p.seqlen_q - row0)};
+}
+
+int64_t num_q_blocks(const Problem& p, const TileConfig& tiles) {
+  return ceil_div(p.seqlen_q, tiles.q_block);
 }
 
 RowInterval row_interval(const Problem& p, int64_t kv_b, int64_t i) {
@@ -75,28 +87,23 @@ RowInterval row_interval(const Problem& p, int64_t kv_b, int64_t i) {
   return r;
 }
 
-int64_t section_length(const Problem& p, int64_t kv_b) {
+int64_t section_length(const Problem& p, const TileConfig& t, int64_t kv_b) {
   const int64_t total = p.kv_total(kv_b);
-  const TileConfig& t = p.tiles;
   if (t.section_threshold > 0 && total <= t.section_threshold) {
     // One section over the whole KV axis, rounded up to the tile grid.
-    return std::max<int64_t>(t.kv_tile, (total + t.kv_tile - 1) / t.kv_tile * t.kv_tile);
+    return std::max<int64_t>(t.kv_tile, round_up(total, t.kv_tile));
   }
   return t.section;
 }
 
-int64_t num_q_blocks(const Problem& p) {
-  return (p.seqlen_q + p.tiles.q_block - 1) / p.tiles.q_block;
-}
-
-void plan_block(const Problem& p, int64_t kv_b, const RowInterval* iv, int64_t rows,
-                BlockPlan* plan) {
+void plan_block(const Problem& p, const TileConfig& tiles, int64_t kv_b,
+                const RowInterval* intervals, int64_t rows, BlockPlan* plan) {
   plan->tiles.clear();
   plan->sections.clear();
   plan->tiles_full = plan->tiles_masked = plan->tiles_skipped = plan->computed_columns = 0;
   const int64_t total = p.kv_total(kv_b);
-  const int64_t section = section_length(p, kv_b);
-  const int64_t tile = p.tiles.kv_tile;
+  const int64_t section = section_length(p, tiles, kv_b);
+  const int64_t tile = tiles.kv_tile;
   for (int64_t s0 = 0; s0 < total; s0 += section) {
     const int64_t s1 = std::min(total, s0 + section);
     const int64_t first = static_cast<int64_t>(plan->tiles.size());
@@ -106,7 +113,7 @@ void plan_block(const Problem& p, int64_t kv_b, const RowInterval* iv, int64_t r
       int64_t lo = c1, hi = c0;
       bool every_row_covers = true;
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t a = std::max(iv[r].lo, c0), b = std::min(iv[r].hi, c1);
+        const int64_t a = std::max(intervals[r].lo, c0), b = std::min(intervals[r].hi, c1);
         if (a < b) {
           lo = std::min(lo, a);
           hi = std::max(hi, b);
@@ -117,7 +124,7 @@ void plan_block(const Problem& p, int64_t kv_b, const RowInterval* iv, int64_t r
         continue;
       }
       for (int64_t r = 0; r < rows && every_row_covers; ++r) {
-        every_row_covers = iv[r].lo <= lo && iv[r].hi >= hi;
+        every_row_covers = intervals[r].lo <= lo && intervals[r].hi >= hi;
       }
       plan->tiles.push_back({lo, hi, !every_row_covers});
       ++(every_row_covers ? plan->tiles_full : plan->tiles_masked);
@@ -126,6 +133,26 @@ void plan_block(const Problem& p, int64_t kv_b, const RowInterval* iv, int64_t r
     const int64_t end = static_cast<int64_t>(plan->tiles.size());
     if (end > first) plan->sections.push_back({s0, first, end});
   }
+}
+
+BlockCounts count_block(const Problem& p, const TileConfig& tiles, int64_t kv_b, int64_t q_block) {
+  BlockCounts counts;
+  const QueryBlock block = query_block(p, tiles, q_block);
+  std::vector<RowInterval> intervals(static_cast<size_t>(block.rows));
+  for (int64_t r = 0; r < block.rows; ++r) {
+    intervals[r] = row_interval(p, kv_b, block.row0 + r);
+    counts.pairs_useful += intervals[r].hi - intervals[r].lo;
+  }
+  BlockPlan plan;
+  for (int64_t r0 = 0; r0 < block.rows; r0 += kSubBlockRows) {
+    const int64_t n = std::min(kSubBlockRows, block.rows - r0);
+    plan_block(p, tiles, kv_b, intervals.data() + r0, n, &plan);
+    counts.tiles_full += plan.tiles_full;
+    counts.tiles_masked += plan.tiles_masked;
+    counts.tiles_skipped += plan.tiles_skipped;
+    counts.pairs_computed += n * plan.computed_columns;
+  }
+  return counts;
 }
 
 }  // namespace flashcte::internal

@@ -14,12 +14,27 @@
 #include <cstdint>
 #include <vector>
 
-#include "src/dispatch/problem.h"
+#include "flashcte/flashcte.h"
+#include "src/core/problem.h"
 
 namespace flashcte::internal {
 
-// Fills the zero fields of problem->tiles with this machine's choices.
-void resolve_tiles(Problem* problem);
+// The problem's tile sizes: the caller's Problem::tile_request where set, this machine's choices
+// for its zero fields. Every field of the result is set.
+TileConfig resolve_tiles(const Problem& problem);
+
+// Query rows resident at once in one recurrence (the score buffer's height). A work item's
+// q_block rows share each packed K/V tile; they are computed kSubBlockRows at a time so that the
+// scores stay small. 48 = 8 register blocks of the 6-row float32 micro-kernels and 6 of the 8-row
+// native bfloat16 ones; a sub-block of 48 x 256 scores is 48 KiB, L1/L2 resident.
+constexpr int64_t kSubBlockRows = 48;
+
+// The rows [row0, row0 + rows) of query block `q_block`.
+struct QueryBlock {
+  int64_t row0 = 0, rows = 0;
+};
+QueryBlock query_block(const Problem& problem, const TileConfig& tiles, int64_t q_block);
+int64_t num_q_blocks(const Problem& problem, const TileConfig& tiles);
 
 struct RowInterval {
   int64_t lo = 0, hi = 0;  // allowed concatenated-KV indices [lo, hi); empty when lo >= hi
@@ -48,14 +63,21 @@ struct BlockPlan {
 };
 
 // Length of the softmax section for KV batch kv_b (the whole KV axis below the threshold).
-int64_t section_length(const Problem& p, int64_t kv_b);
+int64_t section_length(const Problem& p, const TileConfig& tiles, int64_t kv_b);
 
-// Plans query rows [row_begin, row_end) against KV batch kv_b; `intervals` holds their
-// row_interval()s. Reuses plan's storage.
-void plan_block(const Problem& p, int64_t kv_b, const RowInterval* intervals, int64_t rows,
-                BlockPlan* plan);
+// Plans `rows` query rows against KV batch kv_b; `intervals` holds their row_interval()s.
+// Reuses plan's storage.
+void plan_block(const Problem& p, const TileConfig& tiles, int64_t kv_b,
+                const RowInterval* intervals, int64_t rows, BlockPlan* plan);
 
-int64_t num_q_blocks(const Problem& p);
+// What the recurrence computes for one query block over the whole KV axis, counted as its
+// sub-blocks plan it: (sub-block, tile) pairs per head and the query-key pairs computed.
+struct BlockCounts {
+  int64_t tiles_full = 0, tiles_masked = 0, tiles_skipped = 0;
+  int64_t pairs_computed = 0;  // rows x computed columns, summed over sub-blocks
+  int64_t pairs_useful = 0;    // unmasked (query, key) pairs
+};
+BlockCounts count_block(const Problem& p, const TileConfig& tiles, int64_t kv_b, int64_t q_block);
 
 }  // namespace flashcte::internal
 

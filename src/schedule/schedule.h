@@ -14,29 +14,29 @@
 #include <cstdint>
 #include <vector>
 
-#include "src/dispatch/problem.h"
+#include "src/kernel/attention.h"
 
 namespace flashcte::internal {
 
 struct WorkItem {
-  int64_t kv_batch = 0;
-  int64_t q_block = 0;
+  int64_t item = 0;   // the kernel's item index
   int64_t split = 0;  // which KV range, when the KV axis is split
   int64_t kv_begin = 0, kv_end = 0;
-  double cost = 0;  // relative cost: unmasked pairs plus per-row overhead
+  double cost = 0;  // the kernel's relative cost of the range
 };
 
 // How many KV ranges each item is split into (1: none).
-int64_t kv_splits(const Problem& p);
+int64_t kv_splits(const AttentionKernel& kernel);
 
 // All work items of the problem, most expensive first (ties in a fixed order).
-std::vector<WorkItem> make_work_items(const Problem& p);
+std::vector<WorkItem> make_work_items(const AttentionKernel& kernel);
 
-// The number of threads the run will use.
-int resolve_threads(const Problem& p, int64_t num_items);
+// The number of threads a run with `num_items` work items uses (requested: Options::num_threads,
+// 0 = OpenMP's default).
+int resolve_threads(int requested, int64_t num_items);
 
 // Runs every work item on the resolved thread count.
-void run_all(const Problem& p);
+void run_all(const AttentionKernel& kernel);
 
 }  // namespace flashcte::internal
 

@@ -12,7 +12,7 @@
 
 #include "flashcte/flashcte.h"
 #include "src/reference/reference.h"
-#include "tools/half.h"
+#include "src/core/half.h"
 #include "tools/npy.h"
 
 #ifndef FLASHCTE_CLI_PATH
@@ -176,7 +176,7 @@ TEST_F(CliTest, Bfloat16ComputeRoundsInputs) {
   Array q = Random("q", {2, 130, 24}), k = Random("k", {2, 24, 140}), v = Random("v", {2, 140, 24});
   ASSERT_EQ(Run("run" + Q() + K() + V() + Out() + " --dtype bfloat16 --scale 0.2"), 0);
   for (Array* a : {&q, &k, &v}) {
-    for (float& x : a->data) x = bf16_to_float(float_to_bf16(x));
+    for (float& x : a->data) x = half::bf16_to_float(half::float_to_bf16(x));
   }
   Options o;
   o.scale = 0.2f;

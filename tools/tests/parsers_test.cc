@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "tools/args.h"
-#include "tools/half.h"
+#include "src/core/half.h"
 #include "tools/npy.h"
 
 namespace flashcte::tools {
@@ -244,27 +244,27 @@ TEST(Args, StrictScalars) {
 }
 
 TEST(Half, RoundsToNearestEven) {
-  EXPECT_EQ(float_to_bf16(1.0f), 0x3f80);
-  EXPECT_EQ(float_to_bf16(1.0f + 0x1p-8f), 0x3f80);      // tie -> even
-  EXPECT_EQ(float_to_bf16(1.0f + 3 * 0x1p-8f), 0x3f82);  // tie -> even (up)
-  EXPECT_EQ(float_to_bf16(1.0f + 0x1p-8f + 0x1p-20f), 0x3f81);
-  EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(std::nanf("")))));
-  EXPECT_EQ(float_to_f16(65504.0f), 0x7bff);
-  EXPECT_EQ(float_to_f16(65519.0f), 0x7bff);
-  EXPECT_EQ(float_to_f16(65520.0f), 0x7c00);  // tie at the top rounds to infinity
-  EXPECT_EQ(float_to_f16(0x1p-24f), 0x0001);
-  EXPECT_EQ(float_to_f16(0x1p-25f), 0x0000);      // tie -> even zero
-  EXPECT_EQ(float_to_f16(3 * 0x1p-26f), 0x0001);  // 0.75 of the smallest subnormal
-  EXPECT_EQ(float_to_f16(-0x1p-14f), 0x8400);
-  EXPECT_TRUE(std::isnan(f16_to_float(float_to_f16(std::nanf("")))));
+  EXPECT_EQ(half::float_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(half::float_to_bf16(1.0f + 0x1p-8f), 0x3f80);      // tie -> even
+  EXPECT_EQ(half::float_to_bf16(1.0f + 3 * 0x1p-8f), 0x3f82);  // tie -> even (up)
+  EXPECT_EQ(half::float_to_bf16(1.0f + 0x1p-8f + 0x1p-20f), 0x3f81);
+  EXPECT_TRUE(std::isnan(half::bf16_to_float(half::float_to_bf16(std::nanf("")))));
+  EXPECT_EQ(half::float_to_f16(65504.0f), 0x7bff);
+  EXPECT_EQ(half::float_to_f16(65519.0f), 0x7bff);
+  EXPECT_EQ(half::float_to_f16(65520.0f), 0x7c00);  // tie at the top rounds to infinity
+  EXPECT_EQ(half::float_to_f16(0x1p-24f), 0x0001);
+  EXPECT_EQ(half::float_to_f16(0x1p-25f), 0x0000);      // tie -> even zero
+  EXPECT_EQ(half::float_to_f16(3 * 0x1p-26f), 0x0001);  // 0.75 of the smallest subnormal
+  EXPECT_EQ(half::float_to_f16(-0x1p-14f), 0x8400);
+  EXPECT_TRUE(std::isnan(half::f16_to_float(half::float_to_f16(std::nanf("")))));
   for (uint32_t h = 0; h < 0x7c00; ++h) {
-    ASSERT_EQ(float_to_f16(f16_to_float(static_cast<uint16_t>(h))), h);
+    ASSERT_EQ(half::float_to_f16(half::f16_to_float(static_cast<uint16_t>(h))), h);
   }
   // float64 goes to the 16-bit formats without rounding twice: 1 + 2^-8 + 2^-30 is above the
   // bf16 tie, but rounding it to float32 first would land exactly on the tie and go down.
-  EXPECT_EQ(double_to_bf16(1.0 + 0x1p-8 + 0x1p-30), 0x3f81);
-  EXPECT_EQ(double_to_f16(1.0 + 0x1p-11 + 0x1p-40), 0x3c01);
-  EXPECT_EQ(double_to_bf16(1e300), 0x7f80);
+  EXPECT_EQ(half::double_to_bf16(1.0 + 0x1p-8 + 0x1p-30), 0x3f81);
+  EXPECT_EQ(half::double_to_f16(1.0 + 0x1p-11 + 0x1p-40), 0x3c01);
+  EXPECT_EQ(half::double_to_bf16(1e300), 0x7f80);
 }
 
 }  // namespace

@@ -1,9 +1,11 @@
 // The validated, layout-normalized form of one attention_cte call. Everything below the dispatch
 // layer reads this and never the user's arguments: transposes are folded into strides, defaults
-// are resolved, bounds are converted to int64.
-#ifndef FLASHCTE_SRC_DISPATCH_PROBLEM_H_
-#define FLASHCTE_SRC_DISPATCH_PROBLEM_H_
+// are resolved, bounds are converted to int64. It sits in src/core, below every layer that reads
+// it (dispatch fills it, schedule and kernel read it), so no layer includes one above it.
+#ifndef FLASHCTE_SRC_CORE_PROBLEM_H_
+#define FLASHCTE_SRC_CORE_PROBLEM_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -13,19 +15,15 @@ namespace flashcte::internal {
 
 // A rank-3 tensor read as logical (batch, row, column): for q/out (b, query, channel), for k/v
 // (b, key, channel). Strides in elements, transposes already applied.
-struct View3 {
-  const void* data = nullptr;
+template <class Pointer>
+struct StridedView3 {
+  Pointer data = nullptr;
   int64_t batch_stride = 0;
   int64_t row_stride = 0;
   int64_t col_stride = 0;
 };
-
-struct MutView3 {
-  void* data = nullptr;
-  int64_t batch_stride = 0;
-  int64_t row_stride = 0;
-  int64_t col_stride = 0;
-};
+using View3 = StridedView3<const void*>;  // inputs
+using MutView3 = StridedView3<void*>;     // the output
 
 // A per-(batch, query row) float32 statistic, in either the row-major or the Neuron layout.
 struct StatView {
@@ -86,18 +84,19 @@ struct Problem {
   MutView3 out;
   StatView neg_max, sum_recip, lse;
 
-  TileConfig tiles;  // resolved: every field set
-  int threads = 1;
+  // Options::tiles as the caller gave them (validated; a zero field is the kernel's choice). Only
+  // the kernel resolves and reads tile sizes (src/kernel/tiling.h).
+  TileConfig tile_request;
+  int threads = 0;  // Options::num_threads: 0 = OpenMP's default (the schedule resolves it)
 
   int64_t kv_total(int64_t kv_b) const { return prior_used[kv_b] + seqlen_kv; }
-  int64_t max_kv_total() const;
+  int64_t max_kv_total() const {
+    int64_t longest = seqlen_kv;
+    for (int64_t used : prior_used) longest = std::max(longest, used + seqlen_kv);
+    return longest;
+  }
 };
-
-// Checks every argument against the rules of SEMANTICS.md and the API; fills `problem`.
-// With `shapes_only`, q/k/v/out data may be null (for plan_attention).
-Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
-                const Outputs& outputs, const Options& options, bool shapes_only, Problem* problem);
 
 }  // namespace flashcte::internal
 
-#endif  // FLASHCTE_SRC_DISPATCH_PROBLEM_H_
+#endif  // FLASHCTE_SRC_CORE_PROBLEM_H_

@@ -1,14 +1,16 @@
 // Scalar conversions between float32/float64 and the 16-bit float formats the kernel computes
-// in. The CLI converts whole input files with these, so they must round exactly as numpy does
-// (round to nearest, ties to even) and never trap on NaN, infinity or subnormals.
-#ifndef FLASHCTE_TOOLS_HALF_H_
-#define FLASHCTE_TOOLS_HALF_H_
+// in: the one copy for the kernel (packing and write-back), the CLI (whole input files) and the
+// tests. They round exactly as numpy does (round to nearest, ties to even) and never trap on
+// NaN, infinity or subnormals. Packing converts each element once per tile (O(tile * d)) against
+// O(rows * tile * d) arithmetic, so scalar code is not the kernel's cost.
+#ifndef FLASHCTE_SRC_CORE_HALF_H_
+#define FLASHCTE_SRC_CORE_HALF_H_
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-namespace flashcte::tools {
+namespace flashcte::half {
 
 inline uint32_t float_bits(float f) {
   uint32_t u;
@@ -81,6 +83,6 @@ inline float double_to_float_round_odd(double d) {
 inline uint16_t double_to_bf16(double d) { return float_to_bf16(double_to_float_round_odd(d)); }
 inline uint16_t double_to_f16(double d) { return float_to_f16(double_to_float_round_odd(d)); }
 
-}  // namespace flashcte::tools
+}  // namespace flashcte::half
 
-#endif  // FLASHCTE_TOOLS_HALF_H_
+#endif  // FLASHCTE_SRC_CORE_HALF_H_
