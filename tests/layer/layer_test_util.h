@@ -1,0 +1,112 @@
+// Helpers of the layer oracle's tests (layer_reference_test.cc, layer_reference_cache_test.cc):
+// small configs, hand-made and random weights, and one-call runs with the status checked.
+#ifndef FLASHCTE_TESTS_LAYER_LAYER_TEST_UTIL_H_
+#define FLASHCTE_TESTS_LAYER_LAYER_TEST_UTIL_H_
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "src/reference/layer_reference.h"
+
+namespace flashcte::reference::test {
+
+inline const double kPi = std::acos(-1.0);
+inline float f32(double x) { return static_cast<float>(x); }
+
+inline LayerConfig small_config(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t d) {
+  LayerConfig c;
+  c.hidden_size = hidden;
+  c.num_heads = heads;
+  c.num_kv_heads = kv_heads;
+  c.head_dim = d;
+  return c;
+}
+
+inline std::vector<float> identity(int64_t n) {
+  std::vector<float> w(n * n, 0.0f);
+  for (int64_t i = 0; i < n; ++i) w[i * n + i] = 1.0f;
+  return w;
+}
+
+inline LayerWeights identity_weights(int64_t n) {
+  LayerWeights w;
+  w.q_proj = w.k_proj = w.v_proj = w.o_proj = identity(n);
+  return w;
+}
+
+// Runs one call; x is (batch, T, hidden) row-major, positions (batch, T).
+inline std::vector<double> run(const LayerConfig& c, const LayerWeights& w, LayerCache* cache,
+                               const std::vector<float>& x, const std::vector<int64_t>& positions,
+                               int64_t batch) {
+  const int64_t tokens = static_cast<int64_t>(positions.size()) / batch;
+  std::vector<double> out;
+  const Status s = layer_forward(
+      c, w, TensorView::contiguous(x.data(), DType::kFloat32, {batch, tokens, c.hidden_size}),
+      TensorView::contiguous(positions.data(), DType::kInt64, {batch, tokens}), cache, &out);
+  EXPECT_TRUE(s.ok) << s.message;
+  return out;
+}
+
+inline LayerCache new_cache(const LayerConfig& c, int64_t batch, int64_t max_len) {
+  LayerCache cache;
+  EXPECT_TRUE(make_layer_cache(c, batch, max_len, &cache).ok);
+  return cache;
+}
+
+// --- RoPE (LAYER.md section 3).
+inline std::vector<float> random_vector(std::mt19937* rng, int64_t n, float range = 0.5f) {
+  std::uniform_real_distribution<float> u(-range, range);
+  std::vector<float> v(n);
+  for (float& f : v) f = u(*rng);
+  return v;
+}
+
+// Everything on: GQA 4/2, biases, q/k norm, partial rotary, Llama-3 scaling, window, sinks.
+inline LayerConfig full_config(DType dtype) {
+  LayerConfig c = small_config(8, 4, 2, 6);
+  c.rotary_dim = 4;
+  c.rope_theta = 500;
+  c.rope_scaling = Llama3RopeScaling{4.0, 1.0, 2.0, 16};
+  c.sliding_window = 5;
+  c.qkv_bias = c.o_bias = c.qk_norm = c.sinks = true;
+  c.dtype = dtype;
+  return c;
+}
+
+inline LayerWeights random_weights(const LayerConfig& c, std::mt19937* rng) {
+  const int64_t d = c.head_dim, q = c.num_heads * d, kv = c.num_kv_heads * d, h = c.hidden_size;
+  LayerWeights w;
+  w.q_proj = random_vector(rng, q * h);
+  w.k_proj = random_vector(rng, kv * h);
+  w.v_proj = random_vector(rng, kv * h);
+  w.o_proj = random_vector(rng, h * q);
+  if (c.qkv_bias) {
+    w.q_bias = random_vector(rng, q);
+    w.k_bias = random_vector(rng, kv);
+    w.v_bias = random_vector(rng, kv);
+  }
+  if (c.o_bias) w.o_bias = random_vector(rng, h);
+  if (c.qk_norm) {
+    w.q_norm = random_vector(rng, d, 2.0f);
+    w.k_norm = random_vector(rng, d, 2.0f);
+  }
+  if (c.sinks) w.sinks = random_vector(rng, c.num_heads, 2.0f);
+  return w;
+}
+
+// GQA with 2 query heads per KV head equals MHA with each KV head's weights duplicated for its
+
+inline void expect_error(const Status& s, const std::string& prefix) {
+  EXPECT_FALSE(s.ok);
+  EXPECT_EQ(s.message.rfind(prefix, 0), 0u)
+      << "expected \"" << prefix << "...\", got \"" << s.message << "\"";
+}
+
+}  // namespace flashcte::reference::test
+
+#endif  // FLASHCTE_TESTS_LAYER_LAYER_TEST_UTIL_H_
