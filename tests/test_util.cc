@@ -152,28 +152,6 @@ const char* layout_name(Layout layout) {
   return "?";
 }
 
-uint16_t encode_bfloat16(double value) {
-  const float f = static_cast<float>(value);
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-uint16_t encode_half(double value) {
-  const uint16_t sign = std::signbit(value) ? 0x8000 : 0;
-  if (std::isnan(value)) return 0x7E00;
-  const double a = std::fabs(value);
-  if (std::isinf(a)) return sign | 0x7C00;
-  if (a < std::ldexp(1.0, -14)) {  // zero or subnormal: a = mantissa * 2^-24
-    return sign | static_cast<uint16_t>(std::ldexp(a, 24));
-  }
-  int e;
-  const double m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1): a = 1.f * 2^(e-1)
-  const uint16_t biased = static_cast<uint16_t>(e - 1 + 15);
-  const uint16_t mantissa = static_cast<uint16_t>(std::ldexp(m, 11) - 1024);
-  return sign | static_cast<uint16_t>(biased << 10) | mantissa;
-}
-
 HostTensor::HostTensor(DType dtype, std::vector<int64_t> shape, Layout layout)
     : dtype_(dtype), shape_(std::move(shape)) {
   strides_ = layout_strides(shape_, layout);
@@ -241,12 +219,12 @@ void HostTensor::set(int64_t i0, int64_t i1, int64_t i2, double value) {
       break;
     }
     case DType::kBFloat16: {
-      const uint16_t bits = encode_bfloat16(r);
+      const uint16_t bits = half::double_to_bf16(r);
       std::memcpy(p, &bits, 2);
       break;
     }
     case DType::kFloat16: {
-      const uint16_t bits = encode_half(r);
+      const uint16_t bits = half::double_to_f16(r);
       std::memcpy(p, &bits, 2);
       break;
     }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "flashcte/flashcte.h"
+#include "src/core/half.h"
 #include "src/reference/reference.h"
 
 namespace flashcte::test {
@@ -58,10 +59,6 @@ class HostTensor {
   std::vector<uint8_t> storage_;
   std::vector<uint8_t> in_view_;  // per storage element: 1 when some index maps to it
 };
-
-// Encodes a value already representable in `dtype` (see reference::round_to_dtype) as its bits.
-uint16_t encode_half(double value);
-uint16_t encode_bfloat16(double value);
 
 // One attention_cte call, described by its shape and options; run_case() builds the tensors.
 struct Case {

@@ -45,21 +45,21 @@ constexpr double kRowOverheadPairs = 16.0;
 
 // The sink logit of query batch b, -inf for none. A KV split leaves the sink to the merge, which
 // seeds its state with it; validation refuses +inf and NaN.
-float sink_logit(const Problem& p, int64_t b, bool kv_split) {
-  if (p.sink == nullptr || kv_split) return -std::numeric_limits<float>::infinity();
-  return p.sink[b * p.sink_stride];
+float sink_logit(const Problem& problem, int64_t b, bool kv_split) {
+  if (problem.sink == nullptr || kv_split) return -std::numeric_limits<float>::infinity();
+  return problem.sink[b * problem.sink_stride];
 }
 
 // Normalizes row r of `state` and writes it as output row i of query batch b, with its
 // statistics.
-void write_row(const Problem& p, int64_t b, int64_t i, SoftmaxState& state, int64_t r) {
+void write_row(const Problem& problem, int64_t b, int64_t i, SoftmaxState& state, int64_t r) {
   const SoftmaxState::Stats stats = state.finish(r);
-  const MutView3& out = p.out;
+  const MutView3& out = problem.out;
   store_row_from_float(out.data, b * out.batch_stride + i * out.row_stride, out.col_stride,
-                       p.dtype, state.o(r), p.value_dim);
-  if (p.neg_max.data) *p.neg_max.at(b, i) = stats.neg_max;
-  if (p.sum_recip.data) *p.sum_recip.at(b, i) = stats.sum_recip;
-  if (p.lse.data) *p.lse.at(b, i) = stats.lse;
+                       problem.dtype, state.o(r), problem.value_dim);
+  if (problem.neg_max.data) *problem.neg_max.at(b, i) = stats.neg_max;
+  if (problem.sum_recip.data) *problem.sum_recip.at(b, i) = stats.sum_recip;
+  if (problem.lse.data) *problem.lse.at(b, i) = stats.lse;
 }
 
 // The work item's geometry: its rows, leading dimensions and sub-blocks.
@@ -69,52 +69,54 @@ struct ItemShape {
   int64_t ldo() const { return ldv; }
 };
 
-ItemShape item_shape(const Problem& p, const TileConfig& tiles, int64_t kv_b, int64_t q_block) {
-  const QueryBlock block = query_block(p, tiles, q_block);
-  const int64_t section = section_length(p, tiles, kv_b);
+ItemShape item_shape(const Problem& problem, const TileConfig& tiles, int64_t kv_b,
+                     int64_t q_block) {
+  const QueryBlock block = query_block(problem, tiles, q_block);
+  const int64_t section = section_length(problem, tiles, kv_b);
   return {kv_b,
           block.row0,
           block.rows,
           section,
           simd::leading_dim(section),
-          simd::odd_cache_lines(simd::padded(p.value_dim)),
+          simd::odd_cache_lines(simd::padded(problem.value_dim)),
           ceil_div(block.rows, kSubBlockRows)};
 }
 
 // Head h's softmax state rows [r0, r0 + rows) in the item's scratch.
-SoftmaxState head_state(const Problem& p, Scratch& sc, const ItemShape& item, int64_t h,
+SoftmaxState head_state(const Problem& problem, Scratch& sc, const ItemShape& item, int64_t h,
                         int64_t r0, int64_t rows) {
   const int64_t first = h * item.rows + r0;
   return SoftmaxState(&sc.neg_max[first], &sc.sum[first], &sc.alpha[first],
-                      &sc.o[first * item.ldo()], item.ldo(), rows, p.value_dim);
+                      &sc.o[first * item.ldo()], item.ldo(), rows, problem.value_dim);
 }
 
 // The item's plan (what gets packed) and each sub-block's (what it computes), from the rows'
 // intervals clipped to the KV range (a KV split sees only its own keys).
-void plan_item(const Problem& p, const TileConfig& tiles, const ItemShape& item, int64_t kv_begin,
-               int64_t kv_end, Scratch& sc) {
+void plan_item(const Problem& problem, const TileConfig& tiles, const ItemShape& item,
+               int64_t kv_begin, int64_t kv_end, Scratch& sc) {
   ensure(sc.intervals, item.rows);
   for (int64_t r = 0; r < item.rows; ++r) {
-    RowInterval interval = row_interval(p, item.kv_batch, item.row0 + r);
+    RowInterval interval = row_interval(problem, item.kv_batch, item.row0 + r);
     interval.lo = std::max(interval.lo, kv_begin);
     interval.hi = std::max(interval.lo, std::min(interval.hi, kv_end));
     sc.intervals[r] = interval;
   }
-  plan_block(p, tiles, item.kv_batch, sc.intervals.data(), item.rows, &sc.plan);
+  plan_block(problem, tiles, item.kv_batch, sc.intervals.data(), item.rows, &sc.plan);
   if (sc.sub_plans.size() < static_cast<size_t>(item.sub_blocks)) {
     sc.sub_plans.resize(item.sub_blocks);
   }
   for (int64_t sb = 0; sb < item.sub_blocks; ++sb) {
     const int64_t r0 = sb * kSubBlockRows;
-    plan_block(p, tiles, item.kv_batch, sc.intervals.data() + r0,
+    plan_block(problem, tiles, item.kv_batch, sc.intervals.data() + r0,
                std::min(kSubBlockRows, item.rows - r0), &sc.sub_plans[sb]);
   }
   ensure(sc.sub_cursor, item.sub_blocks);
   std::fill(sc.sub_cursor.begin(), sc.sub_cursor.begin() + item.sub_blocks, 0);
 }
 
-void ensure_scratch(const Problem& p, const ItemShape& item, bool native, Scratch& sc) {
-  const int64_t group = p.group, d = p.head_dim, sub_rows = std::min(kSubBlockRows, item.rows);
+void ensure_scratch(const Problem& problem, const ItemShape& item, bool native, Scratch& sc) {
+  const int64_t group = problem.group, d = problem.head_dim,
+                sub_rows = std::min(kSubBlockRows, item.rows);
   ensure(sc.q, group * item.rows * d);
   ensure(sc.k, d * item.ldk);
   ensure(sc.v, (item.section + simd::kPadFloats) * item.ldv);
@@ -132,9 +134,9 @@ void ensure_scratch(const Problem& p, const ItemShape& item, bool native, Scratc
 }
 
 // Every sub-block and head of the item through one packed section.
-void attend_packed_section(const Problem& p, const simd::Ops& ops, const ItemShape& item,
+void attend_packed_section(const Problem& problem, const simd::Ops& ops, const ItemShape& item,
                            const PackedSection& packed, bool q_pairs, Scratch& sc) {
-  const int64_t d = p.head_dim, d2 = pair_dim(d);
+  const int64_t d = problem.head_dim, d2 = pair_dim(d);
   for (int64_t sb = 0; sb < item.sub_blocks; ++sb) {
     // The sub-block's sections are a subset of the item's, in the same order.
     const BlockPlan& sub_plan = sc.sub_plans[sb];
@@ -144,16 +146,16 @@ void attend_packed_section(const Problem& p, const simd::Ops& ops, const ItemSha
     }
     const SectionWork& sub_section = sub_plan.sections[cursor++];
     const int64_t r0 = sb * kSubBlockRows, rows = std::min(kSubBlockRows, item.rows - r0);
-    for (int64_t h = 0; h < p.group; ++h) {
+    for (int64_t h = 0; h < problem.group; ++h) {
       HeadBlock head;
-      head.batch = item.kv_batch * p.group + h;
+      head.batch = item.kv_batch * problem.group + h;
       head.first_row = item.row0 + r0;
-      head.prior = p.prior_used[item.kv_batch];
+      head.prior = problem.prior_used[item.kv_batch];
       head.q = &sc.q[(h * item.rows + r0) * d];
       head.q_pairs = q_pairs ? &sc.q2[(h * item.rows + r0) * d2] : nullptr;
       head.intervals = sc.intervals.data() + r0;
-      SoftmaxState state = head_state(p, sc, item, h, r0, rows);
-      attend_section(p, ops, packed, sub_plan.tiles.data() + sub_section.first_tile,
+      SoftmaxState state = head_state(problem, sc, item, h, r0, rows);
+      attend_section(problem, ops, packed, sub_plan.tiles.data() + sub_section.first_tile,
                      sub_section.end_tile - sub_section.first_tile, head,
                      {sc.s.data(), sc.p2.data(), item.lds()}, state);
     }
@@ -190,39 +192,40 @@ double AttentionKernel::cost(int64_t item, int64_t kv_begin, int64_t kv_end) con
 
 void AttentionKernel::run(int64_t item_index, int64_t kv_begin, int64_t kv_end,
                           float* partial) const {
-  const Problem& p = problem_;
+  const Problem& problem = problem_;
   Scratch& sc = thread_scratch();
-  const int64_t blocks = num_q_blocks(p, tiles_);
-  const ItemShape item = item_shape(p, tiles_, item_index / blocks, item_index % blocks);
-  plan_item(p, tiles_, item, kv_begin, kv_end, sc);
+  const int64_t blocks = num_q_blocks(problem, tiles_);
+  const ItemShape item = item_shape(problem, tiles_, item_index / blocks, item_index % blocks);
+  plan_item(problem, tiles_, item, kv_begin, kv_end, sc);
   // bfloat16 inputs run on the native kernels where the policy says so (simd/bf16_dot.h).
-  const simd::Bf16DotOps* dot = p.dtype == DType::kBFloat16 ? simd::bf16_dot_for(ops_) : nullptr;
-  ensure_scratch(p, item, dot != nullptr, sc);
+  const simd::Bf16DotOps* dot =
+      problem.dtype == DType::kBFloat16 ? simd::bf16_dot_for(ops_) : nullptr;
+  ensure_scratch(problem, item, dot != nullptr, sc);
 
   // Q resident: every head's rows packed once; each head's state seeded with its sink (splits
   // leave the sink to the merge).
-  const int64_t d = p.head_dim, d2 = pair_dim(d);
+  const int64_t d = problem.head_dim, d2 = pair_dim(d);
   bool q_subnormal = false;
-  for (int64_t h = 0; h < p.group; ++h) {
-    const int64_t b = item.kv_batch * p.group + h;
-    q_subnormal |= pack_q(p, ops_, b, item.row0, item.rows, &sc.q[h * item.rows * d],
+  for (int64_t h = 0; h < problem.group; ++h) {
+    const int64_t b = item.kv_batch * problem.group + h;
+    q_subnormal |= pack_q(problem, ops_, b, item.row0, item.rows, &sc.q[h * item.rows * d],
                           dot ? &sc.q2[h * item.rows * d2] : nullptr, sc.convert);
-    head_state(p, sc, item, h, 0, item.rows).seed(sink_logit(p, b, partial != nullptr));
+    head_state(problem, sc, item, h, 0, item.rows).seed(sink_logit(problem, b, partial != nullptr));
   }
   // The native kernels would flush a subnormal query: such items widen.
   const simd::Bf16DotOps* item_dot = q_subnormal ? nullptr : dot;
   for (const SectionWork& section : sc.plan.sections) {
     const PackedSection packed =
-        pack_section(p, ops_, item_dot, item.kv_batch, section, item.ldk, item.ldv, sc);
-    attend_packed_section(p, ops_, item, packed, item_dot != nullptr, sc);
+        pack_section(problem, ops_, item_dot, item.kv_batch, section, item.ldk, item.ldv, sc);
+    attend_packed_section(problem, ops_, item, packed, item_dot != nullptr, sc);
   }
 
-  const int64_t saved_floats = SoftmaxState::saved_row_floats(p.value_dim);
-  for (int64_t h = 0; h < p.group; ++h) {
-    SoftmaxState state = head_state(p, sc, item, h, 0, item.rows);
+  const int64_t saved_floats = SoftmaxState::saved_row_floats(problem.value_dim);
+  for (int64_t h = 0; h < problem.group; ++h) {
+    SoftmaxState state = head_state(problem, sc, item, h, 0, item.rows);
     for (int64_t r = 0; r < item.rows; ++r) {
       if (partial == nullptr) {
-        write_row(p, item.kv_batch * p.group + h, item.row0 + r, state, r);
+        write_row(problem, item.kv_batch * problem.group + h, item.row0 + r, state, r);
       } else {
         state.save(r, partial + (h * tiles_.q_block + r) * saved_floats);
       }
@@ -231,45 +234,46 @@ void AttentionKernel::run(int64_t item_index, int64_t kv_begin, int64_t kv_end,
 }
 
 void AttentionKernel::merge(int64_t item, const float* partials, int64_t splits) const {
-  const Problem& p = problem_;
-  const int64_t blocks = num_q_blocks(p, tiles_), kv_b = item / blocks;
-  const QueryBlock block = query_block(p, tiles_, item % blocks);
-  const int64_t saved_floats = SoftmaxState::saved_row_floats(p.value_dim);
-  std::vector<float> o(static_cast<size_t>(p.value_dim));
+  const Problem& problem = problem_;
+  const int64_t blocks = num_q_blocks(problem, tiles_), kv_b = item / blocks;
+  const QueryBlock block = query_block(problem, tiles_, item % blocks);
+  const int64_t saved_floats = SoftmaxState::saved_row_floats(problem.value_dim);
+  std::vector<float> o(static_cast<size_t>(problem.value_dim));
   float neg_max = 0, sum = 0, alpha = 0;
-  SoftmaxState state(&neg_max, &sum, &alpha, o.data(), p.value_dim, 1, p.value_dim);
-  for (int64_t h = 0; h < p.group; ++h) {
-    const int64_t b = kv_b * p.group + h;
+  SoftmaxState state(&neg_max, &sum, &alpha, o.data(), problem.value_dim, 1, problem.value_dim);
+  for (int64_t h = 0; h < problem.group; ++h) {
+    const int64_t b = kv_b * problem.group + h;
     for (int64_t r = 0; r < block.rows; ++r) {
       // The same recurrence as across sections, over the splits in order; the sink seeds it.
-      state.seed(sink_logit(p, b, false));
+      state.seed(sink_logit(problem, b, false));
       for (int64_t split = 0; split < splits; ++split) {
-        state.merge_saved(0, partials + split * partial_floats() + (h * tiles_.q_block + r) *
-                                                                         saved_floats);
+        state.merge_saved(
+            0, partials + split * partial_floats() + (h * tiles_.q_block + r) * saved_floats);
       }
-      write_row(p, b, block.row0 + r, state, 0);
+      write_row(problem, b, block.row0 + r, state, 0);
     }
   }
 }
 
 void AttentionKernel::describe(PlanSummary* summary) const {
-  const Problem& p = problem_;
+  const Problem& problem = problem_;
   PlanSummary& r = *summary;
   r.tiles = tiles_;
-  r.q_blocks = num_q_blocks(p, tiles_);
+  r.q_blocks = num_q_blocks(problem, tiles_);
   r.kv_tiles = ceil_div(r.seqlen_kv, tiles_.kv_tile);
-  r.sections = ceil_div(r.seqlen_kv, p.kv_batch > 0 ? split_granule() : tiles_.section);
-  const double pair_flops = 2.0 * static_cast<double>(p.head_dim + p.value_dim);
-  for (int64_t kv_b = 0; kv_b < p.kv_batch; ++kv_b) {
+  r.sections = ceil_div(r.seqlen_kv, problem.kv_batch > 0 ? split_granule() : tiles_.section);
+  const double pair_flops = 2.0 * static_cast<double>(problem.head_dim + problem.value_dim);
+  for (int64_t kv_b = 0; kv_b < problem.kv_batch; ++kv_b) {
     for (int64_t qb = 0; qb < r.q_blocks; ++qb) {
-      const BlockCounts c = count_block(p, tiles_, kv_b, qb);
-      r.tiles_full += c.tiles_full * p.group;
-      r.tiles_masked += c.tiles_masked * p.group;
-      r.tiles_skipped += c.tiles_skipped * p.group;
-      r.flops_done += pair_flops * static_cast<double>(c.pairs_computed * p.group);
-      r.flops_useful += pair_flops * static_cast<double>(c.pairs_useful * p.group);
-      const int64_t rows = query_block(p, tiles_, qb).rows;
-      r.flops_dense += pair_flops * static_cast<double>(rows * p.kv_total(kv_b) * p.group);
+      const BlockCounts c = count_block(problem, tiles_, kv_b, qb);
+      r.tiles_full += c.tiles_full * problem.group;
+      r.tiles_masked += c.tiles_masked * problem.group;
+      r.tiles_skipped += c.tiles_skipped * problem.group;
+      r.flops_done += pair_flops * static_cast<double>(c.pairs_computed * problem.group);
+      r.flops_useful += pair_flops * static_cast<double>(c.pairs_useful * problem.group);
+      const int64_t rows = query_block(problem, tiles_, qb).rows;
+      r.flops_dense +=
+          pair_flops * static_cast<double>(rows * problem.kv_total(kv_b) * problem.group);
     }
   }
 }

@@ -66,24 +66,24 @@ const void* element(const View3& t, DType dtype, int64_t b, int64_t row) {
 
 // Packs keys [begin, end) of KV batch kv_b's concatenated axis: K transposed into
 // k[c * ldk + (j - base)], V into v[(j - base) * ldv + c].
-void pack_kv(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
+void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
              int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp) {
-  const int64_t prior = p.prior_used[kv_b];
+  const int64_t prior = problem.prior_used[kv_b];
   // The prior part [begin, min(end, prior)) and the new part [max(begin, prior), end).
   for (int part = 0; part < 2; ++part) {
     const int64_t j0 = part == 0 ? begin : std::max(begin, prior);
     const int64_t j1 = part == 0 ? std::min(end, prior) : end;
     if (j0 >= j1) continue;
-    const View3& kt = part == 0 ? p.k_prior : p.k;
-    const View3& vt = part == 0 ? p.v_prior : p.v;
+    const View3& kt = part == 0 ? problem.k_prior : problem.k;
+    const View3& vt = part == 0 ? problem.v_prior : problem.v;
     const int64_t row0 = part == 0 ? j0 : j0 - prior;
-    pack_matrix(ops, element(kt, p.dtype, kv_b, row0), p.dtype, kt.row_stride, kt.col_stride,
-                j1 - j0, p.head_dim, k + (j0 - base), 1, ldk, tmp);
-    pack_matrix(ops, element(vt, p.dtype, kv_b, row0), p.dtype, vt.row_stride, vt.col_stride,
-                j1 - j0, p.value_dim, v + (j0 - base) * ldv, ldv, 1, tmp);
+    pack_matrix(ops, element(kt, problem.dtype, kv_b, row0), problem.dtype, kt.row_stride,
+                kt.col_stride, j1 - j0, problem.head_dim, k + (j0 - base), 1, ldk, tmp);
+    pack_matrix(ops, element(vt, problem.dtype, kv_b, row0), problem.dtype, vt.row_stride,
+                vt.col_stride, j1 - j0, problem.value_dim, v + (j0 - base) * ldv, ldv, 1, tmp);
     // MM2 runs over the padded width: keep the padding zero (stale values could be NaN).
     for (int64_t j = j0; j < j1; ++j) {
-      std::fill(v + (j - base) * ldv + p.value_dim, v + (j - base + 1) * ldv, 0.0f);
+      std::fill(v + (j - base) * ldv + problem.value_dim, v + (j - base + 1) * ldv, 0.0f);
     }
   }
 }
@@ -93,18 +93,18 @@ void pack_kv(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t begin
 // also the unscaled rows as bfloat16 for the native path, whose MM1 scales its scores instead
 // (a scaled bfloat16 Q would round every element once more). Returns whether q2's rows hold a
 // subnormal, which the native kernels would flush.
-bool pack_q(const Problem& p, const simd::Ops& ops, int64_t b, int64_t row0, int64_t rows, float* q,
-            uint16_t* q2, std::vector<float>& tmp) {
-  const int64_t d = p.head_dim, d2 = pair_dim(d);
-  pack_matrix(ops, element(p.q, p.dtype, b, row0), p.dtype, p.q.row_stride, p.q.col_stride, rows, d,
-              q, d, 1, tmp);
+bool pack_q(const Problem& problem, const simd::Ops& ops, int64_t b, int64_t row0, int64_t rows,
+            float* q, uint16_t* q2, std::vector<float>& tmp) {
+  const int64_t d = problem.head_dim, d2 = pair_dim(d);
+  pack_matrix(ops, element(problem.q, problem.dtype, b, row0), problem.dtype, problem.q.row_stride,
+              problem.q.col_stride, rows, d, q, d, 1, tmp);
   const bool subnormal = q2 && (ops.classify(q, rows * d) & simd::kSubnormal) != 0;
   for (int64_t r = 0; q2 && r < rows; ++r) {
     ops.narrow_bf16(q + r * d, d, q2 + r * d2);
     if (d2 != d) q2[r * d2 + d] = 0;
   }
-  if (p.scale != 1.0f) {
-    for (int64_t i = 0; i < rows * d; ++i) q[i] *= p.scale;
+  if (problem.scale != 1.0f) {
+    for (int64_t i = 0; i < rows * d; ++i) q[i] *= problem.scale;
   }
   return subnormal;
 }
@@ -113,10 +113,11 @@ bool pack_q(const Problem& p, const simd::Ops& ops, int64_t b, int64_t row0, int
 // hold bfloat16 inputs). K pairs run along d, V pairs along the keys: a V pair that straddles the
 // edge of a run of packed tiles takes zeros for the key outside it, so every pair MM2 can read is
 // finite where its P is zero.
-void pack_pairs(const Problem& p, const simd::Ops& ops, const TileWork* tiles, int64_t num_tiles,
-                int64_t sec_begin, const float* k, int64_t ldk, const float* v, int64_t ldv,
-                uint32_t* k2, uint32_t* v2) {
-  const int64_t d = p.head_dim, pairs = pair_dim(d) / 2, dv_pad = simd::padded(p.value_dim);
+void pack_pairs(const Problem& problem, const simd::Ops& ops, const TileWork* tiles,
+                int64_t num_tiles, int64_t sec_begin, const float* k, int64_t ldk, const float* v,
+                int64_t ldv, uint32_t* k2, uint32_t* v2) {
+  const int64_t d = problem.head_dim, pairs = pair_dim(d) / 2,
+                dv_pad = simd::padded(problem.value_dim);
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int64_t a = tiles[t].begin - sec_begin, n = tiles[t].end - tiles[t].begin;
     for (int64_t x = 0; x < pairs; ++x) {
@@ -133,21 +134,21 @@ void pack_pairs(const Problem& p, const simd::Ops& ops, const TileWork* tiles, i
   });
 }
 
-bool can_pack_pairs_directly(const Problem& p) {
-  if (p.dtype != DType::kBFloat16) return false;
+bool can_pack_pairs_directly(const Problem& problem) {
+  if (problem.dtype != DType::kBFloat16) return false;
   // K with the keys of a channel contiguous (the Neuron (d, Skv) layout), V with the channels of
   // a key contiguous ((Skv, dv)); the prior part, when there is one, alike.
-  const bool prior = p.k_prior.data != nullptr;
-  return p.k.row_stride == 1 && p.v.col_stride == 1 &&
-         (!prior || (p.k_prior.row_stride == 1 && p.v_prior.col_stride == 1));
+  const bool prior = problem.k_prior.data != nullptr;
+  return problem.k.row_stride == 1 && problem.v.col_stride == 1 &&
+         (!prior || (problem.k_prior.row_stride == 1 && problem.v_prior.col_stride == 1));
 }
 
-bool pack_pairs_directly(const Problem& p, const simd::Ops& ops, int64_t kv_b,
+bool pack_pairs_directly(const Problem& problem, const simd::Ops& ops, int64_t kv_b,
                          const TileWork* tiles, int64_t num_tiles, int64_t sec_begin, int64_t ldk,
                          int64_t ldv, uint32_t* k2, uint32_t* v2) {
-  const int64_t d = p.head_dim, pairs = pair_dim(d) / 2, dv = p.value_dim;
-  const int64_t dv_pad = simd::padded(dv), prior = p.prior_used[kv_b];
-  const int64_t size = dtype_size(p.dtype);
+  const int64_t d = problem.head_dim, pairs = pair_dim(d) / 2, dv = problem.value_dim;
+  const int64_t dv_pad = simd::padded(dv), prior = problem.prior_used[kv_b];
+  const int64_t size = dtype_size(problem.dtype);
   // Element (key j, channel c) of the concatenated axis (prior part, then new), as bfloat16 bits.
   auto at = [&](const View3& prior_part, const View3& new_part, int64_t j, int64_t c) {
     const View3& t = j < prior ? prior_part : new_part;
@@ -164,8 +165,9 @@ bool pack_pairs_directly(const Problem& p, const simd::Ops& ops, int64_t kv_b,
       const int64_t j0 = part == 0 ? tiles[t].begin : std::max(tiles[t].begin, prior);
       const int64_t j1 = part == 0 ? std::min(tiles[t].end, prior) : tiles[t].end;
       for (int64_t x = 0; x < pairs && j0 < j1; ++x) {
-        const uint16_t* odd = 2 * x + 1 < d ? at(p.k_prior, p.k, j0, 2 * x + 1) : nullptr;
-        unusual |= ops.pair_bf16(at(p.k_prior, p.k, j0, 2 * x), odd, j1 - j0,
+        const uint16_t* odd =
+            2 * x + 1 < d ? at(problem.k_prior, problem.k, j0, 2 * x + 1) : nullptr;
+        unusual |= ops.pair_bf16(at(problem.k_prior, problem.k, j0, 2 * x), odd, j1 - j0,
                                  k2 + x * ldk + (j0 - sec_begin));
       }
     }
@@ -174,8 +176,10 @@ bool pack_pairs_directly(const Problem& p, const simd::Ops& ops, int64_t kv_b,
   // (as pack_pairs) and for the padding columns.
   for_each_run(tiles, num_tiles, sec_begin, [&](int64_t a, int64_t b) {
     for (int64_t j = a / 2; 2 * j < b; ++j) {
-      const uint16_t* even = 2 * j >= a ? at(p.v_prior, p.v, sec_begin + 2 * j, 0) : nullptr;
-      const uint16_t* odd = 2 * j + 1 < b ? at(p.v_prior, p.v, sec_begin + 2 * j + 1, 0) : nullptr;
+      const uint16_t* even =
+          2 * j >= a ? at(problem.v_prior, problem.v, sec_begin + 2 * j, 0) : nullptr;
+      const uint16_t* odd =
+          2 * j + 1 < b ? at(problem.v_prior, problem.v, sec_begin + 2 * j + 1, 0) : nullptr;
       unusual |= ops.pair_bf16(even, odd, dv, v2 + j * ldv);
       std::fill(v2 + j * ldv + dv, v2 + j * ldv + dv_pad, 0u);
     }
@@ -183,9 +187,9 @@ bool pack_pairs_directly(const Problem& p, const simd::Ops& ops, int64_t kv_b,
   return unusual;
 }
 
-PackedSection pack_section(const Problem& p, const simd::Ops& ops, const simd::Bf16DotOps* dot,
-                           int64_t kv_b, const SectionWork& section, int64_t ldk, int64_t ldv,
-                           Scratch& scratch) {
+PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
+                           const simd::Bf16DotOps* dot, int64_t kv_b, const SectionWork& section,
+                           int64_t ldk, int64_t ldv, Scratch& scratch) {
   Scratch& sc = scratch;
   const TileWork* tiles = sc.plan.tiles.data() + section.first_tile;
   const int64_t num_tiles = section.end_tile - section.first_tile;
@@ -193,9 +197,9 @@ PackedSection pack_section(const Problem& p, const simd::Ops& ops, const simd::B
   packed.begin = section.begin;
   packed.ldk = ldk;
   packed.ldv = ldv;
-  if (dot && can_pack_pairs_directly(p) &&
-      !pack_pairs_directly(p, ops, kv_b, tiles, num_tiles, section.begin, ldk, ldv, sc.k2.data(),
-                           sc.v2.data())) {
+  if (dot && can_pack_pairs_directly(problem) &&
+      !pack_pairs_directly(problem, ops, kv_b, tiles, num_tiles, section.begin, ldk, ldv,
+                           sc.k2.data(), sc.v2.data())) {
     packed.dot = dot;
     packed.k2 = sc.k2.data();
     packed.v2 = sc.v2.data();
@@ -203,21 +207,21 @@ PackedSection pack_section(const Problem& p, const simd::Ops& ops, const simd::B
   }
   bool subnormal = false;
   for (int64_t t = 0; t < num_tiles; ++t) {
-    pack_kv(p, ops, kv_b, tiles[t].begin, tiles[t].end, section.begin, sc.k.data(), ldk,
+    pack_kv(problem, ops, kv_b, tiles[t].begin, tiles[t].end, section.begin, sc.k.data(), ldk,
             sc.v.data(), ldv, sc.convert);
     const int64_t off = tiles[t].begin - section.begin, n = tiles[t].end - tiles[t].begin;
     const unsigned v_classes = ops.classify(sc.v.data() + off * ldv, n * ldv);
     packed.v_nonfinite |= (v_classes & simd::kNonFinite) != 0;
     if (!dot) continue;
     subnormal |= (v_classes & simd::kSubnormal) != 0;
-    for (int64_t x = 0; x < p.head_dim; ++x) {
+    for (int64_t x = 0; x < problem.head_dim; ++x) {
       subnormal |= (ops.classify(sc.k.data() + x * ldk + off, n) & simd::kSubnormal) != 0;
     }
   }
   packed.k = sc.k.data();
   packed.v = sc.v.data();
   if (!dot || packed.v_nonfinite || subnormal) return packed;
-  pack_pairs(p, ops, tiles, num_tiles, section.begin, sc.k.data(), ldk, sc.v.data(), ldv,
+  pack_pairs(problem, ops, tiles, num_tiles, section.begin, sc.k.data(), ldk, sc.v.data(), ldv,
              sc.k2.data(), sc.v2.data());
   packed.dot = dot;
   packed.k2 = sc.k2.data();

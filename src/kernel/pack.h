@@ -36,28 +36,28 @@ void for_each_run(const TileWork* tiles, int64_t num_tiles, int64_t origin, cons
 
 // Packs keys [begin, end) of KV batch kv_b's concatenated axis: K transposed into
 // k[c * ldk + (j - base)], V into v[(j - base) * ldv + c], V's padding columns zero.
-void pack_kv(const Problem& p, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
+void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
              int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp);
 
 // Packs query rows [row0, row0 + rows) of batch b, multiplied by scale, into q [rows][d]; with
 // q2, also the unscaled rows as bfloat16 [rows][pair_dim(d)]. Returns whether q2's rows hold a
 // subnormal, which the native kernels would flush.
-bool pack_q(const Problem& p, const simd::Ops& ops, int64_t b, int64_t row0, int64_t rows, float* q,
-            uint16_t* q2, std::vector<float>& tmp);
+bool pack_q(const Problem& problem, const simd::Ops& ops, int64_t b, int64_t row0, int64_t rows,
+            float* q, uint16_t* q2, std::vector<float>& tmp);
 
 // The section's tiles of packed float32 K and V (pack_kv) again as bfloat16 pairs in k2, v2.
-void pack_pairs(const Problem& p, const simd::Ops& ops, const TileWork* tiles, int64_t num_tiles,
-                int64_t sec_begin, const float* k, int64_t ldk, const float* v, int64_t ldv,
-                uint32_t* k2, uint32_t* v2);
+void pack_pairs(const Problem& problem, const simd::Ops& ops, const TileWork* tiles,
+                int64_t num_tiles, int64_t sec_begin, const float* k, int64_t ldk, const float* v,
+                int64_t ldv, uint32_t* k2, uint32_t* v2);
 
 // Whether pack_pairs_directly serves this problem: bfloat16 K with the keys of a channel
 // contiguous and V with the channels of a key contiguous.
-bool can_pack_pairs_directly(const Problem& p);
+bool can_pack_pairs_directly(const Problem& problem);
 
 // The section's tiles as pack_kv + pack_pairs would leave k2 and v2, straight from the tensors;
 // returns whether any value read is non-finite or subnormal (then the section needs the float32
 // path, which the caller packs).
-bool pack_pairs_directly(const Problem& p, const simd::Ops& ops, int64_t kv_b,
+bool pack_pairs_directly(const Problem& problem, const simd::Ops& ops, int64_t kv_b,
                          const TileWork* tiles, int64_t num_tiles, int64_t sec_begin, int64_t ldk,
                          int64_t ldv, uint32_t* k2, uint32_t* v2);
 
@@ -65,9 +65,9 @@ bool pack_pairs_directly(const Problem& p, const simd::Ops& ops, int64_t kv_b,
 // native bfloat16 kernels when `dot` is non-null and the section's values allow it, else float32
 // blocks. The native kernels flush subnormal inputs, and a NaN or Inf value needs the float32
 // path's per-row exact MM2 (section.cc): such sections widen.
-PackedSection pack_section(const Problem& p, const simd::Ops& ops, const simd::Bf16DotOps* dot,
-                           int64_t kv_b, const SectionWork& section, int64_t ldk, int64_t ldv,
-                           Scratch& scratch);
+PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
+                           const simd::Bf16DotOps* dot, int64_t kv_b, const SectionWork& section,
+                           int64_t ldk, int64_t ldv, Scratch& scratch);
 
 }  // namespace flashcte::internal
 

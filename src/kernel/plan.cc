@@ -50,45 +50,48 @@ int64_t default_kv_tile(int64_t d, int64_t dv) {
 
 }  // namespace
 
-TileConfig resolve_tiles(const Problem& p) {
-  TileConfig t = p.tile_request;
-  if (t.q_block == 0) t.q_block = default_q_block(p.group, p.head_dim, p.value_dim);
+TileConfig resolve_tiles(const Problem& problem) {
+  TileConfig t = problem.tile_request;
+  if (t.q_block == 0)
+    t.q_block = default_q_block(problem.group, problem.head_dim, problem.value_dim);
   if (t.kv_tile == 0) {
-    t.kv_tile = default_kv_tile(p.head_dim, p.value_dim);
+    t.kv_tile = default_kv_tile(problem.head_dim, problem.value_dim);
     if (t.section > 0 && t.section % t.kv_tile != 0) t.kv_tile = t.section;
   }
   if (t.section == 0) t.section = t.kv_tile;
   return t;
 }
 
-QueryBlock query_block(const Problem& p, const TileConfig& tiles, int64_t q_block) {
+QueryBlock query_block(const Problem& problem, const TileConfig& tiles, int64_t q_block) {
   const int64_t row0 = q_block * tiles.q_block;
-  return {row0, std::min(tiles.q_block, p.seqlen_q - row0)};
+  return {row0, std::min(tiles.q_block, problem.seqlen_q - row0)};
 }
 
-int64_t num_q_blocks(const Problem& p, const TileConfig& tiles) {
-  return ceil_div(p.seqlen_q, tiles.q_block);
+int64_t num_q_blocks(const Problem& problem, const TileConfig& tiles) {
+  return ceil_div(problem.seqlen_q, tiles.q_block);
 }
 
-RowInterval row_interval(const Problem& p, int64_t kv_b, int64_t i) {
-  const int64_t prior = p.prior_used[kv_b];
-  const int64_t q_pos = p.q_pos_offset + i * p.cp_stride;
+RowInterval row_interval(const Problem& problem, int64_t kv_b, int64_t i) {
+  const int64_t prior = problem.prior_used[kv_b];
+  const int64_t q_pos = problem.q_pos_offset + i * problem.cp_stride;
   // kv_pos(j) = j - prior must satisfy -window_left <= kv_pos - q_pos <= window_right: causal is
   // window_right 0 (prior tokens have negative positions, so they are never causally masked),
   // a sliding window sw is window_left sw - 1.
-  RowInterval r{0, prior + p.seqlen_kv};
-  if (p.window_right < Problem::kNoLimit) r.hi = std::min(r.hi, q_pos + prior + p.window_right + 1);
-  if (p.window_left < Problem::kNoLimit) r.lo = std::max(r.lo, q_pos + prior - p.window_left);
-  if (!p.bound_lo.empty()) {
-    r.lo = std::max(r.lo, p.bound_lo[i]);
-    r.hi = std::min(r.hi, p.bound_hi[i]);
+  RowInterval r{0, prior + problem.seqlen_kv};
+  if (problem.window_right < Problem::kNoLimit)
+    r.hi = std::min(r.hi, q_pos + prior + problem.window_right + 1);
+  if (problem.window_left < Problem::kNoLimit)
+    r.lo = std::max(r.lo, q_pos + prior - problem.window_left);
+  if (!problem.bound_lo.empty()) {
+    r.lo = std::max(r.lo, problem.bound_lo[i]);
+    r.hi = std::min(r.hi, problem.bound_hi[i]);
   }
   if (r.hi < r.lo) r.hi = r.lo;
   return r;
 }
 
-int64_t section_length(const Problem& p, const TileConfig& t, int64_t kv_b) {
-  const int64_t total = p.kv_total(kv_b);
+int64_t section_length(const Problem& problem, const TileConfig& t, int64_t kv_b) {
+  const int64_t total = problem.kv_total(kv_b);
   if (t.section_threshold > 0 && total <= t.section_threshold) {
     // One section over the whole KV axis, rounded up to the tile grid.
     return std::max<int64_t>(t.kv_tile, round_up(total, t.kv_tile));
@@ -96,13 +99,13 @@ int64_t section_length(const Problem& p, const TileConfig& t, int64_t kv_b) {
   return t.section;
 }
 
-void plan_block(const Problem& p, const TileConfig& tiles, int64_t kv_b,
+void plan_block(const Problem& problem, const TileConfig& tiles, int64_t kv_b,
                 const RowInterval* intervals, int64_t rows, BlockPlan* plan) {
   plan->tiles.clear();
   plan->sections.clear();
   plan->tiles_full = plan->tiles_masked = plan->tiles_skipped = plan->computed_columns = 0;
-  const int64_t total = p.kv_total(kv_b);
-  const int64_t section = section_length(p, tiles, kv_b);
+  const int64_t total = problem.kv_total(kv_b);
+  const int64_t section = section_length(problem, tiles, kv_b);
   const int64_t tile = tiles.kv_tile;
   for (int64_t s0 = 0; s0 < total; s0 += section) {
     const int64_t s1 = std::min(total, s0 + section);
@@ -135,18 +138,19 @@ void plan_block(const Problem& p, const TileConfig& tiles, int64_t kv_b,
   }
 }
 
-BlockCounts count_block(const Problem& p, const TileConfig& tiles, int64_t kv_b, int64_t q_block) {
+BlockCounts count_block(const Problem& problem, const TileConfig& tiles, int64_t kv_b,
+                        int64_t q_block) {
   BlockCounts counts;
-  const QueryBlock block = query_block(p, tiles, q_block);
+  const QueryBlock block = query_block(problem, tiles, q_block);
   std::vector<RowInterval> intervals(static_cast<size_t>(block.rows));
   for (int64_t r = 0; r < block.rows; ++r) {
-    intervals[r] = row_interval(p, kv_b, block.row0 + r);
+    intervals[r] = row_interval(problem, kv_b, block.row0 + r);
     counts.pairs_useful += intervals[r].hi - intervals[r].lo;
   }
   BlockPlan plan;
   for (int64_t r0 = 0; r0 < block.rows; r0 += kSubBlockRows) {
     const int64_t n = std::min(kSubBlockRows, block.rows - r0);
-    plan_block(p, tiles, kv_b, intervals.data() + r0, n, &plan);
+    plan_block(problem, tiles, kv_b, intervals.data() + r0, n, &plan);
     counts.tiles_full += plan.tiles_full;
     counts.tiles_masked += plan.tiles_masked;
     counts.tiles_skipped += plan.tiles_skipped;

@@ -41,7 +41,7 @@ struct RowInterval {
 };
 
 // The allowed interval of local query row i against KV batch kv_b (SEMANTICS.md steps 2-3).
-RowInterval row_interval(const Problem& p, int64_t kv_b, int64_t i);
+RowInterval row_interval(const Problem& problem, int64_t kv_b, int64_t i);
 
 struct TileWork {
   int64_t begin = 0, end = 0;  // computed concatenated-KV columns [begin, end)
@@ -63,11 +63,11 @@ struct BlockPlan {
 };
 
 // Length of the softmax section for KV batch kv_b (the whole KV axis below the threshold).
-int64_t section_length(const Problem& p, const TileConfig& tiles, int64_t kv_b);
+int64_t section_length(const Problem& problem, const TileConfig& tiles, int64_t kv_b);
 
 // Plans `rows` query rows against KV batch kv_b; `intervals` holds their row_interval()s.
 // Reuses plan's storage.
-void plan_block(const Problem& p, const TileConfig& tiles, int64_t kv_b,
+void plan_block(const Problem& problem, const TileConfig& tiles, int64_t kv_b,
                 const RowInterval* intervals, int64_t rows, BlockPlan* plan);
 
 // What the recurrence computes for one query block over the whole KV axis, counted as its
@@ -77,7 +77,8 @@ struct BlockCounts {
   int64_t pairs_computed = 0;  // rows x computed columns, summed over sub-blocks
   int64_t pairs_useful = 0;    // unmasked (query, key) pairs
 };
-BlockCounts count_block(const Problem& p, const TileConfig& tiles, int64_t kv_b, int64_t q_block);
+BlockCounts count_block(const Problem& problem, const TileConfig& tiles, int64_t kv_b,
+                        int64_t q_block);
 
 }  // namespace flashcte::internal
 

@@ -13,20 +13,21 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // softcap, ALiBi and key_bias on the rows x n scores of the tile starting at key j0.
 void apply_modifiers(const Problem& problem, const simd::Ops& ops, const HeadBlock& head,
                      int64_t rows, int64_t j0, int64_t n, float* s, int64_t lds) {
-  const Problem& p = problem;
-  const float slope = p.alibi_slopes ? p.alibi_slopes[head.batch * p.alibi_stride] : 0.0f;
-  const float* bias = p.key_bias ? p.key_bias + head.batch * p.key_bias_batch_stride : nullptr;
+  const float slope =
+      problem.alibi_slopes ? problem.alibi_slopes[head.batch * problem.alibi_stride] : 0.0f;
+  const float* bias =
+      problem.key_bias ? problem.key_bias + head.batch * problem.key_bias_batch_stride : nullptr;
   for (int64_t r = 0; r < rows; ++r) {
     float* srow = s + r * lds;
-    if (p.softcap > 0.0f) ops.softcap(srow, n, p.softcap);
-    if (p.alibi_slopes) {
-      const int64_t q_pos = p.q_pos_offset + (head.first_row + r) * p.cp_stride;
+    if (problem.softcap > 0.0f) ops.softcap(srow, n, problem.softcap);
+    if (problem.alibi_slopes) {
+      const int64_t q_pos = problem.q_pos_offset + (head.first_row + r) * problem.cp_stride;
       ops.alibi(srow, n, slope, static_cast<float>(j0 - head.prior - q_pos));
     }
-    if (bias && p.key_bias_key_stride == 1) {
+    if (bias && problem.key_bias_key_stride == 1) {
       ops.add(srow, bias + j0, n);
     } else if (bias) {
-      for (int64_t c = 0; c < n; ++c) srow[c] += bias[(j0 + c) * p.key_bias_key_stride];
+      for (int64_t c = 0; c < n; ++c) srow[c] += bias[(j0 + c) * problem.key_bias_key_stride];
     }
   }
 }
@@ -43,13 +44,13 @@ Columns unmasked_columns(const RowInterval& interval, int64_t begin, int64_t n) 
 
 // MM1 over the section's tiles, with the modifiers and the masks, leaving each row's maximum
 // score in block_max.
-void scores_and_max(const Problem& p, const simd::Ops& ops, const PackedSection& section,
+void scores_and_max(const Problem& problem, const simd::Ops& ops, const PackedSection& section,
                     const TileWork* tiles, int64_t num_tiles, const HeadBlock& head, int64_t rows,
                     const ScoreBuffer& scores, float* block_max) {
-  const int64_t d = p.head_dim, lds = scores.lds;
+  const int64_t d = problem.head_dim, lds = scores.lds;
   float* s = scores.s;
   std::fill(block_max, block_max + rows, -kInf);
-  const bool modify = p.has_modifiers();
+  const bool modify = problem.has_modifiers();
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int64_t off = tiles[t].begin - section.begin, n = tiles[t].end - tiles[t].begin;
     // Unmodified, unmasked tiles fold the row max into MM1's epilogue; the others take it once
@@ -57,13 +58,13 @@ void scores_and_max(const Problem& p, const simd::Ops& ops, const PackedSection&
     const bool fused_max = !tiles[t].masked && !modify;
     if (section.dot) {
       section.dot->qk(head.q_pairs, pair_dim(d), rows, section.k2 + off, section.ldk, n,
-                      pair_dim(d), p.scale, s + off, lds, fused_max ? block_max : nullptr);
+                      pair_dim(d), problem.scale, s + off, lds, fused_max ? block_max : nullptr);
     } else {
       ops.qk(head.q, d, rows, section.k + off, section.ldk, n, d, s + off, lds,
              fused_max ? block_max : nullptr);
     }
     if (fused_max) continue;
-    if (modify) apply_modifiers(p, ops, head, rows, tiles[t].begin, n, s + off, lds);
+    if (modify) apply_modifiers(problem, ops, head, rows, tiles[t].begin, n, s + off, lds);
     if (!tiles[t].masked) {
       for (int64_t r = 0; r < rows; ++r) {
         block_max[r] = std::max(block_max[r], ops.row_max(s + r * lds + off, n));
@@ -82,9 +83,9 @@ void scores_and_max(const Problem& p, const simd::Ops& ops, const PackedSection&
 
 // MM2 on the native kernels: runs of touching tiles on whole pairs of keys (P2 from the exp);
 // a pair's key outside the run gets P = 0 (and V = 0 or a packed value, pack_pairs).
-void pv_native(const Problem& p, const PackedSection& section, const TileWork* tiles,
+void pv_native(const Problem& problem, const PackedSection& section, const TileWork* tiles,
                int64_t num_tiles, const ScoreBuffer& scores, SoftmaxState& state) {
-  const int64_t lds = scores.lds, rows = state.rows(), dv_pad = simd::padded(p.value_dim);
+  const int64_t lds = scores.lds, rows = state.rows(), dv_pad = simd::padded(problem.value_dim);
   uint16_t* p2 = scores.p2;
   bool first = true;
   for_each_run(tiles, num_tiles, section.begin, [&](int64_t a, int64_t b) {
@@ -101,10 +102,10 @@ void pv_native(const Problem& p, const PackedSection& section, const TileWork* t
 
 // MM2 on float32 blocks, over V's padded width (zeros past dv; ldv may be wider still, see
 // simd::odd_cache_lines).
-void pv_float(const Problem& p, const simd::Ops& ops, const PackedSection& section,
+void pv_float(const Problem& problem, const simd::Ops& ops, const PackedSection& section,
               const TileWork* tiles, int64_t num_tiles, const HeadBlock& head,
               const ScoreBuffer& scores, SoftmaxState& state) {
-  const int64_t lds = scores.lds, ldv = section.ldv, dv_pad = simd::padded(p.value_dim);
+  const int64_t lds = scores.lds, ldv = section.ldv, dv_pad = simd::padded(problem.value_dim);
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int64_t off = tiles[t].begin - section.begin, n = tiles[t].end - tiles[t].begin;
     const float* v = section.v + off * ldv;
@@ -125,31 +126,32 @@ void pv_float(const Problem& p, const simd::Ops& ops, const PackedSection& secti
 
 }  // namespace
 
-void attend_section(const Problem& p, const simd::Ops& ops, const PackedSection& section,
+void attend_section(const Problem& problem, const simd::Ops& ops, const PackedSection& section,
                     const TileWork* tiles, int64_t num_tiles, const HeadBlock& head,
                     const ScoreBuffer& scores, SoftmaxState& state) {
   const int64_t rows = state.rows(), lds = scores.lds;
   // alpha is free until the block's max is known.
   float* block_max = state.alpha();
-  scores_and_max(p, ops, section, tiles, num_tiles, head, rows, scores, block_max);
+  scores_and_max(problem, ops, section, tiles, num_tiles, head, rows, scores, block_max);
 
-  const bool round_p = p.dtype == DType::kBFloat16;
+  const bool round_p = problem.dtype == DType::kBFloat16;
   for (int64_t r = 0; r < rows; ++r) {
     float* srow = scores.s + r * lds;
     const float bias = state.rescale(r, block_max[r]);
     float block_sum = 0.0f;
     for (int64_t t = 0; t < num_tiles; ++t) {
       const int64_t off = tiles[t].begin - section.begin, n = tiles[t].end - tiles[t].begin;
-      block_sum += section.dot ? section.dot->exp_sum(srow + off, n, bias, scores.p2 + r * lds + off)
-                               : ops.exp_sum(srow + off, n, bias, round_p);
+      block_sum += section.dot
+                       ? section.dot->exp_sum(srow + off, n, bias, scores.p2 + r * lds + off)
+                       : ops.exp_sum(srow + off, n, bias, round_p);
     }
     state.add_to_sum(r, block_sum);
   }
 
   if (section.dot) {
-    pv_native(p, section, tiles, num_tiles, scores, state);
+    pv_native(problem, section, tiles, num_tiles, scores, state);
   } else {
-    pv_float(p, ops, section, tiles, num_tiles, head, scores, state);
+    pv_float(problem, ops, section, tiles, num_tiles, head, scores, state);
   }
 }
 
