@@ -1,0 +1,37 @@
+"""The implementations the flashcte CLI times: sgemm (the roofline) and materialized
+(`flashcte bench --impl sgemm|materialized`), each call in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+
+def fresh_process(cmd: list[str]) -> list[str]:
+    """Runs cmd as a grandchild forked from a small shell. Linux carries a process's peak RSS
+    (ru_maxrss) across fork+exec from a large parent (this worker holds torch, ORT and
+    OpenVINO), so the CLI's peak_rss_mib would report ours; a child of `sh` starts clean."""
+    return ["sh", "-c", '"$@" & wait $!', "sh", *cmd]
+
+
+def bench_command(cli: str, p: dict, impl: str, s: int | None = None) -> list[str]:
+    """`flashcte bench --reps 1 --json` of point p (at sequence length s if given)."""
+    s = p["s"] if s is None else s
+    return [cli, "bench", "--sq", str(s), "--skv", str(s), "--d", str(p["d"]),
+            "--heads", str(p["heads"]), "--kv-heads", str(p["kv_heads"]),
+            "--causal", "true" if p["causal"] else "false", "--dtype", p["dtype"],
+            "--threads", str(p["threads"]), "--reps", "1", "--json", "--impl", impl]
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads([l for l in stdout.splitlines() if l.startswith("{")][-1])
+
+
+def cli_run(p: dict, impl: str) -> dict:
+    """One `flashcte bench --reps 1` call: set-up, warm-up, one timed call."""
+    cmd = bench_command(p["cli"], p, impl)
+    # sgemm picks its OpenBLAS kernels itself (`--openblas-core auto`, the default for sgemm).
+    r = subprocess.run(fresh_process(cmd), text=True, capture_output=True, timeout=p["timeout"])
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {r.returncode}: {r.stderr.strip()[-300:]}")
+    return last_json(r.stdout)

@@ -1,0 +1,96 @@
+"""The points a run measures (dtype, causal, S, d, heads:kv_heads, threads): the presets, the
+issue's target table and the sweep; and the inputs every implementation gets at a point."""
+
+from __future__ import annotations
+
+from .common import DTYPE_ALIASES, point_key
+
+PRESETS = {
+    "quick": dict(sizes=[512, 2048], dtypes=["float32", "bfloat16"], causal=["true", "false"],
+                  d=[128], heads=["8:8"], extra=[("float32", True, 2048, 128, 32, 8)],
+                  reps=3, materialized_max_s=4096, target_max_s=4096),
+    # What docs/benchmarks/standard/ was measured with: MHA d=128 over S=512..8192 in every
+    # dtype and mask, GQA 32:8 and d=64 at S=2048, and the whole target table (~45 minutes).
+    "standard": dict(sizes=[512, 1024, 2048, 4096, 8192],
+                     dtypes=["float32", "bfloat16", "float16"], causal=["true", "false"],
+                     d=[128], heads=["8:8"],
+                     extra=[(dt, c, 2048, d, h, kvh) for dt in ("float32", "bfloat16")
+                            for c in (True, False) for (d, h, kvh) in ((128, 32, 8), (64, 8, 8))],
+                     reps=3, materialized_max_s=8192, target_max_s=32768),
+    "full": dict(sizes=[512, 1024, 2048, 4096, 8192, 16384, 32768],
+                 dtypes=["float32", "bfloat16", "float16"], causal=["true", "false"],
+                 d=[64, 128], heads=["8:8", "32:8"], extra=[], reps=5,
+                 materialized_max_s=16384, target_max_s=32768),
+}
+
+# The target points of each dtype and mask, in the order the table lists them.
+TARGET_DTYPE_TAGS = (("fp32-nc", "fp32 non-causal"), ("fp32-c", "fp32 causal"),
+                     ("bf16-nc", "bf16 non-causal"), ("bf16-c", "bf16 causal"),
+                     ("fp16-nc", "fp16 non-causal"), ("fp16-c", "fp16 causal"))
+
+
+def target_points(args) -> dict:
+    """The issue's target table: 2 threads, d=128, Sq=Skv=4096, 8 heads unless said."""
+    max_s = args.target_max_s or PRESETS[args.mode]["target_max_s"]
+    t = {
+        "fp32-nc": ("float32", False, 4096, 128, 2),
+        "fp32-c": ("float32", True, 4096, 128, 2),
+        "bf16-nc": ("bfloat16", False, 4096, 128, 2),
+        "bf16-c": ("bfloat16", True, 4096, 128, 2),
+        "fp16-nc": ("float16", False, 4096, 128, 2),
+        "fp16-c": ("float16", True, 4096, 128, 2),
+        "fp32-nc-d64": ("float32", False, 4096, 64, 2),
+        "fp32-nc-1t": ("float32", False, 4096, 128, 1),
+    }
+    if max_s >= 32768:
+        t["fp32-c-32k"] = ("float32", True, 32768, 128, 2)
+    return t
+
+
+def plan_points(args) -> list[dict]:
+    preset = PRESETS[args.mode]
+    sizes = args.sizes or preset["sizes"]
+    dtypes = [DTYPE_ALIASES[d] for d in (args.dtypes or preset["dtypes"])]
+    causals = [c == "true" for c in (args.causal or preset["causal"])]
+    ds = args.d or preset["d"]
+    heads = args.heads or preset["heads"]
+    threads = args.threads
+    points, seen = [], {}
+
+    def add(dtype, causal, s, d, h, kvh, thr, tag=None):
+        p = dict(dtype=dtype, causal=causal, s=s, d=d, heads=h, kv_heads=kvh, threads=thr,
+                 tags=[])
+        key = point_key(p)
+        if key not in seen:
+            seen[key] = p
+            points.append(p)
+        seen[key]["tags"].append(tag or "sweep")
+
+    # The target table first: an interrupted run still has it.
+    if not args.no_target:
+        for tag, (dtype, causal, s, d, thr) in target_points(args).items():
+            add(dtype, causal, s, d, 8, 8, thr, tag=tag)
+    if not args.target_only:
+        for dtype in dtypes:
+            for causal in causals:
+                for d in ds:
+                    for hc in heads:
+                        h, kvh = (int(x) for x in hc.split(":"))
+                        for s in sizes:
+                            add(dtype, causal, s, d, h, kvh, threads)
+        if not (args.sizes or args.dtypes or args.causal or args.d or args.heads):
+            for (dtype, causal, s, d, h, kvh) in preset["extra"]:
+                add(dtype, causal, s, d, h, kvh, threads)
+    return points
+
+
+def point_inputs(p: dict) -> tuple:
+    """q (heads, S, d), k and v (kv_heads, S, d): standard normal, rounded to the dtype; the same
+    for every implementation (and every process) at a point."""
+    import numpy as np
+    from .peers import np_dtype
+    H, Hkv, S, d = p["heads"], p["kv_heads"], p["s"], p["d"]
+    rng = np.random.default_rng(1234)
+    dt = np_dtype(p["dtype"])
+    return tuple(rng.standard_normal(shape, dtype=np.float32).astype(dt)
+                 for shape in ((H, S, d), (Hkv, S, d), (Hkv, S, d)))
