@@ -214,40 +214,12 @@ Status nxdi_strategy(const NxdiStrategyInputs& in, NxdiDecision* decision) {
 
 namespace {
 
-// Where the materialized path (NONE) beats the kernel on the CPU. Measured with
-// bench/strategy_crossover.cc (target flashcte_strategy_crossover) against the library at commit
-// b35d741, on the shared 2-core AMD EPYC Zen 3 (AVX2) this project runs on, under a load of ~10
-// from other jobs: Sq = Skv = S, float32, 1 thread, medians of 101-201 interleaved (ABBA) samples
-// of ~0.5 ms (61 of ~2 ms from S = 512). Ratio = materialized time / kernel time, so below 1 the
-// materialized path is faster (two runs of 201 samples; a range where they differ by > .05):
-//
-//   1 head, causal        S = 1    8    32       64   128       256
-//     d = 64                  .45  .42  .62      .79  .95-1.07  1.18-1.21
-//     d = 128                 .40  .41  .53-.63  .68  .94-1.03  1.07-1.16
-//   1 head, non-causal    S = 1    8        32       64   128  256      512  1024  2048
-//     d = 64                  .49  .34-.45  .58-.63  .68  .79  .87      .92  .95   1.11
-//     d = 128                 .45  .35     .53-.60  .62  .74  .75-.81  .96  .86   .93
-//   d = 8 / 32 / 256      causal S = 64: .73 / .82 / .70, 128: .95 / 1.02 / .81,
-//                         256: 1.20 / 1.23 / .98; non-causal 128: .92 / .90 / .69,
-//                         256: 1.01 / .98 / .73
-//   8 heads, d = 64/128   causal S = 1: 1.23 / 1.13 (kernel); S = 2..64: .51-.89 (both masks);
-//                         causal 128: 1.08 / .99
-//   32 heads on 8 KV      causal S = 1: 2.6 / 1.8, S = 2: 1.5 / 1.2 (kernel); S = 4: .93-1.29;
-//                         S = 8..64: .76-.94 (both masks)
-//   2 threads             the kernel won every shape (S = 1..256, 11-21 samples of ~20 ms):
-//                         the peer, like `flashcte bench --impl materialized`, runs an OpenMP
-//                         team inside each head, which on this oversubscribed machine cost
-//                         ~0.05-20 ms per call; hence NONE splits heads, not rows.
-//
-// The limits are the longest S at which the materialized path won clearly at every measured d:
-// causal 64 (at 128 it is a coin toss, at 256 the kernel's causal tile skipping wins);
-// non-causal 256 for d >= 64 and 128 below. Non-causal with d >= 64 stays 4-14% ahead up to
-// S = 1024 (crossover near 2048), but that margin is inside the run-to-run spread here (one
-// configuration moved from .87 to 1.5 between runs) and the peer's S x S scratch is allocated
-// outside the timing; that gap is the kernel's non-causal throughput, not a reason to
-// materialize 4 MiB per head. The commit before b35d741's MM1/MM2 panel reorder (6303d01 plus
-// work in progress) was 15-25% better against the peer at S = 64-128 (interleaved A/B runs), with
-// its causal crossover at 64 instead of 128; re-run the benchmark after kernel changes.
+// Where the materialized path (NONE) beats the kernel on the CPU: the table, the machine (a
+// shared 2-core Zen 3 EPYC, AVX2), the commit and the command that measured it are in
+// docs/benchmarks/strategy_crossover.md. The limits are the longest S at which the materialized
+// path won clearly at every measured d: causal 64 (at 128 a coin toss, at 256 the kernel's
+// causal tile skipping wins); non-causal 256 for d >= 64 and 128 below. The table ages with the
+// kernel: re-run its command after kernel changes.
 int64_t MaterializedMaxLength(bool causal, int64_t head_dim) {
   if (causal) return 64;
   return head_dim >= 64 ? 256 : 128;
