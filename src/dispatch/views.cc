@@ -1,0 +1,204 @@
+// The view checks shared by the dispatch layer's validators (views.h).
+#include "src/dispatch/views.h"
+
+#include <array>
+#include <cmath>
+#include <utility>
+
+namespace flashcte::internal {
+
+bool overlaps(const Extent& a, const Extent& b) {
+  return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi;
+}
+
+std::string shape_str(const int64_t* shape, int rank) {
+  std::string text = "(";
+  for (int i = 0; i < rank; ++i) {
+    if (i) text += ", ";
+    text += std::to_string(shape[i]);
+  }
+  if (rank == 1) text += ",";
+  return text + ")";
+}
+
+template <class View>
+Status check_view(const char* name, const View& view, bool allow_null_data, Extent* extent) {
+  if (view.rank < 1 || view.rank > kMaxRank) {
+    return Status::Error(std::string(name) + ": rank must be 1 to 3, got " +
+                         std::to_string(view.rank));
+  }
+  const int64_t* shape = view.shape.data();
+  const int64_t* strides = view.strides.data();
+  int64_t elements = 1;
+  for (int i = 0; i < view.rank; ++i) {
+    if (shape[i] < 0) {
+      return Status::Error(std::string(name) + ": dimension " + std::to_string(i) +
+                           " is negative (" + std::to_string(shape[i]) + ")");
+    }
+    if (strides[i] < 0) {
+      return Status::Error(std::string(name) + ": stride " + std::to_string(i) +
+                           " is negative; negative strides are not supported");
+    }
+    if (__builtin_mul_overflow(elements, shape[i], &elements)) {
+      return Status::Error(std::string(name) + ": shape " + shape_str(shape, view.rank) +
+                           " has more elements than fit in 64 bits");
+    }
+  }
+  if (elements == 0) return Status::Ok();
+  int64_t last = 0;  // largest element offset
+  for (int i = 0; i < view.rank; ++i) {
+    int64_t term = 0;
+    if (__builtin_mul_overflow(shape[i] - 1, strides[i], &term) ||
+        __builtin_add_overflow(last, term, &last)) {
+      return Status::Error(std::string(name) + ": shape " + shape_str(shape, view.rank) +
+                           " with its strides addresses past 2^63 elements");
+    }
+  }
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(last + 1, static_cast<int64_t>(dtype_size(view.dtype)), &bytes)) {
+    return Status::Error(std::string(name) + ": shape " + shape_str(shape, view.rank) +
+                         " addresses past 2^63 bytes");
+  }
+  if (view.data == nullptr && !allow_null_data) {
+    return Status::Error(std::string(name) + ": data is null but the shape " +
+                         shape_str(shape, view.rank) + " has elements");
+  }
+  if (extent && view.data) {
+    extent->lo = reinterpret_cast<uintptr_t>(view.data);
+    extent->hi = extent->lo + static_cast<uintptr_t>(bytes);
+  }
+  return Status::Ok();
+}
+
+template Status check_view(const char*, const TensorView&, bool, Extent*);
+template Status check_view(const char*, const MutableTensorView&, bool, Extent*);
+
+Status expect_rank(const char* name, int rank, int want, const char* layout) {
+  if (rank != want) {
+    return Status::Error(std::string(name) + ": must have rank " + std::to_string(want) + " " +
+                         layout + ", got rank " + std::to_string(rank));
+  }
+  return Status::Ok();
+}
+
+Status expect_dim(const char* name, const int64_t* shape, int rank, int axis, int64_t want,
+                  const char* what) {
+  if (shape[axis] != want) {
+    return Status::Error(std::string(name) + ": shape " + shape_str(shape, rank) + " has " +
+                         std::to_string(shape[axis]) + " at axis " + std::to_string(axis) +
+                         ", expected " + what + " = " + std::to_string(want));
+  }
+  return Status::Ok();
+}
+
+Status expect_same_dtype(const char* name, DType dtype, DType want, const char* reference) {
+  if (dtype != want) {
+    return Status::Error(std::string(name) + ": dtype " + dtype_name(dtype) + " differs from " +
+                         reference + "'s dtype " + dtype_name(want));
+  }
+  return Status::Ok();
+}
+
+Status expect_float32(const char* name, DType dtype) {
+  if (dtype != DType::kFloat32) {
+    return Status::Error(std::string(name) + ": dtype must be float32, got " + dtype_name(dtype));
+  }
+  return Status::Ok();
+}
+
+Status expect_attention_dtype(const char* name, DType dtype) {
+  if (dtype != DType::kFloat32 && dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
+    return Status::Error(std::string(name) + ": dtype must be float32, bfloat16 or float16, got " +
+                         dtype_name(dtype));
+  }
+  return Status::Ok();
+}
+
+// With the axes of extent > 1 sorted by stride, each stride must step over everything the
+// smaller strides reach.
+Status check_no_self_overlap(const char* name, const MutableTensorView& view) {
+  std::array<int, kMaxRank> axes{};
+  int count = 0;
+  for (int i = 0; i < view.rank; ++i) {
+    if (view.shape[i] == 0) return Status::Ok();  // no elements at all
+    if (view.shape[i] > 1) axes[count++] = i;
+  }
+  for (int i = 1; i < count; ++i) {  // insertion sort of at most 3 axes by stride
+    for (int j = i; j > 0 && view.strides[axes[j]] < view.strides[axes[j - 1]]; --j) {
+      std::swap(axes[j], axes[j - 1]);
+    }
+  }
+  int64_t reach = 0;  // largest offset reachable with the smaller-stride axes
+  for (int i = 0; i < count; ++i) {
+    const int axis = axes[i];
+    if (view.strides[axis] <= reach) {
+      return Status::Error(std::string(name) + ": strides " +
+                           shape_str(view.strides.data(), view.rank) + " for shape " +
+                           shape_str(view.shape.data(), view.rank) +
+                           " make distinct elements overlap");
+    }
+    reach += view.strides[axis] * (view.shape[axis] - 1);
+  }
+  return Status::Ok();
+}
+
+Status read_batch_vector(const char* name, const TensorView& view, int64_t batch,
+                         const char* layout, BatchVector* vector, Extent* extent) {
+  FLASHCTE_RETURN_IF_ERROR(check_view(name, view, false, extent));
+  FLASHCTE_RETURN_IF_ERROR(expect_float32(name, view.dtype));
+  const bool column = view.rank == 2 && view.shape[1] == 1;
+  if (!(column || view.rank == 1) || view.shape[0] != batch) {
+    return Status::Error(std::string(name) + ": shape " + shape_str(view.shape.data(), view.rank) +
+                         " must be " + layout + " with bs = " + std::to_string(batch));
+  }
+  vector->data = static_cast<const float*>(view.data);
+  vector->stride = view.strides[0];
+  return Status::Ok();
+}
+
+namespace {
+
+// Row `row` of a bounds view of int32, int64 or float32 (integral) values.
+Status read_bound(const char* name, const TensorView& view, int64_t row, int64_t* value) {
+  const int64_t offset = row * view.strides[0];
+  switch (view.dtype) {
+    case DType::kInt32:
+      *value = static_cast<const int32_t*>(view.data)[offset];
+      return Status::Ok();
+    case DType::kInt64:
+      *value = static_cast<const int64_t*>(view.data)[offset];
+      return Status::Ok();
+    default: {
+      const float f = static_cast<const float*>(view.data)[offset];
+      if (!std::isfinite(f) || f != std::floor(f) || std::fabs(f) > 9.0e15f) {
+        return Status::Error(std::string(name) + ": row " + std::to_string(row) + " holds " +
+                             std::to_string(f) + ", which is not an integral index");
+      }
+      *value = static_cast<int64_t>(f);
+      return Status::Ok();
+    }
+  }
+}
+
+}  // namespace
+
+Status read_bounds(const char* name, const TensorView& view, int64_t seqlen_q,
+                   std::vector<int64_t>* values) {
+  FLASHCTE_RETURN_IF_ERROR(check_view(name, view, false, nullptr));
+  const bool column = view.rank == 2 && view.shape[1] == 1;
+  if (!(view.rank == 1 || column) || view.shape[0] != seqlen_q) {
+    return Status::Error(std::string(name) + ": shape " + shape_str(view.shape.data(), view.rank) +
+                         " must be (Sq, 1) or (Sq,) with Sq = " + std::to_string(seqlen_q));
+  }
+  if (view.dtype != DType::kInt32 && view.dtype != DType::kInt64 && view.dtype != DType::kFloat32) {
+    return Status::Error(std::string(name) + ": dtype must be int32, int64 or float32, got " +
+                         dtype_name(view.dtype));
+  }
+  values->resize(seqlen_q);
+  for (int64_t row = 0; row < seqlen_q; ++row) {
+    FLASHCTE_RETURN_IF_ERROR(read_bound(name, view, row, &(*values)[row]));
+  }
+  return Status::Ok();
+}
+
+}  // namespace flashcte::internal

@@ -1,0 +1,81 @@
+// Checks of the caller's strided views, shared by every validator of the dispatch layer (the
+// attention_cte validator, a decode entry point). Each returns a Status whose message is
+// "<argument>: <rule>", with the argument named by the caller.
+#ifndef FLASHCTE_SRC_DISPATCH_VIEWS_H_
+#define FLASHCTE_SRC_DISPATCH_VIEWS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flashcte/flashcte.h"
+
+// Evaluates `expr`, a Status, and returns it from the enclosing function when it is an error
+// (Abseil's RETURN_IF_ERROR idiom).
+#define FLASHCTE_RETURN_IF_ERROR(expr)                           \
+  do {                                                           \
+    ::flashcte::Status flashcte_return_if_error_status = (expr); \
+    if (!flashcte_return_if_error_status.ok) {                   \
+      return flashcte_return_if_error_status;                    \
+    }                                                            \
+  } while (false)
+
+namespace flashcte::internal {
+
+// The bytes a view addresses, [lo, hi); empty (lo == hi) for a view without elements or data.
+struct Extent {
+  uintptr_t lo = 0, hi = 0;
+};
+
+// Whether two non-empty extents share a byte.
+bool overlaps(const Extent& a, const Extent& b);
+
+// "(2, 3, 4)", and "(5,)" for rank 1, as Python prints a shape.
+std::string shape_str(const int64_t* shape, int rank);
+
+// A view of rank 1 to 3 with no negative dimension or stride whose elements, and their bytes,
+// are addressable in int64. Null data is an error when the view has elements, unless
+// `allow_null_data` (shapes only). Fills `extent` (when given) with the bytes it addresses.
+// Defined for TensorView and MutableTensorView.
+template <class View>
+Status check_view(const char* name, const View& view, bool allow_null_data, Extent* extent);
+extern template Status check_view(const char*, const TensorView&, bool, Extent*);
+extern template Status check_view(const char*, const MutableTensorView&, bool, Extent*);
+
+// `rank` is `want`; `layout` names the axes in the message, e.g. "(bs, Sq, d)".
+Status expect_rank(const char* name, int rank, int want, const char* layout);
+
+// shape[axis] is `want`; `what` names the expected size in the message, e.g. "bs".
+Status expect_dim(const char* name, const int64_t* shape, int rank, int axis, int64_t want,
+                  const char* what);
+
+// `dtype` is `want`, the dtype of the argument `reference` ("k: dtype ... differs from q's").
+Status expect_same_dtype(const char* name, DType dtype, DType want, const char* reference);
+
+// `dtype` is float32.
+Status expect_float32(const char* name, DType dtype);
+
+// `dtype` is one of the attention input types: float32, bfloat16 or float16.
+Status expect_attention_dtype(const char* name, DType dtype);
+
+// Distinct elements of an output are distinct memory (else threads would race on them).
+Status check_no_self_overlap(const char* name, const MutableTensorView& view);
+
+// A float32 vector with one entry per batch, where entry b is data[b * stride].
+struct BatchVector {
+  const float* data = nullptr;
+  int64_t stride = 0;
+};
+
+// Reads a float32 view of shape (n,) or (n, 1) with n = `batch`; `layout` names the accepted
+// shapes in the message, e.g. "(bs, 1)". Fills `extent` with the bytes it addresses.
+Status read_batch_vector(const char* name, const TensorView& view, int64_t batch,
+                         const char* layout, BatchVector* vector, Extent* extent);
+
+// Reads an (Sq, 1) or (Sq,) view of int32, int64 or float32 holding integers into int64.
+Status read_bounds(const char* name, const TensorView& view, int64_t seqlen_q,
+                   std::vector<int64_t>* values);
+
+}  // namespace flashcte::internal
+
+#endif  // FLASHCTE_SRC_DISPATCH_VIEWS_H_
