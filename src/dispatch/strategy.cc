@@ -231,6 +231,30 @@ constexpr int64_t kMaterializedMaxHeadDim = 256;
 // d = 64; the materialized path won from 8.
 constexpr int64_t kMaterializedMinQueryGrouped = 8;
 
+// The kernel's thread count for the shape, as plan_attention resolves it.
+Status KernelThreads(const CpuStrategyInputs& in, int64_t kv_batch, int* threads) {
+  *threads = 1;
+  if (in.batch == 0 || in.seqlen_q == 0 || in.seqlen_kv == 0) return Status::Ok();
+  const auto shape_only = [&](int64_t batch, int64_t rows, int64_t cols) {
+    TensorView t;
+    t.dtype = in.dtype;
+    t.rank = 3;
+    t.shape = {batch, rows, cols};
+    t.strides = {rows * cols, cols, 1};
+    return t;
+  };
+  Options options;
+  options.causal_mask = in.causal;
+  options.num_threads = in.threads;
+  PlanSummary plan;
+  const Status planned =
+      plan_attention(shape_only(in.batch, in.seqlen_q, in.head_dim),
+                     shape_only(kv_batch, in.head_dim, in.seqlen_kv),
+                     shape_only(kv_batch, in.seqlen_kv, in.head_dim), options, &plan);
+  *threads = plan.threads;
+  return planned;
+}
+
 }  // namespace
 
 Status cpu_strategy(const CpuStrategyInputs& in, CpuDecision* decision) {
@@ -248,28 +272,8 @@ Status cpu_strategy(const CpuStrategyInputs& in, CpuDecision* decision) {
   }
   if (in.threads < 0) return Status::Error("threads: must be >= 0, got " + Str(in.threads));
 
-  // The kernel's thread count, as plan_attention resolves it for this shape.
   int kernel_threads = 1;
-  if (in.batch > 0 && in.seqlen_q > 0 && in.seqlen_kv > 0) {
-    const auto shape_only = [&](int64_t batch, int64_t rows, int64_t cols) {
-      TensorView t;
-      t.dtype = in.dtype;
-      t.rank = 3;
-      t.shape = {batch, rows, cols};
-      t.strides = {rows * cols, cols, 1};
-      return t;
-    };
-    Options options;
-    options.causal_mask = in.causal;
-    options.num_threads = in.threads;
-    PlanSummary plan;
-    const Status planned =
-        plan_attention(shape_only(in.batch, in.seqlen_q, in.head_dim),
-                       shape_only(kv_batch, in.head_dim, in.seqlen_kv),
-                       shape_only(kv_batch, in.seqlen_kv, in.head_dim), options, &plan);
-    if (!planned.ok) return planned;
-    kernel_threads = plan.threads;
-  }
+  if (Status planned = KernelThreads(in, kv_batch, &kernel_threads); !planned.ok) return planned;
   // A materialized path splits heads over threads, one head per thread: the measured peer's
   // second thread inside one head (an OpenMP team for a few softmax rows) made it 3 to 1000
   // times slower than the kernel at every shape on 2 threads, so that is not how NONE would run.
