@@ -154,30 +154,8 @@ Status read_bound(const char* name, const TensorView& t, int64_t sq, std::vector
   return Status::Ok();
 }
 
-// Undoes the layouts and checks only what the row loop needs to stay in bounds.
-Status parse(const TensorView& q, const TensorView& k, const TensorView& v, const Options& o,
-             Problem* p) {
-  if (q.rank != 3 || k.rank != 3 || v.rank != 3) return error("q, k and v must have rank 3");
-  if (!is_float_type(q.dtype) || !is_float_type(k.dtype) || !is_float_type(v.dtype)) {
-    return error("q, k and v must be float32, bfloat16 or float16");
-  }
-  const int q_row = o.tp_q ? 1 : 2, q_col = o.tp_q ? 2 : 1;
-  const int k_row = o.tp_k ? 1 : 2, k_col = o.tp_k ? 2 : 1;
-  p->bs = q.shape[0];
-  p->sq = q.shape[q_row];
-  p->d = q.shape[q_col];
-  p->bs_kv = k.shape[0];
-  p->skv = k.shape[k_row];
-  p->dv = v.shape[2];
-  if (k.shape[k_col] != p->d) return error("k's head dim differs from q's");
-  if (v.shape[0] != p->bs_kv || v.shape[1] != p->skv) return error("v must be (bs_kv, Skv, dv)");
-  if (p->bs_kv <= 0 ? p->bs != 0 : p->bs % p->bs_kv != 0) {
-    return error("bs must be a multiple of bs_kv");
-  }
-  p->q = reader(q, q_row, q_col);
-  p->k = reader(k, k_row, k_col);
-  p->v = reader(v, 1, 2);
-
+// Prefix caching: the priors' layouts and the used lengths.
+Status parse_prior(const Options& o, int k_row, int k_col, Problem* p) {
   p->prior_used.assign(p->bs_kv, 0);
   if (o.k_prior.present() || o.v_prior.present()) {
     const TensorView& kp = o.k_prior;
@@ -205,6 +183,56 @@ Status parse(const TensorView& q, const TensorView& k, const TensorView& v, cons
   } else if (!o.prior_used_len.empty()) {
     return error("prior_used_len without k_prior / v_prior");
   }
+  return Status::Ok();
+}
+
+// FlashAttention-style windows and the score modifiers.
+Status parse_modifiers(const Options& o, Problem* p) {
+  p->window_left = o.window_left;
+  p->window_right = o.window_right;
+  if (o.bottom_right) p->q_shift = p->skv - p->sq;
+  p->softcap = o.softcap;
+  if (o.alibi_slopes.present()) {
+    const TensorView& t = o.alibi_slopes;
+    if (t.dtype != DType::kFloat32 || t.shape[0] != p->bs) return error("alibi_slopes: (bs,)");
+    for (int64_t b = 0; b < p->bs; ++b) {
+      p->alibi.push_back(load_element(t.data, DType::kFloat32, b * t.strides[0]));
+    }
+  }
+  if (o.key_bias.present()) {
+    if (o.key_bias.dtype != DType::kFloat32 || o.key_bias.rank != 2) {
+      return error("key_bias: (bs, L) float32");
+    }
+    p->key_bias = o.key_bias;
+  }
+  return Status::Ok();
+}
+
+// Undoes the layouts and checks only what the row loop needs to stay in bounds.
+Status parse(const TensorView& q, const TensorView& k, const TensorView& v, const Options& o,
+             Problem* p) {
+  if (q.rank != 3 || k.rank != 3 || v.rank != 3) return error("q, k and v must have rank 3");
+  if (!is_float_type(q.dtype) || !is_float_type(k.dtype) || !is_float_type(v.dtype)) {
+    return error("q, k and v must be float32, bfloat16 or float16");
+  }
+  const int q_row = o.tp_q ? 1 : 2, q_col = o.tp_q ? 2 : 1;
+  const int k_row = o.tp_k ? 1 : 2, k_col = o.tp_k ? 2 : 1;
+  p->bs = q.shape[0];
+  p->sq = q.shape[q_row];
+  p->d = q.shape[q_col];
+  p->bs_kv = k.shape[0];
+  p->skv = k.shape[k_row];
+  p->dv = v.shape[2];
+  if (k.shape[k_col] != p->d) return error("k's head dim differs from q's");
+  if (v.shape[0] != p->bs_kv || v.shape[1] != p->skv) return error("v must be (bs_kv, Skv, dv)");
+  if (p->bs_kv <= 0 ? p->bs != 0 : p->bs % p->bs_kv != 0) {
+    return error("bs must be a multiple of bs_kv");
+  }
+  p->q = reader(q, q_row, q_col);
+  p->k = reader(k, k_row, k_col);
+  p->v = reader(v, 1, 2);
+
+  if (Status s = parse_prior(o, k_row, k_col, p); !s.ok) return s;
 
   if (o.sink.present()) {
     const TensorView& s = o.sink;
@@ -227,23 +255,7 @@ Status parse(const TensorView& q, const TensorView& k, const TensorView& v, cons
     p->cp_stride = *o.global_cp_deg;
   }
 
-  p->window_left = o.window_left;
-  p->window_right = o.window_right;
-  if (o.bottom_right) p->q_shift = p->skv - p->sq;
-  p->softcap = o.softcap;
-  if (o.alibi_slopes.present()) {
-    const TensorView& t = o.alibi_slopes;
-    if (t.dtype != DType::kFloat32 || t.shape[0] != p->bs) return error("alibi_slopes: (bs,)");
-    for (int64_t b = 0; b < p->bs; ++b) {
-      p->alibi.push_back(load_element(t.data, DType::kFloat32, b * t.strides[0]));
-    }
-  }
-  if (o.key_bias.present()) {
-    if (o.key_bias.dtype != DType::kFloat32 || o.key_bias.rank != 2) {
-      return error("key_bias: (bs, L) float32");
-    }
-    p->key_bias = o.key_bias;
-  }
+  if (Status s = parse_modifiers(o, p); !s.ok) return s;
 
   if (o.bound_min.present() != o.bound_max.present()) {
     return error("bound_min and bound_max come together");
