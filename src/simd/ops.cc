@@ -8,6 +8,7 @@
 // Must come after foreach_target.h.
 #include "hwy/highway.h"
 #include "src/simd/convert-inl.h"
+#include "src/simd/decode-inl.h"
 #include "src/simd/elementwise-inl.h"
 #include "src/simd/mm1-inl.h"
 #include "src/simd/mm2-inl.h"
@@ -35,7 +36,9 @@ const Ops* GetOps() {
                             &NarrowBf16,
                             &InterleaveBf16,
                             &PairBf16,
-                            &Pv};
+                            &Pv,
+                            &DecodeQk,
+                            &DecodePv};
   return &table;
 }
 

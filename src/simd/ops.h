@@ -141,6 +141,23 @@ struct Ops {
   // for r < rows, over dv_pad columns (W3). alpha may be null (= 1).
   void (*pv)(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv,
              int64_t dv_pad, const float* alpha, float* o, int64_t ldo);
+
+  // Decode (decode-inl.h): a few query rows against K / V rows read in place from a KV cache
+  // of `dtype` (float32, bfloat16 or float16), unit stride along the head dim, rows ldk / ldv
+  // elements apart; nothing packed, nothing widened outside registers.
+  //   decode_qk  S[r][j] = scale * sum_{x < d} Q[r][x] K[j][x] for r < rows, j < n. Reads K at
+  //              columns [0, d) of rows [0, n) only; Q [rows][ldq] float32 over
+  //              [0, round_up(d, N)), which must be finite past d; writes S at rows [0, rows) x
+  //              columns [0, n) exactly.
+  //   decode_pv  O[r][:] = alpha[r] O[r][:] + sum_{j < n} P[r][j] V[j][:] for r < rows. Reads V
+  //              at columns [0, dv) of rows [0, n) only, P at [0, n) of each row; reads and
+  //              writes O over [0, round_up(dv, N)), touching nothing past it. alpha may be null
+  //              (= 1).
+  void (*decode_qk)(const float* q, int64_t ldq, int64_t rows, const void* k, DType dtype,
+                    int64_t ldk, int64_t n, int64_t d, float scale, float* s, int64_t lds);
+  void (*decode_pv)(const float* p, int64_t ldp, int64_t rows, int64_t n, const void* v,
+                    DType dtype, int64_t ldv, int64_t dv, const float* alpha, float* o,
+                    int64_t ldo);
 };
 
 // The table for the best target Highway supports on this CPU (respecting

@@ -1,0 +1,95 @@
+// flashcte decode: token generation against a KV cache (shared/spec/LAYER.md sections 6 and 7).
+//
+// A few new query tokens per sequence (decode: 1; speculation or a short chunk: a handful)
+// attend the cache slots up to their own position. The cache is the module's layout,
+// (batch, kv_heads, max_len, head_dim), not transposed, and slot j holds the token at position
+// j; the caller writes the new tokens' K and V into their slots before the call, so that each
+// new token sees itself and the new tokens before it.
+//
+// The kernel is built for short chunks: it keeps every query row of a KV head's group resident
+// and streams that head's K and V once, so its cost is one pass over the attended cache at the
+// machine's read bandwidth. Any T is accepted, but past ~16 new tokens the arithmetic per cached
+// byte outgrows the bandwidth and the prefill kernel (attention_cte with the cache as the prior)
+// is the better tool.
+//
+// Errors come back as a Status whose message names the argument and the rule it broke; nothing
+// here throws.
+#ifndef FLASHCTE_DECODE_H_
+#define FLASHCTE_DECODE_H_
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "flashcte/flashcte.h"
+
+namespace flashcte {
+
+// A read-only strided view of rank up to 4 (TensorView holds rank 3 at most). Strides are in
+// elements. Rank 0 with null data is "absent".
+struct TensorView4 {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int rank = 0;
+  std::array<int64_t, 4> shape{};
+  std::array<int64_t, 4> strides{};
+
+  bool present() const { return data != nullptr || rank != 0; }
+  // A dense row-major view of `shape` (rank = shape.size(), at most 4).
+  static TensorView4 contiguous(const void* data, DType dtype, const std::vector<int64_t>& shape);
+};
+
+// A writable strided view of rank up to 4 (outputs).
+struct MutableTensorView4 {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int rank = 0;
+  std::array<int64_t, 4> shape{};
+  std::array<int64_t, 4> strides{};
+
+  bool present() const { return data != nullptr || rank != 0; }
+  static MutableTensorView4 contiguous(void* data, DType dtype, const std::vector<int64_t>& shape);
+};
+
+// Everything besides the tensors, with the prefill kernel's conventions (Options).
+struct DecodeOptions {
+  // S = scale * q.k. 1.0 by default, as attention_cte's Options::scale: callers that want the
+  // usual 1/sqrt(d) pass it (the module's qk_scale).
+  float scale = 1.0f;
+  float softcap = 0.0f;  // > 0: S -> softcap * tanh(S / softcap), before the masks
+  // > 0: query token t of sequence b sees only slots j > positions[b, t] - sliding_window (its
+  // own slot and the sliding_window - 1 before it); 0: no window.
+  int64_t sliding_window = 0;
+  // (q_heads,) or (q_heads, 1) float32: one value-less logit per query head, not scaled, joining
+  // every row's softmax (as attention_cte's sink, whose batch axis is batch*heads); finite or
+  // -inf (no sink).
+  TensorView sink;
+  int num_threads = 0;  // 0: OpenMP's default. Results are bitwise identical for any count.
+};
+
+struct DecodeOutputs {
+  MutableTensorView4 out;  // (batch, q_heads, T, dv), the dtype of q
+  MutableTensorView lse;   // optional (batch, q_heads, T) float32: max + log(sum), sink included
+};
+
+// Attention of the new tokens q against the cache:
+//   q         (batch, q_heads, T, d)
+//   k_cache   (batch, kv_heads, max_len, d)
+//   v_cache   (batch, kv_heads, max_len, dv)
+//   positions (batch, T) int64: query token t of sequence b is at positions[b, t], in
+//             [0, max_len), and attends every slot j <= positions[b, t] (and, with a window,
+//             j > positions[b, t] - sliding_window). Positions need not be consecutive or
+//             distinct; the sequences of a batch may sit at different positions.
+// q, the caches and out share one dtype: float32, bfloat16 or float16. GQA: q_heads is a multiple
+// of kv_heads and query head h reads KV head h / (q_heads / kv_heads); MQA (kv_heads 1) and MHA
+// (kv_heads = q_heads) are its ends. Scores and the softmax run in float32; with bfloat16 inputs
+// the probabilities are rounded to bfloat16 before P.V, as in attention_cte. bfloat16 and float16
+// caches are read in place (converted in registers), and only the slots some row attends are read.
+// Thread-safe; outputs are bitwise identical for any num_threads.
+Status decode_attention(const TensorView4& q, const TensorView4& k_cache,
+                        const TensorView4& v_cache, const TensorView& positions,
+                        const DecodeOutputs& outputs, const DecodeOptions& options = {});
+
+}  // namespace flashcte
+
+#endif  // FLASHCTE_DECODE_H_

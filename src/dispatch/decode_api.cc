@@ -1,0 +1,60 @@
+// decode_attention (include/flashcte/decode.h): validate once, then hand the problem to the
+// decode schedule.
+#include <algorithm>
+#include <exception>
+#include <new>
+#include <string>
+
+#include "flashcte/decode.h"
+#include "src/dispatch/decode_validate.h"
+#include "src/kernel/decode.h"
+#include "src/schedule/decode_schedule.h"
+
+namespace flashcte {
+namespace {
+
+template <class View, class Ptr>
+View make_contiguous(Ptr data, DType dtype, const std::vector<int64_t>& shape) {
+  View t;
+  t.data = data;
+  t.dtype = dtype;
+  t.rank = static_cast<int>(std::min<size_t>(shape.size(), t.shape.size()));
+  int64_t stride = 1;
+  for (int i = t.rank - 1; i >= 0; --i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = stride;
+    stride *= shape[i];
+  }
+  return t;
+}
+
+}  // namespace
+
+TensorView4 TensorView4::contiguous(const void* data, DType dtype,
+                                    const std::vector<int64_t>& shape) {
+  return make_contiguous<TensorView4>(data, dtype, shape);
+}
+
+MutableTensorView4 MutableTensorView4::contiguous(void* data, DType dtype,
+                                                  const std::vector<int64_t>& shape) {
+  return make_contiguous<MutableTensorView4>(data, dtype, shape);
+}
+
+Status decode_attention(const TensorView4& q, const TensorView4& k_cache,
+                        const TensorView4& v_cache, const TensorView& positions,
+                        const DecodeOutputs& outputs, const DecodeOptions& options) {
+  try {
+    internal::DecodeProblem problem;
+    Status s =
+        internal::validate_decode(q, k_cache, v_cache, positions, outputs, options, &problem);
+    if (!s.ok) return s;
+    internal::run_decode(internal::DecodeKernel(problem));
+    return Status::Ok();
+  } catch (const std::bad_alloc&) {
+    return Status::Error("memory: allocation of decode scratch or partial states failed");
+  } catch (const std::exception& e) {
+    return Status::Error(std::string("internal: ") + e.what());
+  }
+}
+
+}  // namespace flashcte

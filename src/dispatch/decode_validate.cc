@@ -1,0 +1,316 @@
+// decode_attention's argument validation (decode_validate.h). The messages follow validate.cc:
+// "<argument>: <rule it broke>", naming the expected shape's axes.
+#include "src/dispatch/decode_validate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <utility>
+
+namespace flashcte::internal {
+namespace {
+
+// The largest head dim accepted, as for attention_cte (validate.cc).
+constexpr int64_t kMaxHeadDim = 1024;
+
+using std::to_string;
+
+Status error(const std::string& message) { return Status::Error(message); }
+
+std::string shape_str(const int64_t* shape, int rank) {
+  std::string s = "(";
+  for (int i = 0; i < rank; ++i) s += (i ? ", " : "") + to_string(shape[i]);
+  return s + (rank == 1 ? ",)" : ")");
+}
+
+bool is_float_type(DType t) {
+  return t == DType::kFloat32 || t == DType::kBFloat16 || t == DType::kFloat16;
+}
+
+// The bytes a view addresses, [lo, hi); empty when lo == hi.
+struct Extent {
+  uintptr_t lo = 0, hi = 0;
+};
+
+bool overlaps(const Extent& a, const Extent& b) {
+  return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi;
+}
+
+// A view of exactly `rank` axes (named by `layout`) with no negative dimension or stride whose
+// elements and bytes are addressable in int64; data may be null only without elements.
+template <class View>
+Status check_view(const char* name, const View& t, int rank, const char* layout, Extent* extent) {
+  if (t.rank != rank) {
+    return error(std::string(name) + ": must have rank " + to_string(rank) + " " + layout +
+                 ", got rank " + to_string(t.rank));
+  }
+  int64_t elements = 1, last = 0;
+  for (int i = 0; i < rank; ++i) {
+    if (t.shape[i] < 0 || t.strides[i] < 0) {
+      return error(std::string(name) + ": " + (t.shape[i] < 0 ? "dimension " : "stride ") +
+                   to_string(i) + " is negative; shapes and strides must be >= 0");
+    }
+    if (__builtin_mul_overflow(elements, t.shape[i], &elements)) {
+      return error(std::string(name) + ": shape " + shape_str(t.shape.data(), rank) +
+                   " has more elements than fit in 64 bits");
+    }
+  }
+  if (elements == 0) return Status::Ok();
+  for (int i = 0; i < rank; ++i) {
+    int64_t term = 0;
+    if (__builtin_mul_overflow(t.shape[i] - 1, t.strides[i], &term) ||
+        __builtin_add_overflow(last, term, &last)) {
+      return error(std::string(name) + ": shape " + shape_str(t.shape.data(), rank) +
+                   " with its strides addresses past 2^63 elements");
+    }
+  }
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(last + 1, static_cast<int64_t>(dtype_size(t.dtype)), &bytes)) {
+    return error(std::string(name) + ": shape " + shape_str(t.shape.data(), rank) +
+                 " addresses past 2^63 bytes");
+  }
+  if (t.data == nullptr) {
+    return error(std::string(name) + ": data is null but the shape " +
+                 shape_str(t.shape.data(), rank) + " has elements");
+  }
+  extent->lo = reinterpret_cast<uintptr_t>(t.data);
+  extent->hi = extent->lo + static_cast<uintptr_t>(bytes);
+  return Status::Ok();
+}
+
+// shape[axis] == want, `what` naming the expected size.
+template <class View>
+Status expect_dim(const char* name, const View& t, int axis, int64_t want, const char* what) {
+  if (t.shape[axis] == want) return Status::Ok();
+  return error(std::string(name) + ": shape " + shape_str(t.shape.data(), t.rank) + " has " +
+               to_string(t.shape[axis]) + " at axis " + to_string(axis) + ", expected " + what +
+               " = " + to_string(want));
+}
+
+Status expect_dtype(const char* name, DType dtype, DType want, const char* reference) {
+  if (dtype == want) return Status::Ok();
+  return error(std::string(name) + ": dtype " + dtype_name(dtype) + " differs from " + reference +
+               " " + dtype_name(want));
+}
+
+// Distinct elements of an output are distinct memory: with the axes of extent > 1 sorted by
+// stride, each stride steps over everything the smaller ones reach.
+template <class View>
+Status check_no_self_overlap(const char* name, const View& t) {
+  int axes[4] = {};
+  int n = 0;
+  for (int i = 0; i < t.rank; ++i) {
+    if (t.shape[i] == 0) return Status::Ok();
+    if (t.shape[i] > 1) axes[n++] = i;
+  }
+  for (int k = 1; k < n; ++k) {  // insertion sort of at most 4 axes by stride
+    for (int m = k; m > 0 && t.strides[axes[m]] < t.strides[axes[m - 1]]; --m) {
+      std::swap(axes[m], axes[m - 1]);
+    }
+  }
+  int64_t reach = 0;
+  for (int k = 0; k < n; ++k) {
+    if (t.strides[axes[k]] <= reach) {
+      return error(std::string(name) + ": strides " + shape_str(t.strides.data(), t.rank) +
+                   " for shape " + shape_str(t.shape.data(), t.rank) +
+                   " make distinct elements overlap");
+    }
+    reach += t.strides[axes[k]] * (t.shape[axes[k]] - 1);
+  }
+  return Status::Ok();
+}
+
+#define FLASHCTE_DECODE_CHECK(expr)  \
+  do {                               \
+    Status status_ = (expr);         \
+    if (!status_.ok) return status_; \
+  } while (false)
+
+struct Extents {
+  Extent q, k, v, positions, sink, out, lse;
+};
+
+// q and the caches: ranks, dtypes, the shared sizes, GQA.
+Status check_inputs(const TensorView4& q, const TensorView4& k, const TensorView4& v,
+                    DecodeProblem* p, Extents* e) {
+  if (!q.present()) return error("q: is required");
+  if (!k.present()) return error("k_cache: is required");
+  if (!v.present()) return error("v_cache: is required");
+  FLASHCTE_DECODE_CHECK(check_view("q", q, 4, "(batch, q_heads, T, d)", &e->q));
+  FLASHCTE_DECODE_CHECK(check_view("k_cache", k, 4, "(batch, kv_heads, max_len, d)", &e->k));
+  FLASHCTE_DECODE_CHECK(check_view("v_cache", v, 4, "(batch, kv_heads, max_len, dv)", &e->v));
+  if (!is_float_type(q.dtype)) {
+    return error(std::string("q: dtype must be float32, bfloat16 or float16, got ") +
+                 dtype_name(q.dtype));
+  }
+  FLASHCTE_DECODE_CHECK(expect_dtype("k_cache", k.dtype, q.dtype, "q's dtype"));
+  FLASHCTE_DECODE_CHECK(expect_dtype("v_cache", v.dtype, q.dtype, "q's dtype"));
+  p->dtype = q.dtype;
+  p->batch = q.shape[0];
+  p->q_heads = q.shape[1];
+  p->tokens = q.shape[2];
+  p->head_dim = q.shape[3];
+  p->kv_heads = k.shape[1];
+  p->max_len = k.shape[2];
+  p->value_dim = v.shape[3];
+  if (p->head_dim < 1 || p->head_dim > kMaxHeadDim) {
+    return error("q: head dim d = " + to_string(p->head_dim) + " must be in [1, " +
+                 to_string(kMaxHeadDim) + "]");
+  }
+  FLASHCTE_DECODE_CHECK(expect_dim("k_cache", k, 0, p->batch, "q's batch"));
+  FLASHCTE_DECODE_CHECK(expect_dim("k_cache", k, 3, p->head_dim, "q's head dim d"));
+  FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 0, p->batch, "q's batch"));
+  FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 1, p->kv_heads, "k_cache's kv_heads"));
+  FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 2, p->max_len, "k_cache's max_len"));
+  if (p->value_dim < 1 || p->value_dim > kMaxHeadDim) {
+    return error("v_cache: value head dim dv = " + to_string(p->value_dim) + " must be in [1, " +
+                 to_string(kMaxHeadDim) + "]");
+  }
+  if (p->kv_heads == 0 ? p->q_heads != 0 : p->q_heads % p->kv_heads != 0) {
+    return error("q: q_heads = " + to_string(p->q_heads) +
+                 " must be a multiple of k_cache's kv_heads = " + to_string(p->kv_heads) +
+                 " (grouped-query attention)");
+  }
+  p->group = p->kv_heads > 0 ? p->q_heads / p->kv_heads : 1;
+  p->q = q.data;
+  p->k = k.data;
+  p->v = v.data;
+  std::copy(q.strides.begin(), q.strides.end(), p->q_strides.begin());
+  std::copy(k.strides.begin(), k.strides.end(), p->k_strides.begin());
+  std::copy(v.strides.begin(), v.strides.end(), p->v_strides.begin());
+  return Status::Ok();
+}
+
+// positions (batch, T) int64, each a cache slot.
+Status check_positions(const TensorView& t, DecodeProblem* p, Extent* extent) {
+  if (!t.present()) return error("positions: is required");
+  FLASHCTE_DECODE_CHECK(check_view("positions", t, 2, "(batch, T)", extent));
+  if (t.dtype != DType::kInt64) {
+    return error(std::string("positions: dtype must be int64, got ") + dtype_name(t.dtype));
+  }
+  FLASHCTE_DECODE_CHECK(expect_dim("positions", t, 0, p->batch, "q's batch"));
+  FLASHCTE_DECODE_CHECK(expect_dim("positions", t, 1, p->tokens, "q's new tokens T"));
+  p->positions.resize(static_cast<size_t>(p->batch * p->tokens));
+  const auto* data = static_cast<const int64_t*>(t.data);
+  for (int64_t b = 0; b < p->batch; ++b) {
+    for (int64_t i = 0; i < p->tokens; ++i) {
+      const int64_t pos = data[b * t.strides[0] + i * t.strides[1]];
+      if (pos < 0 || pos >= p->max_len) {
+        return error("positions: [" + to_string(b) + ", " + to_string(i) + "] = " + to_string(pos) +
+                     " must be a cache slot in [0, max_len = " + to_string(p->max_len) + ")");
+      }
+      p->positions[b * p->tokens + i] = pos;
+    }
+  }
+  return Status::Ok();
+}
+
+// sink and the scalar options.
+Status check_options(const DecodeOptions& o, DecodeProblem* p, Extent* sink_extent) {
+  if (o.sink.present()) {
+    const TensorView& t = o.sink;
+    const bool column = t.rank == 2;
+    FLASHCTE_DECODE_CHECK(check_view("sink", t, column ? 2 : 1, "(q_heads,)", sink_extent));
+    if (t.dtype != DType::kFloat32) {
+      return error(std::string("sink: dtype must be float32, got ") + dtype_name(t.dtype));
+    }
+    if (t.shape[0] != p->q_heads || (column && t.shape[1] != 1)) {
+      return error("sink: shape " + shape_str(t.shape.data(), t.rank) +
+                   " must be (q_heads,) or (q_heads, 1) with q_heads = " + to_string(p->q_heads));
+    }
+    p->sink = static_cast<const float*>(t.data);
+    p->sink_stride = t.strides[0];
+    for (int64_t h = 0; h < p->q_heads; ++h) {
+      const float x = p->sink[h * p->sink_stride];
+      if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) {
+        return error("sink: entry " + to_string(h) + " is " + std::to_string(x) +
+                     "; a sink logit must be finite or -inf (no sink)");
+      }
+    }
+  }
+  if (!std::isfinite(o.scale)) return error("scale: must be finite, got " + to_string(o.scale));
+  if (!(o.softcap >= 0.0f) || std::isinf(o.softcap)) {
+    return error("softcap: must be finite and >= 0 (0 disables it), got " + to_string(o.softcap));
+  }
+  if (o.sliding_window < 0) {
+    return error("sliding_window: must be >= 0 (0 disables it), got " +
+                 to_string(o.sliding_window));
+  }
+  if (o.num_threads < 0) {
+    return error("num_threads: must be >= 0 (0 = OpenMP default), got " + to_string(o.num_threads));
+  }
+  p->scale = o.scale;
+  p->softcap = o.softcap;
+  p->sliding_window = o.sliding_window;
+  p->threads = o.num_threads;
+  return Status::Ok();
+}
+
+// out (batch, q_heads, T, dv) in q's dtype, lse (batch, q_heads, T) float32.
+Status check_outputs(const DecodeOutputs& outputs, DecodeProblem* p, Extents* e) {
+  const MutableTensorView4& out = outputs.out;
+  if (!out.present()) return error("out: is required");
+  FLASHCTE_DECODE_CHECK(check_view("out", out, 4, "(batch, q_heads, T, dv)", &e->out));
+  FLASHCTE_DECODE_CHECK(expect_dtype("out", out.dtype, p->dtype, "q's dtype"));
+  FLASHCTE_DECODE_CHECK(expect_dim("out", out, 0, p->batch, "batch"));
+  FLASHCTE_DECODE_CHECK(expect_dim("out", out, 1, p->q_heads, "q_heads"));
+  FLASHCTE_DECODE_CHECK(expect_dim("out", out, 2, p->tokens, "T"));
+  FLASHCTE_DECODE_CHECK(expect_dim("out", out, 3, p->value_dim, "v_cache's dv"));
+  FLASHCTE_DECODE_CHECK(check_no_self_overlap("out", out));
+  p->out = out.data;
+  std::copy(out.strides.begin(), out.strides.end(), p->out_strides.begin());
+  const MutableTensorView& lse = outputs.lse;
+  if (!lse.present()) return Status::Ok();
+  FLASHCTE_DECODE_CHECK(check_view("lse", lse, 3, "(batch, q_heads, T)", &e->lse));
+  if (lse.dtype != DType::kFloat32) {
+    return error(std::string("lse: dtype must be float32, got ") + dtype_name(lse.dtype));
+  }
+  FLASHCTE_DECODE_CHECK(expect_dim("lse", lse, 0, p->batch, "batch"));
+  FLASHCTE_DECODE_CHECK(expect_dim("lse", lse, 1, p->q_heads, "q_heads"));
+  FLASHCTE_DECODE_CHECK(expect_dim("lse", lse, 2, p->tokens, "T"));
+  FLASHCTE_DECODE_CHECK(check_no_self_overlap("lse", lse));
+  p->lse = static_cast<float*>(lse.data);
+  std::copy(lse.strides.begin(), lse.strides.end(), p->lse_strides.begin());
+  return Status::Ok();
+}
+
+// No output overlaps an input or the other output.
+Status check_aliasing(const Extents& e) {
+  const struct {
+    const char* name;
+    Extent extent;
+  } inputs[] = {{"q", e.q},
+                {"k_cache", e.k},
+                {"v_cache", e.v},
+                {"positions", e.positions},
+                {"sink", e.sink}},
+    outs[] = {{"out", e.out}, {"lse", e.lse}};
+  for (const auto& o : outs) {
+    for (const auto& in : inputs) {
+      if (overlaps(o.extent, in.extent)) {
+        return error(std::string(o.name) + ": overlaps the input " + in.name +
+                     "; outputs must not alias inputs");
+      }
+    }
+  }
+  if (overlaps(e.out, e.lse)) return error("lse: overlaps the output out");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status validate_decode(const TensorView4& q, const TensorView4& k_cache, const TensorView4& v_cache,
+                       const TensorView& positions, const DecodeOutputs& outputs,
+                       const DecodeOptions& options, DecodeProblem* problem) {
+  *problem = DecodeProblem{};
+  Extents e;
+  FLASHCTE_DECODE_CHECK(check_inputs(q, k_cache, v_cache, problem, &e));
+  FLASHCTE_DECODE_CHECK(check_positions(positions, problem, &e.positions));
+  FLASHCTE_DECODE_CHECK(check_options(options, problem, &e.sink));
+  FLASHCTE_DECODE_CHECK(check_outputs(outputs, problem, &e));
+  return check_aliasing(e);
+}
+
+}  // namespace flashcte::internal

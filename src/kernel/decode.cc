@@ -1,0 +1,279 @@
+// The decode recurrence over one chunk of one (sequence, KV head) pair:
+//
+//   Q resident: the group's query heads x the T new tokens, one row each (row r = t * group + h,
+//     so the rows of one token, which share their slot range, are consecutive), in float32;
+//   for each block of kBlockSlots cache slots of the chunk:
+//     S = scale * Q.K^T on the K rows in place (Ops::decode_qk), softcap;
+//     per run of tokens with the same slot range in the block: row max, the online softmax in
+//       SoftmaxState (softmax_state.h), P = exp(S - max) (Ops::exp_sum, rounded to bfloat16 for
+//       bfloat16 inputs as in attention_cte), O = alpha O + P.V on the V rows in place
+//       (Ops::decode_pv);
+//   then either out = O / l (a pair with one chunk) or the unnormalized state parked for the
+//   merge, which folds the chunks in order with SoftmaxState::merge.
+//
+// A row only ever reads the scores, and P.V only the V rows, of the slots it attends: slots past
+// a token's position (the later new tokens of a chunk) or before its window may hold anything,
+// NaN included, without reaching its output. K and V are read where they are, converted in
+// registers; a cache whose channel stride is not 1 is gathered one block at a time (in its own
+// dtype, never widened) before the same kernels.
+#include "src/kernel/decode.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "src/core/math.h"
+#include "src/kernel/convert.h"
+#include "src/kernel/scratch.h"
+#include "src/kernel/softmax_state.h"
+
+namespace flashcte::internal {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Chunk boundaries: every multiple of this many slots (a constant, so the split of a problem
+// never depends on the thread count). 32/8 heads at d = 128 read 8 * 1024 * 512 bytes of
+// bfloat16 K/V per chunk and KV head group: ~25 us of bandwidth against a merge of 4 rows x 130
+// floats, and 4096 cached tokens still make 4 chunks per KV head for the threads to share.
+constexpr int64_t kChunkSlots = 1024;
+// Slots per block: the scores of a block (rows x 64 floats) and its K and V rows (64 x 256 bytes
+// each for bfloat16 at d = 128, 32 KiB of float32) stay in L1 / L2 between QK, the softmax and PV.
+constexpr int64_t kBlockSlots = 64;
+
+struct DecodeScratch {
+  LineAligned<float> q;  // [rows][ldq] float32, zero past d
+  LineAligned<float> s;  // [rows][lds] scores, then probabilities
+  LineAligned<float> o;  // [rows][ldo] accumulators
+  LineAligned<float> neg_max, sum, alpha;
+  std::vector<unsigned char> gather_k, gather_v;  // a block of K / V rows when not unit stride
+};
+
+DecodeScratch& decode_scratch() {
+  static thread_local DecodeScratch scratch;
+  return scratch;
+}
+
+// The geometry of one pair's rows in scratch.
+struct PairShape {
+  int64_t b, kv_head, rows, ldq, lds, ldo;
+};
+
+PairShape pair_shape(const DecodeProblem& p, int64_t pair) {
+  return {pair / p.kv_heads,
+          pair % p.kv_heads,
+          p.rows(),
+          simd::padded(p.head_dim),
+          simd::leading_dim(kBlockSlots),
+          simd::padded(p.value_dim)};
+}
+
+void ensure_scratch(const PairShape& ps, DecodeScratch& sc) {
+  ensure(sc.q, ps.rows * ps.ldq);
+  ensure(sc.s, ps.rows * ps.lds);
+  ensure(sc.o, ps.rows * ps.ldo);
+  for (LineAligned<float>* row_state : {&sc.neg_max, &sc.sum, &sc.alpha}) {
+    ensure(*row_state, ps.rows);
+  }
+}
+
+SoftmaxState pair_state(const DecodeProblem& p, const PairShape& ps, DecodeScratch& sc) {
+  return SoftmaxState(sc.neg_max.data(), sc.sum.data(), sc.alpha.data(), sc.o.data(), ps.ldo,
+                      ps.rows, p.value_dim);
+}
+
+// Query head of row r of the pair, and its token.
+int64_t row_head(const DecodeProblem& p, const PairShape& ps, int64_t r) {
+  return ps.kv_head * p.group + r % p.group;
+}
+int64_t row_token(const DecodeProblem& p, int64_t r) { return r / p.group; }
+
+float sink_logit(const DecodeProblem& p, int64_t head) {
+  return p.sink ? p.sink[head * p.sink_stride] : -kInf;
+}
+
+// Q rows of the pair in float32, zero past d (decode_qk reads whole vectors).
+void pack_q(const DecodeProblem& p, const simd::Ops& ops, const PairShape& ps, float* q) {
+  const int64_t d = p.head_dim, elem = dtype_size(p.dtype);
+  const auto& st = p.q_strides;
+  for (int64_t r = 0; r < ps.rows; ++r) {
+    const int64_t offset = ps.b * st[0] + row_head(p, ps, r) * st[1] + row_token(p, r) * st[2];
+    float* dst = q + r * ps.ldq;
+    if (st[3] == 1) {
+      ops.to_float(static_cast<const unsigned char*>(p.q) + offset * elem, p.dtype, d, dst);
+    } else {
+      for (int64_t x = 0; x < d; ++x) dst[x] = load_as_float(p.q, offset + x * st[3], p.dtype);
+    }
+    std::fill(dst + d, dst + ps.ldq, 0.0f);
+  }
+}
+
+// Rows [lo, hi) of a cache (base already at the pair's head) as unit-stride rows `*ld` elements
+// apart: in place when the channel stride is 1, else gathered into `buffer` in its dtype.
+const void* cache_rows(const DecodeProblem& p, const void* base, const std::array<int64_t, 4>& st,
+                       int64_t channels, int64_t lo, int64_t hi, std::vector<unsigned char>& buffer,
+                       int64_t* ld) {
+  const int64_t elem = dtype_size(p.dtype);
+  const auto* bytes = static_cast<const unsigned char*>(base);
+  if (st[3] == 1) {
+    *ld = st[2];
+    return bytes + lo * st[2] * elem;
+  }
+  ensure(buffer, static_cast<size_t>((hi - lo) * channels * elem));
+  for (int64_t j = lo; j < hi; ++j) {
+    for (int64_t x = 0; x < channels; ++x) {
+      std::memcpy(&buffer[((j - lo) * channels + x) * elem], bytes + (j * st[2] + x * st[3]) * elem,
+                  static_cast<size_t>(elem));
+    }
+  }
+  *ld = channels;
+  return buffer.data();
+}
+
+// The slots of the block [j0, j1) row range `slots` leaves, relative to j0 (empty: lo >= hi).
+SlotRange clip(const SlotRange& slots, int64_t j0, int64_t j1) {
+  return {std::max(slots.lo, j0) - j0, std::min(slots.hi, j1) - j0};
+}
+
+// One block of slots [j0, j1) for every row of the pair.
+void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairShape& ps, int64_t j0,
+                  int64_t j1, DecodeScratch& sc, SoftmaxState& state) {
+  const DecodeProblem& p = kernel.problem();
+  const int64_t k_off = ps.b * p.k_strides[0] + ps.kv_head * p.k_strides[1];
+  const int64_t v_off = ps.b * p.v_strides[0] + ps.kv_head * p.v_strides[1];
+  const int64_t elem = dtype_size(p.dtype);
+  // The union of the tokens' ranges in the block: QK computes it for every row.
+  SlotRange all{j1 - j0, 0};
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    const SlotRange c = clip(kernel.row_slots(ps.b, t), j0, j1);
+    if (c.lo < c.hi) all = {std::min(all.lo, c.lo), std::max(all.hi, c.hi)};
+  }
+  if (all.lo >= all.hi) return;
+  int64_t ldk = 0;
+  const void* k = cache_rows(p, static_cast<const unsigned char*>(p.k) + k_off * elem, p.k_strides,
+                             p.head_dim, j0 + all.lo, j0 + all.hi, sc.gather_k, &ldk);
+  ops.decode_qk(sc.q.data(), ps.ldq, ps.rows, k, p.dtype, ldk, all.hi - all.lo, p.head_dim, p.scale,
+                sc.s.data(), ps.lds);
+
+  const bool round_p = p.dtype == DType::kBFloat16;
+  for (int64_t t0 = 0; t0 < p.tokens;) {
+    // A run of tokens [t0, t1) with the same range in the block: their rows are consecutive.
+    const SlotRange c = clip(kernel.row_slots(ps.b, t0), j0, j1);
+    int64_t t1 = t0 + 1;
+    while (t1 < p.tokens) {
+      const SlotRange next = clip(kernel.row_slots(ps.b, t1), j0, j1);
+      if (next.lo != c.lo || next.hi != c.hi) break;
+      ++t1;
+    }
+    const int64_t r0 = t0 * p.group, r1 = t1 * p.group;
+    t0 = t1;
+    if (c.lo >= c.hi) continue;  // nothing attended: the state stays as it is
+    const int64_t col = c.lo - all.lo, n = c.hi - c.lo;
+    for (int64_t r = r0; r < r1; ++r) {
+      float* srow = sc.s.data() + r * ps.lds + col;
+      if (p.softcap > 0.0f) ops.softcap(srow, n, p.softcap);
+      const float bias = state.rescale(r, ops.row_max(srow, n));
+      state.add_to_sum(r, ops.exp_sum(srow, n, bias, round_p));
+    }
+    int64_t ldv = 0;
+    const void* v = cache_rows(p, static_cast<const unsigned char*>(p.v) + v_off * elem,
+                               p.v_strides, p.value_dim, j0 + c.lo, j0 + c.hi, sc.gather_v, &ldv);
+    ops.decode_pv(sc.s.data() + r0 * ps.lds + col, ps.lds, r1 - r0, n, v, p.dtype, ldv, p.value_dim,
+                  state.alpha() + r0, state.o(r0), ps.ldo);
+  }
+}
+
+// Normalizes row r of `state` and writes it as (b, head, token) of out and lse.
+void write_row(const DecodeProblem& p, int64_t b, int64_t head, int64_t t, SoftmaxState& state,
+               int64_t r) {
+  const SoftmaxState::Stats stats = state.finish(r);
+  const auto& st = p.out_strides;
+  store_row_from_float(p.out, b * st[0] + head * st[1] + t * st[2], st[3], p.dtype, state.o(r),
+                       p.value_dim);
+  if (p.lse) {
+    p.lse[b * p.lse_strides[0] + head * p.lse_strides[1] + t * p.lse_strides[2]] = stats.lse;
+  }
+}
+
+}  // namespace
+
+DecodeKernel::DecodeKernel(const DecodeProblem& problem)
+    : problem_(problem), ops_(simd::ops()), sequence_slots_(problem.batch) {
+  for (int64_t b = 0; b < problem.batch; ++b) {
+    SlotRange all{problem.max_len, 0};
+    for (int64_t t = 0; t < problem.tokens; ++t) {
+      const SlotRange r = row_slots(b, t);
+      all = {std::min(all.lo, r.lo), std::max(all.hi, r.hi)};
+    }
+    sequence_slots_[b] = all.lo < all.hi ? all : SlotRange{0, 0};
+  }
+}
+
+SlotRange DecodeKernel::row_slots(int64_t b, int64_t t) const {
+  const int64_t pos = problem_.position(b, t), w = problem_.sliding_window;
+  return {w > 0 ? std::max<int64_t>(0, pos - w + 1) : 0, pos + 1};
+}
+
+int64_t DecodeKernel::chunk_length() const { return kChunkSlots; }
+
+int64_t DecodeKernel::num_chunks(int64_t b) const {
+  const SlotRange& s = sequence_slots_[b];
+  if (s.lo >= s.hi) return 0;
+  return (s.hi - 1) / kChunkSlots - s.lo / kChunkSlots + 1;
+}
+
+SlotRange DecodeKernel::chunk_slots(int64_t b, int64_t chunk) const {
+  const SlotRange& s = sequence_slots_[b];
+  const int64_t begin = (s.lo / kChunkSlots + chunk) * kChunkSlots;
+  return {std::max(s.lo, begin), std::min(s.hi, begin + kChunkSlots)};
+}
+
+int64_t DecodeKernel::partial_floats() const {
+  return problem_.rows() * SoftmaxState::saved_row_floats(problem_.value_dim);
+}
+
+void DecodeKernel::run(int64_t pair, int64_t chunk, float* partial) const {
+  const DecodeProblem& p = problem_;
+  DecodeScratch& sc = decode_scratch();
+  const PairShape ps = pair_shape(p, pair);
+  ensure_scratch(ps, sc);
+  pack_q(p, ops_, ps, sc.q.data());
+  SoftmaxState state = pair_state(p, ps, sc);
+  // Each row starts from its head's sink; a chunk of a split pair leaves the sink to the merge.
+  for (int64_t r = 0; r < ps.rows; ++r) {
+    SoftmaxState row(&sc.neg_max[r], &sc.sum[r], &sc.alpha[r], state.o(r), ps.ldo, 1, p.value_dim);
+    row.seed(partial ? -kInf : sink_logit(p, row_head(p, ps, r)));
+  }
+  const SlotRange slots = chunk_slots(ps.b, chunk);
+  for (int64_t j0 = slots.lo; j0 < slots.hi; j0 += kBlockSlots) {
+    attend_block(*this, ops_, ps, j0, std::min(j0 + kBlockSlots, slots.hi), sc, state);
+  }
+  const int64_t saved = SoftmaxState::saved_row_floats(p.value_dim);
+  for (int64_t r = 0; r < ps.rows; ++r) {
+    if (partial) {
+      state.save(r, partial + r * saved);
+    } else {
+      write_row(p, ps.b, row_head(p, ps, r), row_token(p, r), state, r);
+    }
+  }
+}
+
+void DecodeKernel::merge(int64_t pair, const float* partials) const {
+  const DecodeProblem& p = problem_;
+  const PairShape ps = pair_shape(p, pair);
+  const int64_t chunks = num_chunks(ps.b), saved = SoftmaxState::saved_row_floats(p.value_dim);
+  std::vector<float> o(static_cast<size_t>(p.value_dim));
+  float neg_max = 0, sum = 0, alpha = 0;
+  SoftmaxState state(&neg_max, &sum, &alpha, o.data(), p.value_dim, 1, p.value_dim);
+  for (int64_t r = 0; r < ps.rows; ++r) {
+    const int64_t head = row_head(p, ps, r);
+    // The recurrence across chunks, in chunk order, from the sink.
+    state.seed(sink_logit(p, head));
+    for (int64_t c = 0; c < chunks; ++c) {
+      state.merge_saved(0, partials + c * partial_floats() + r * saved);
+    }
+    write_row(p, ps.b, head, row_token(p, r), state, 0);
+  }
+}
+
+}  // namespace flashcte::internal

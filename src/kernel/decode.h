@@ -1,0 +1,93 @@
+// The decode kernel as the schedule sees it (include/flashcte/decode.h): the validated problem,
+// cut into (sequence, KV head) pairs whose query rows (every query head of the KV head's group,
+// times the T new tokens) are computed together, so each cached K and V row is read once per
+// call. A pair's key range is cut into chunks whose boundaries are multiples of chunk_length(),
+// a constant of the kernel: they depend on the problem only, never on the thread count. A pair
+// with one chunk is computed and written in one go; a pair with several parks one partial
+// softmax state per chunk, and merge() folds them in chunk order.
+#ifndef FLASHCTE_SRC_KERNEL_DECODE_H_
+#define FLASHCTE_SRC_KERNEL_DECODE_H_
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "flashcte/flashcte.h"
+#include "src/simd/ops.h"
+
+namespace flashcte::internal {
+
+// The validated, normalized form of one decode_attention call (filled by the dispatch layer).
+// Strides are in elements; axes are (batch, head, token or slot, channel).
+struct DecodeProblem {
+  DType dtype = DType::kFloat32;  // of q, the caches and out
+  int64_t batch = 0;
+  int64_t q_heads = 0;
+  int64_t kv_heads = 0;
+  int64_t group = 1;     // q_heads / kv_heads
+  int64_t tokens = 0;    // T, new tokens per sequence
+  int64_t max_len = 0;   // cache slots per sequence
+  int64_t head_dim = 0;  // d
+  int64_t value_dim = 0;
+  const void* q = nullptr;
+  std::array<int64_t, 4> q_strides{};
+  const void* k = nullptr;
+  std::array<int64_t, 4> k_strides{};
+  const void* v = nullptr;
+  std::array<int64_t, 4> v_strides{};
+  void* out = nullptr;
+  std::array<int64_t, 4> out_strides{};
+  float* lse = nullptr;  // null: not requested
+  std::array<int64_t, 3> lse_strides{};
+  std::vector<int64_t> positions;  // [batch][tokens]
+  const float* sink = nullptr;     // per query head, or null
+  int64_t sink_stride = 0;
+  float scale = 1.0f;
+  float softcap = 0.0f;
+  int64_t sliding_window = 0;
+  int threads = 0;
+
+  int64_t position(int64_t b, int64_t t) const { return positions[b * tokens + t]; }
+  int64_t rows() const { return group * tokens; }
+};
+
+// The cache slots [lo, hi) one query row attends.
+struct SlotRange {
+  int64_t lo = 0, hi = 0;
+};
+
+class DecodeKernel {
+ public:
+  explicit DecodeKernel(const DecodeProblem& problem);  // must outlive the kernel
+
+  const DecodeProblem& problem() const { return problem_; }
+  // Pairs are numbered b * kv_heads + kv_head.
+  int64_t num_pairs() const { return problem_.batch * problem_.kv_heads; }
+  // The slots token t of sequence b attends, and their union over the tokens of b.
+  SlotRange row_slots(int64_t b, int64_t t) const;
+  SlotRange sequence_slots(int64_t b) const { return sequence_slots_[b]; }
+  // Chunk boundaries are the multiples of this many slots.
+  int64_t chunk_length() const;
+  // The chunks of sequence b (the same for each of its KV heads); chunk c covers slots
+  // [first_chunk(b) + c) * chunk_length(), ...) clipped to sequence_slots(b).
+  int64_t num_chunks(int64_t b) const;
+  SlotRange chunk_slots(int64_t b, int64_t chunk) const;
+
+  // Computes chunk `chunk` of `pair`. With `partial` null (only when the pair has one chunk) the
+  // rows are finished and written; otherwise the chunk's unnormalized state goes to `partial`
+  // (partial_floats() floats) for merge(). Uses this thread's scratch.
+  void run(int64_t pair, int64_t chunk, float* partial) const;
+  int64_t partial_floats() const;
+  // Folds the num_chunks partials of `pair` (stored consecutively) in chunk order, from the
+  // sink, and writes the rows.
+  void merge(int64_t pair, const float* partials) const;
+
+ private:
+  const DecodeProblem& problem_;
+  const simd::Ops& ops_;
+  std::vector<SlotRange> sequence_slots_;
+};
+
+}  // namespace flashcte::internal
+
+#endif  // FLASHCTE_SRC_KERNEL_DECODE_H_

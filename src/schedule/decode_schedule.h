@@ -1,0 +1,32 @@
+// The decode kernel's work over threads. A work item is one chunk of one (sequence, KV head)
+// pair (src/kernel/decode.h); chunk boundaries are the kernel's, fixed by the problem. Items are
+// handed out dynamically in a fixed order; pairs with several chunks park a partial state per
+// chunk and are merged afterwards in chunk order, each pair by one thread. Which thread ran which
+// chunk changes nothing in the arithmetic, so results are bitwise identical for any thread count.
+#ifndef FLASHCTE_SRC_SCHEDULE_DECODE_SCHEDULE_H_
+#define FLASHCTE_SRC_SCHEDULE_DECODE_SCHEDULE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "src/kernel/decode.h"
+
+namespace flashcte::internal {
+
+struct DecodeItem {
+  int64_t pair = 0;
+  int64_t chunk = 0;
+  int64_t partial = -1;  // index of its partial state, -1 when the pair has one chunk
+};
+
+// Every work item of the problem, pair by pair and chunk by chunk; `partials` receives the
+// number of partial states they park.
+std::vector<DecodeItem> make_decode_items(const DecodeKernel& kernel, int64_t* partials);
+
+// Runs every item, then every merge, on the resolved thread count (DecodeProblem::threads,
+// 0 = OpenMP's default, never more than there are items).
+void run_decode(const DecodeKernel& kernel);
+
+}  // namespace flashcte::internal
+
+#endif  // FLASHCTE_SRC_SCHEDULE_DECODE_SCHEDULE_H_

@@ -1,0 +1,305 @@
+// Decode: the two matmuls of a few query rows against K and V rows read in place from a KV cache
+// of float32, bfloat16 or float16 (src/kernel/decode.h). Nothing is packed: cache rows are
+// converted to float32 in registers as they are loaded.
+//
+// QK (DecodeQk): S[r][j] = scale * Q[r] . K[j]. The cache is (key, d) row-major, so each score is
+// a dot product along d. Register tile: R rows x K keys of N-lane accumulators with R * K = N
+// (AVX-512 4 x 4 = 16 zmm, AVX2 4 x 2 = 8 ymm, SSE4 4 x 1, scalar 1 x 1); per step of N along d,
+// K loads of K (converted), R loads of Q (L1-resident) and R * K FMAs. The horizontal sums wait
+// until the whole of d is done: the N accumulators then go through one transposing ladder
+// (SumLadder: log2 N levels of ConcatEven + ConcatOdd + Add, N - 1 steps) that leaves the sum of
+// accumulator i in lane i, about 3 vector ops per score against d / N FMAs per score (8 at
+// d = 128 on AVX-512).
+//
+// PV (DecodePv): O[r] = alpha[r] O[r] + sum_j P[r][j] V[j]: per key, C vectors of the V row
+// (converted) and one broadcast of P per row. Register tile R x C with C as wide as dv allows
+// (AVX-512: up to 8 vectors = 128 columns, R * C <= 16; other targets up to 4, R * C <= 8), keys
+// innermost, so a V row is loaded from memory by the first row block and from L1 by the others.
+//
+// Bytes per FLOP: each cached K or V element is read once per call and feeds 2 FLOPs per query
+// row (group * T rows of one KV head). At 4 rows (32/8 heads, T = 1) that is 0.25 B/FLOP for
+// bfloat16 and 0.5 for float32 caches; two Zen 4 cores (~117 GFLOP/s of fp32 FMA each) reading
+// ~22 GB/s break even near 0.1 B/FLOP, so the kernel is memory-bound with room to spare for
+// float32 and within ~2x of the arithmetic limit for bfloat16 at 4 rows.
+//
+// Width contract (ops.h, decode_qk / decode_pv): K and V are read at columns [0, d) / [0, dv) of
+// rows [0, n) only (the last cache row may end a mapping: column tails are copied into a zeroed
+// vector first). Q is read over [0, round_up(d, N)) and must be finite past d. S is written at
+// rows [0, rows) x columns [0, n) exactly. O is read and written over [0, round_up(dv, N)).
+
+#if defined(FLASHCTE_SRC_SIMD_DECODE_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FLASHCTE_SRC_SIMD_DECODE_INL_H_
+#undef FLASHCTE_SRC_SIMD_DECODE_INL_H_
+#else
+#define FLASHCTE_SRC_SIMD_DECODE_INL_H_
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "hwy/highway.h"
+#include "src/simd/shared-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace flashcte::simd {
+namespace HWY_NAMESPACE {
+
+// Rows of a QK tile: 4 at most (Q loads stay at one per K keys' FMAs), never more than N, since
+// the tile holds R * K = N accumulators.
+constexpr int64_t kDecodeQkRows = kMaxLanes < 4 ? kMaxLanes : 4;
+// PV's accumulator budget and widest panel: 16 of AVX-512's 32 registers (8 of 16 elsewhere),
+// leaving room for the C converted V vectors and the P broadcast.
+constexpr int64_t kDecodePvAcc = kMaxLanes >= 16 ? 16 : 8;
+constexpr int64_t kDecodePvCols = kMaxLanes >= 16 ? 8 : 4;
+
+// N values of a cache row from p, as float32.
+template <class T>
+HWY_INLINE hn::Vec<DF> LoadAsFloat(DF df, const T* HWY_RESTRICT p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return hn::LoadU(df, p);
+  } else {
+    const hn::Rebind<T, DF> dh;
+    return hn::PromoteTo(df, hn::LoadU(dh, p));
+  }
+}
+
+// The `count` (< N) values at p, zero-extended to N, as float32: the tail of a row that may end
+// a mapping.
+template <class T>
+HWY_INLINE hn::Vec<DF> LoadTailAsFloat(DF df, const T* HWY_RESTRICT p, int64_t count) {
+  HWY_ALIGN T buf[kMaxLanes];
+  std::memset(static_cast<void*>(buf), 0, sizeof buf);
+  std::memcpy(static_cast<void*>(buf), p, static_cast<size_t>(count) * sizeof(T));
+  return LoadAsFloat(df, buf);
+}
+
+#if !HWY_HAVE_SCALABLE
+// v[0..M) with M = N: returns the vector whose lane i is the sum of v[i]'s lanes. Each level
+// halves the vectors and the lanes per source: lower half of the result = v[2i]'s lanes summed
+// in pairs, upper half = v[2i + 1]'s. Clobbers v.
+template <int64_t M>
+HWY_INLINE hn::Vec<DF> SumLadder(DF df, hn::Vec<DF>* v) {
+  if constexpr (M == 1) {
+    return v[0];
+  } else {
+#if HWY_TARGET != HWY_SCALAR  // one lane there (M == 1): the scalar target has no ConcatEven
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < M / 2; ++i) {
+      v[i] = hn::Add(hn::ConcatEven(df, v[2 * i + 1], v[2 * i]),
+                     hn::ConcatOdd(df, v[2 * i + 1], v[2 * i]));
+    }
+#endif
+    return SumLadder<M / 2>(df, v);
+  }
+}
+#endif
+
+// One QK tile: rows [r0, r0 + R) x keys [j0, j0 + N / R). Rows and keys past the ends are
+// computed on the last row / key (clamped pointers) and not stored.
+template <int64_t R, class T>
+HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, int64_t r0,
+                       const T* HWY_RESTRICT k, int64_t ldk, int64_t n, int64_t j0, int64_t d,
+                       float scale, float* HWY_RESTRICT s, int64_t lds) {
+  const DF df;
+  constexpr int64_t N = kMaxLanes, K = N / R;
+  static_assert(R * K == N, "the ladder sums exactly N accumulators");
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  const float* qr[R];
+  const T* kr[K];
+  for (int64_t r = 0; r < R; ++r) qr[r] = q + std::min(r0 + r, rows - 1) * ldq;
+  for (int64_t c = 0; c < K; ++c) kr[c] = k + std::min(j0 + c, n - 1) * ldk;
+  hn::Vec<DF> acc[R * K];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < R * K; ++i) acc[i] = hn::Zero(df);
+  const auto step = [&](int64_t x, const hn::Vec<DF>* kv) HWY_ATTR {
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < R; ++r) {
+      const auto qv = hn::LoadU(df, qr[r] + x);
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < K; ++c) acc[r * K + c] = hn::MulAdd(qv, kv[c], acc[r * K + c]);
+    }
+  };
+  int64_t x = 0;
+  for (; x + lanes <= d; x += lanes) {
+    hn::Vec<DF> kv[K];
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < K; ++c) kv[c] = LoadAsFloat(df, kr[c] + x);
+    step(x, kv);
+  }
+  if (x < d) {
+    hn::Vec<DF> kv[K];
+    for (int64_t c = 0; c < K; ++c) kv[c] = LoadTailAsFloat(df, kr[c] + x, d - x);
+    step(x, kv);
+  }
+  HWY_ALIGN float sums[N];
+#if HWY_HAVE_SCALABLE
+  for (int64_t i = 0; i < R * K; ++i) sums[i] = hn::GetLane(hn::SumOfLanes(df, acc[i])) * scale;
+#else
+  hn::Store(hn::Mul(SumLadder<N>(df, acc), hn::Set(df, scale)), df, sums);
+#endif
+  const int64_t keys = std::min(K, n - j0);
+  for (int64_t r = 0; r < R && r0 + r < rows; ++r) {
+    float* dst = s + (r0 + r) * lds + j0;
+    if (keys == K) {
+      std::memcpy(dst, sums + r * K, sizeof(float) * K);
+    } else {
+      for (int64_t c = 0; c < keys; ++c) dst[c] = sums[r * K + c];
+    }
+  }
+}
+
+template <class T>
+void QkTyped(const float* q, int64_t ldq, int64_t rows, const T* k, int64_t ldk, int64_t n,
+             int64_t d, float scale, float* s, int64_t lds) {
+  constexpr int64_t R = kDecodeQkRows;
+  for (int64_t r0 = 0; r0 < rows; r0 += R) {
+    // The last block narrows to 2 or 1 rows when that is all that is left (R * K stays N), so
+    // that few rows do not pay for a full tile of duplicates; 3 rows take a 4-row tile.
+    const int64_t left = rows - r0;
+    if constexpr (R >= 2) {
+      if (left <= 2) {
+        if (left == 2) {
+          for (int64_t j0 = 0; j0 < n; j0 += kMaxLanes / 2) {
+            QkTile<2>(q, ldq, rows, r0, k, ldk, n, j0, d, scale, s, lds);
+          }
+        } else {
+          for (int64_t j0 = 0; j0 < n; j0 += kMaxLanes) {
+            QkTile<1>(q, ldq, rows, r0, k, ldk, n, j0, d, scale, s, lds);
+          }
+        }
+        continue;
+      }
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += kMaxLanes / R) {
+      QkTile<R>(q, ldq, rows, r0, k, ldk, n, j0, d, scale, s, lds);
+    }
+  }
+}
+
+void DecodeQk(const float* q, int64_t ldq, int64_t rows, const void* k, DType dtype, int64_t ldk,
+              int64_t n, int64_t d, float scale, float* s, int64_t lds) {
+  if (rows <= 0 || n <= 0) return;
+  switch (dtype) {
+    case DType::kBFloat16:
+      QkTyped(q, ldq, rows, static_cast<const hwy::bfloat16_t*>(k), ldk, n, d, scale, s, lds);
+      break;
+    case DType::kFloat16:
+      QkTyped(q, ldq, rows, static_cast<const hwy::float16_t*>(k), ldk, n, d, scale, s, lds);
+      break;
+    default:
+      QkTyped(q, ldq, rows, static_cast<const float*>(k), ldk, n, d, scale, s, lds);
+  }
+}
+
+// One PV tile: R rows x C vectors of columns starting at V column 0 of `v` (already offset);
+// with kTail the last vector holds only `tail` (< N) columns of V.
+template <int64_t R, int64_t C, bool kTail, class T>
+HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n,
+                       const T* HWY_RESTRICT v, int64_t ldv, int64_t tail, const float* alpha,
+                       float* HWY_RESTRICT o, int64_t ldo) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  hn::Vec<DF> acc[R][C];
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < R; ++r) {
+    const auto al = hn::Set(df, alpha ? alpha[r] : 1.0f);
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < C; ++c) {
+      acc[r][c] = hn::LoadU(df, o + r * ldo + c * N);
+      if (alpha) acc[r][c] = hn::Mul(acc[r][c], al);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* row = v + j * ldv;
+    hn::Vec<DF> vv[C];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < C; ++c) {
+      vv[c] = kTail && c == C - 1 ? LoadTailAsFloat(df, row + c * N, tail)
+                                  : LoadAsFloat(df, row + c * N);
+    }
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < R; ++r) {
+      const auto pr = hn::Set(df, p[r * ldp + j]);
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(pr, vv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < C; ++c) hn::StoreU(acc[r][c], df, o + r * ldo + c * N);
+  }
+}
+
+// Rows [0, rows) of one panel of C vectors, in row blocks of the most rows the budget allows.
+template <int64_t C, bool kTail, class T>
+HWY_INLINE void PvPanel(const float* p, int64_t ldp, int64_t rows, int64_t n, const T* v,
+                        int64_t ldv, int64_t tail, const float* alpha, float* o, int64_t ldo) {
+  constexpr int64_t R = std::min<int64_t>(4, std::max<int64_t>(1, kDecodePvAcc / C));
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) {
+    PvTile<R, C, kTail>(p + r * ldp, ldp, n, v, ldv, tail, alpha ? alpha + r : nullptr,
+                        o + r * ldo, ldo);
+  }
+  RemainderBlock<R - 1>(rows - r, r, [&](auto block_rows, int64_t r1) HWY_ATTR {
+    constexpr int64_t R1 = decltype(block_rows)::value;
+    PvTile<R1, C, kTail>(p + r1 * ldp, ldp, n, v, ldv, tail, alpha ? alpha + r1 : nullptr,
+                         o + r1 * ldo, ldo);
+  });
+}
+
+// A panel of `vectors` (1..kDecodePvCols) vectors, the last one partial with kTail.
+template <int64_t C, bool kTail, class T>
+HWY_INLINE void PvPanelOf(int64_t vectors, const float* p, int64_t ldp, int64_t rows, int64_t n,
+                          const T* v, int64_t ldv, int64_t tail, const float* alpha, float* o,
+                          int64_t ldo) {
+  if constexpr (C >= 1) {
+    if (vectors == C) {
+      PvPanel<C, kTail>(p, ldp, rows, n, v, ldv, tail, alpha, o, ldo);
+    } else {
+      PvPanelOf<C - 1, kTail>(vectors, p, ldp, rows, n, v, ldv, tail, alpha, o, ldo);
+    }
+  }
+}
+
+template <class T>
+void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const T* v, int64_t ldv,
+             int64_t dv, const float* alpha, float* o, int64_t ldo) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
+  const int64_t full = dv / N, tail = dv % N;
+  const int64_t vectors = full + (tail ? 1 : 0);
+  for (int64_t c0 = 0; c0 < vectors; c0 += kDecodePvCols) {
+    const int64_t width = std::min(kDecodePvCols, vectors - c0);
+    const bool partial = tail != 0 && c0 + width == vectors;
+    const T* vc = v + c0 * N;
+    float* oc = o + c0 * N;
+    if (partial) {
+      PvPanelOf<kDecodePvCols, true>(width, p, ldp, rows, n, vc, ldv, tail, alpha, oc, ldo);
+    } else {
+      PvPanelOf<kDecodePvCols, false>(width, p, ldp, rows, n, vc, ldv, 0, alpha, oc, ldo);
+    }
+  }
+}
+
+void DecodePv(const float* p, int64_t ldp, int64_t rows, int64_t n, const void* v, DType dtype,
+              int64_t ldv, int64_t dv, const float* alpha, float* o, int64_t ldo) {
+  if (rows <= 0) return;
+  switch (dtype) {
+    case DType::kBFloat16:
+      PvTyped(p, ldp, rows, n, static_cast<const hwy::bfloat16_t*>(v), ldv, dv, alpha, o, ldo);
+      break;
+    case DType::kFloat16:
+      PvTyped(p, ldp, rows, n, static_cast<const hwy::float16_t*>(v), ldv, dv, alpha, o, ldo);
+      break;
+    default:
+      PvTyped(p, ldp, rows, n, static_cast<const float*>(v), ldv, dv, alpha, o, ldo);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace flashcte::simd
+HWY_AFTER_NAMESPACE();
+
+#endif  // FLASHCTE_SRC_SIMD_DECODE_INL_H_

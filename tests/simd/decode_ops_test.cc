@@ -1,0 +1,231 @@
+// Testers of the decode micro-kernels (decode_qk, decode_pv of src/simd/ops.h) on every SIMD
+// target this CPU runs, for K / V rows of float32, bfloat16 and float16 read in place: head dims,
+// value dims and key counts at every vector edge of the target (1, N-1, N, N+1, ...), row counts
+// on both sides of the register tiles, tight and loose row strides, canary NaNs around every
+// buffer and in the cache rows' padding (a value read past the contract turns a result into NaN),
+// and a float64 reference.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "src/core/half.h"
+#include "src/simd/ops.h"
+#include "tests/simd/tester.h"
+
+namespace flashcte::test {
+namespace {
+
+constexpr DType kDtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+
+// `rows` cache rows of `cols` values of `dtype`, `ld` elements apart, as a KV cache holds them.
+// Every element outside the rows' [0, cols) (row padding and a guard zone after the last row) is
+// a NaN canary, and the buffer ends right after the guard.
+class CacheRows {
+ public:
+  static constexpr int64_t kGuard = 64;
+
+  CacheRows(DType dtype, int64_t rows, int64_t cols, int64_t ld)
+      : dtype_(dtype), cols_(cols), ld_(ld), elem_(dtype_size(dtype)) {
+    const int64_t elements = rows > 0 ? (rows - 1) * ld + cols + kGuard : kGuard;
+    bytes_.resize(static_cast<size_t>(elements * elem_));
+    for (int64_t i = 0; i < elements; ++i) store_bits(i, canary_bits());
+  }
+  const void* data() const { return bytes_.data(); }
+  int64_t ld() const { return ld_; }
+  // Stores x rounded to the dtype and returns the value stored.
+  double set(int64_t r, int64_t c, float x) {
+    const int64_t i = r * ld_ + c;
+    switch (dtype_) {
+      case DType::kBFloat16:
+        store_bits(i, half::float_to_bf16(x));
+        return half::bf16_to_float(half::float_to_bf16(x));
+      case DType::kFloat16:
+        store_bits(i, half::float_to_f16(x));
+        return half::f16_to_float(half::float_to_f16(x));
+      default:
+        std::memcpy(&bytes_[static_cast<size_t>(i * 4)], &x, 4);
+        return x;
+    }
+  }
+  std::vector<unsigned char> snapshot() const { return bytes_; }
+
+ private:
+  uint32_t canary_bits() const {
+    return dtype_ == DType::kFloat32 ? kCanaryBits : dtype_ == DType::kBFloat16 ? 0x7FC1u : 0x7E01u;
+  }
+  void store_bits(int64_t i, uint32_t bits) {
+    if (elem_ == 4) {
+      std::memcpy(&bytes_[static_cast<size_t>(i * 4)], &bits, 4);
+    } else {
+      const auto h = static_cast<uint16_t>(bits);
+      std::memcpy(&bytes_[static_cast<size_t>(i * 2)], &h, 2);
+    }
+  }
+  DType dtype_;
+  int64_t cols_, ld_, elem_;
+  std::vector<unsigned char> bytes_;
+};
+
+// One decode_qk call: rows x n scores over head dim d, K rows of `dtype`.
+struct QkCase {
+  DType dtype = DType::kFloat32;
+  int64_t rows = 1, n = 1, d = 1, ld_extra = 0;
+  float scale = 0.75f;
+
+  void run(const simd::Ops& ops, std::mt19937& rng) const {
+    std::ostringstream os;
+    os << "decode_qk on " << ops.target << ", " << dtype_name(dtype) << ": rows " << rows << ", n "
+       << n << ", d " << d << ", ld +" << ld_extra;
+    SCOPED_TRACE(os.str());
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    // Q is read over [0, round_up(d, N)) and must be zero (finite) past d; canaries beyond.
+    const int64_t q_read = round_up(d, ops.lanes);
+    GuardedBuffer q(rows, q_read + ld_extra, ld_extra % 3), s(rows, n + ld_extra, ld_extra % 2);
+    CacheRows k(dtype, n, d, d + ld_extra);
+    std::vector<double> qx(static_cast<size_t>(rows * d)), kx(static_cast<size_t>(n * d));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t x = 0; x < q_read; ++x) q.at(r, x) = x < d ? u(rng) : 0.0f;
+      for (int64_t x = 0; x < d; ++x) qx[r * d + x] = q.at(r, x);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t x = 0; x < d; ++x) kx[j * d + x] = k.set(j, x, u(rng));
+    }
+    q.seal();
+    const std::vector<unsigned char> k_before = k.snapshot();
+    ops.decode_qk(q.data(), q.ld(), rows, k.data(), dtype, k.ld(), n, d, scale, s.data(), s.ld());
+    Reference ref(rows, n);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < n; ++j) {
+        double want = 0, abs_sum = 0;
+        for (int64_t x = 0; x < d; ++x) {
+          want += qx[r * d + x] * kx[j * d + x];
+          abs_sum += std::fabs(qx[r * d + x] * kx[j * d + x]);
+        }
+        ref.want[r * n + j] = scale * want;
+        ref.tol[r * n + j] = scale * dot_tolerance(d, abs_sum) + std::ldexp(std::fabs(want), -23);
+      }
+    }
+    expect_near(s, ref, "S");
+    EXPECT_EQ(s.untouched_outside(rows, n), "") << "S written outside rows x n";
+    EXPECT_EQ(q.unchanged(), "") << "Q changed";
+    EXPECT_TRUE(k.snapshot() == k_before) << "K changed";
+  }
+};
+
+// One decode_pv call: O = alpha O + P.V for rows x dv over n keys, V rows of `dtype`.
+struct PvCase {
+  DType dtype = DType::kFloat32;
+  int64_t rows = 1, n = 1, dv = 1, ld_extra = 0;
+  bool with_alpha = true;
+
+  void run(const simd::Ops& ops, std::mt19937& rng) const {
+    std::ostringstream os;
+    os << "decode_pv on " << ops.target << ", " << dtype_name(dtype) << ": rows " << rows << ", n "
+       << n << ", dv " << dv << ", ld +" << ld_extra << (with_alpha ? ", alpha" : "");
+    SCOPED_TRACE(os.str());
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f), u01(0.0f, 1.0f);
+    // O is read and written over [0, round_up(dv, N)): finite there, canaries beyond.
+    const int64_t o_touched = round_up(dv, ops.lanes);
+    GuardedBuffer p(rows, n + ld_extra, ld_extra % 3), o(rows, o_touched + ld_extra, 1);
+    GuardedBuffer alpha(1, rows);
+    CacheRows v(dtype, n, dv, dv + ld_extra);
+    std::vector<double> vx(static_cast<size_t>(n * dv));
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t c = 0; c < dv; ++c) vx[j * dv + c] = v.set(j, c, u(rng));
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < n; ++j) p.at(r, j) = u01(rng);
+      for (int64_t c = 0; c < o_touched; ++c) o.at(r, c) = u(rng);
+      alpha.at(0, r) = u01(rng);
+    }
+    p.seal();
+    alpha.seal();
+    Reference ref(rows, dv);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < dv; ++c) {
+        const double a = with_alpha ? alpha.at(0, r) : 1.0;
+        double want = a * o.at(r, c), abs_sum = std::fabs(want);
+        for (int64_t j = 0; j < n; ++j) {
+          want += p.at(r, j) * vx[j * dv + c];
+          abs_sum += std::fabs(p.at(r, j) * vx[j * dv + c]);
+        }
+        ref.want[r * dv + c] = want;
+        ref.tol[r * dv + c] = dot_tolerance(n + 1, abs_sum);
+      }
+    }
+    ops.decode_pv(p.data(), p.ld(), rows, n, v.data(), dtype, v.ld(), dv,
+                  with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
+    expect_near(o, ref, "O");
+    EXPECT_EQ(o.untouched_outside(rows, o_touched), "") << "O written past round_up(dv, N)";
+    EXPECT_EQ(p.unchanged(), "") << "P changed";
+    EXPECT_EQ(alpha.unchanged(), "") << "alpha changed";
+  }
+};
+
+// Head dims at every vector edge of the target, and the ones models use.
+std::vector<int64_t> dims(int64_t lanes) {
+  std::vector<int64_t> out = edge_lengths(lanes);
+  for (int64_t x : {64, 80, 128, 257}) out.push_back(x);
+  return out;
+}
+
+TEST(SimdDecodeQk, EveryHeadDimKeyEdgeAndDtype) {
+  std::mt19937 rng(11);
+  for_each_target([&](const simd::Ops& ops) {
+    for (DType dtype : kDtypes) {
+      for (int64_t d : dims(ops.lanes)) {
+        for (int64_t n : edge_lengths(ops.lanes)) QkCase{dtype, 4, n, d, 0}.run(ops, rng);
+      }
+    }
+  });
+}
+
+TEST(SimdDecodeQk, EveryRowCountAndStride) {
+  std::mt19937 rng(12);
+  for_each_target([&](const simd::Ops& ops) {
+    for (DType dtype : kDtypes) {
+      for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 32}) {
+        for (int64_t ld_extra : {0, 1, 7}) {
+          QkCase{dtype, rows, 2 * ops.lanes + 3, ops.lanes + 5, ld_extra}.run(ops, rng);
+        }
+      }
+    }
+  });
+}
+
+TEST(SimdDecodePv, EveryValueDimKeyEdgeAndDtype) {
+  std::mt19937 rng(13);
+  for_each_target([&](const simd::Ops& ops) {
+    for (DType dtype : kDtypes) {
+      for (int64_t dv : dims(ops.lanes)) {
+        for (int64_t n : edge_lengths(ops.lanes)) PvCase{dtype, 4, n, dv, 0, true}.run(ops, rng);
+      }
+      PvCase{dtype, 4, 0, 2 * ops.lanes + 1, 0, true}.run(ops, rng);  // no key: O = alpha O
+    }
+  });
+}
+
+TEST(SimdDecodePv, EveryRowCountStrideAndAlphaMode) {
+  std::mt19937 rng(14);
+  for_each_target([&](const simd::Ops& ops) {
+    for (DType dtype : kDtypes) {
+      for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 32}) {
+        for (int64_t ld_extra : {0, 1, 7}) {
+          for (bool with_alpha : {false, true}) {
+            PvCase{dtype, rows, ops.lanes + 3, 9 * ops.lanes + 3, ld_extra, with_alpha}.run(ops,
+                                                                                            rng);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace flashcte::test
