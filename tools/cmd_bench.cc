@@ -25,6 +25,7 @@
 #include "flashcte/flashcte.h"
 #include "tools/args.h"
 #include "tools/attention_flags.h"
+#include "tools/bench_decode.h"
 #include "tools/commands.h"
 #include "tools/openblas_core.h"
 #include "tools/peak.h"
@@ -226,7 +227,7 @@ std::vector<FlagSpec> BenchFlagSpecs() {
       {"reps", FlagKind::kInt, "timed repetitions per impl after one warm-up (default 5)", 1,
        100000},
       {"impl", FlagKind::kChoice, "what to time (default flashcte)", 0, 0,
-       "flashcte|materialized|sgemm|all|peak"},
+       "flashcte|materialized|sgemm|all|peak|bandwidth"},
       {"json", FlagKind::kBool, "one JSON object per impl and line"},
       {"q-block", FlagKind::kInt, "flashcte's query rows per work item (0: automatic)", 0,
        kMaxLength},
@@ -235,6 +236,12 @@ std::vector<FlagSpec> BenchFlagSpecs() {
        "OpenBLAS kernels: auto (default for sgemm, all), inherit (default for materialized), "
        "or a core name such as Haswell, Zen, SkylakeX, Cooperlake"},
   };
+}
+
+std::vector<FlagSpec> AllBenchFlagSpecs() {
+  std::vector<FlagSpec> specs = BenchFlagSpecs();
+  for (const FlagSpec& spec : DecodeBenchFlagSpecs()) specs.push_back(spec);
+  return specs;
 }
 
 // The flags --impl peak has no use for: it times no attention and no OpenBLAS.
@@ -252,14 +259,17 @@ double Median(std::vector<double> v) {
 int BenchCommand(const std::vector<std::string>& args) {
   ParsedFlags f;
   std::string error;
-  const std::vector<FlagSpec> specs = BenchFlagSpecs();
+  const std::vector<FlagSpec> specs = AllBenchFlagSpecs();
   if (!ParseFlags(args, specs, &f, &error)) return UsageError(kCommand, error);
   if (f.help_requested()) {
     std::printf(
         "usage: flashcte bench [--sq N --skv N --d N --heads N --kv-heads N --causal B "
         "--dtype D\n                       --threads T --reps R --impl I --json --q-block N "
         "--kv-tile N\n                       --openblas-core C]\n"
-        "       flashcte bench --impl peak [--threads T --reps R --json]\n\n"
+        "       flashcte bench --impl peak [--threads T --reps R --json]\n"
+        "       flashcte bench --impl bandwidth [--threads T --reps R --json]\n"
+        "       flashcte bench --decode [--batch B --heads N --kv-heads N --d N --cached N\n"
+        "                       --new T --dtype D --threads T --reps R --cold B --json]\n\n"
         "Times one configuration (q (heads, Sq, d), k (kv_heads, d, Skv), v (kv_heads, Skv, d),\n"
         "uniform [0, 1) inputs, scale 1/sqrt(d)). Reports the median over --reps after one\n"
         "warm-up; GFLOP/s counts 4*d*heads*(unmasked query-key pairs) for attention impls and\n"
@@ -279,6 +289,14 @@ int BenchCommand(const std::vector<std::string>& args) {
         "bf16 products and 32 adds), on 1 thread and on --threads (default: all), median and\n"
         "best of --reps rounds of about 0.1 s per measurement. JSON lines: impl \"peak\", kind\n"
         "(fma_f32, bf16_dot), target, threads, gflops (median), best_gflops, counting.\n\n"
+        "--impl bandwidth measures the streaming read bandwidth of memory: 1 and --threads\n"
+        "threads sum a buffer of 8x the L3 cache (at least 256 MiB), --reps passes each.\n\n"
+        "--decode times decode_attention: --new tokens per sequence at positions --cached ..\n"
+        "against a (batch, kv_heads, cached + new, d) K/V cache, scale 1/sqrt(d). It prints the\n"
+        "median time per call, the K/V bytes a call reads (batch x kv_heads x (cached + new) x\n"
+        "2d x dtype size), their GB/s, the read bandwidth measured on --threads threads and the\n"
+        "ratio. With --cold (default) a timed bandwidth pass before each call evicts the caches\n"
+        "from L3 and is the bandwidth sample (the two are interleaved).\n\n"
         "flags:\n%s",
         FlagsHelp(specs).c_str());
     return kExitOk;
@@ -288,6 +306,22 @@ int BenchCommand(const std::vector<std::string>& args) {
   const bool json = f.boolean("json", false);
   int threads = static_cast<int>(f.integer("threads", 0));
   if (threads == 0) threads = omp_get_max_threads();
+  if (f.boolean("decode", false)) return DecodeBench(f);
+  for (const FlagSpec& spec : DecodeBenchFlagSpecs()) {
+    if (f.has(spec.name) && std::string(spec.name) != "decode") {
+      return UsageError(kCommand, std::string("--") + spec.name + ": only used with --decode");
+    }
+  }
+  if (which == "bandwidth") {
+    for (const char* flag : kNotForPeak) {
+      if (f.has(flag)) {
+        return UsageError(kCommand, std::string("--") + flag +
+                                        ": not used by --impl bandwidth (it takes --threads, "
+                                        "--reps and --json)");
+      }
+    }
+    return BandwidthBench(threads, reps, json);
+  }
   if (which == "peak") {
     for (const char* flag : kNotForPeak) {
       if (f.has(flag)) {

@@ -1,0 +1,195 @@
+// `flashcte bench --decode` (bench_decode.h): one decode_attention shape, the median time per
+// call over --reps after a warm-up, the K/V bytes a call must read (every attended slot of every
+// KV head, K and V: batch x kv_heads x (cached + new) x 2d x the dtype's bytes), the GB/s that
+// makes, and the machine's read bandwidth measured by the same program on the same threads.
+//
+// With --cold (the default) each rep first streams the bandwidth buffer (8x L3) on --threads
+// threads, timed: that pass is both the bandwidth sample and the eviction of the caches from L3,
+// as a model's other layers evict them in real use; bandwidth and decode reps are therefore
+// interleaved (B, D, B, D, ...). Without --cold the bandwidth reps run first, then the decode
+// reps back to back on warm caches (whatever of K/V fits in L3 stays there).
+#include "tools/bench_decode.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "flashcte/decode.h"
+#include "tools/bandwidth.h"
+#include "tools/commands.h"
+#include "tools/tensors.h"
+
+namespace flashcte::tools {
+namespace {
+
+constexpr char kCommand[] = "bench";
+
+struct DecodeConfig {
+  int64_t batch, heads, kv_heads, d, cached, tokens;
+  DType dtype;
+  int threads, reps;
+  bool cold, json;
+  int64_t max_len() const { return cached + tokens; }
+  // K and V of every slot the last new token attends, for every sequence and KV head.
+  double kv_bytes() const {
+    return static_cast<double>(batch * kv_heads * max_len() * 2 * d) * dtype_size(dtype);
+  }
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+void Print(const DecodeConfig& c, const std::vector<double>& ms, const std::vector<double>& bw) {
+  const double median_ms = Median(ms), bandwidth = Median(bw);
+  const double gbps = c.kv_bytes() / (median_ms * 1e-3) * 1e-9;
+  if (c.json) {
+    std::printf(
+        "{\"impl\":\"flashcte-decode\",\"dtype\":\"%s\",\"batch\":%lld,\"heads\":%lld,"
+        "\"kv_heads\":%lld,\"d\":%lld,\"cached\":%lld,\"new\":%lld,\"threads\":%d,\"cold\":%s,"
+        "\"reps\":%d,\"median_ms\":%.4f,\"min_ms\":%.4f,\"kv_bytes\":%.0f,\"kv_gbps\":%.3f,"
+        "\"read_bandwidth_gbps\":%.3f,\"bandwidth_ratio\":%.3f,\"simd\":%s}\n",
+        dtype_name(c.dtype), static_cast<long long>(c.batch), static_cast<long long>(c.heads),
+        static_cast<long long>(c.kv_heads), static_cast<long long>(c.d),
+        static_cast<long long>(c.cached), static_cast<long long>(c.tokens), c.threads,
+        c.cold ? "true" : "false", c.reps, median_ms, *std::min_element(ms.begin(), ms.end()),
+        c.kv_bytes(), gbps, bandwidth, gbps / bandwidth, JsonString(simd_target()).c_str());
+    return;
+  }
+  std::printf("%-9s %5s %9s %5s %7s %4s %3s %4s %10s %9s %8s %9s %6s\n", "dtype", "batch",
+              "heads/kv", "d", "cached", "new", "thr", "cold", "median_ms", "KV_MB", "KV_GB/s",
+              "read_GB/s", "ratio");
+  std::printf("%-9s %5lld %5lld/%-3lld %5lld %7lld %4lld %3d %4s %10.3f %9.1f %8.2f %9.2f %6.2f\n",
+              dtype_name(c.dtype), static_cast<long long>(c.batch), static_cast<long long>(c.heads),
+              static_cast<long long>(c.kv_heads), static_cast<long long>(c.d),
+              static_cast<long long>(c.cached), static_cast<long long>(c.tokens), c.threads,
+              c.cold ? "yes" : "no", median_ms, c.kv_bytes() * 1e-6, gbps, bandwidth,
+              gbps / bandwidth);
+  std::printf(
+      "\nread_GB/s: median of %d streaming-read passes over %.0f MiB on %d threads%s; "
+      "SIMD target %s\n",
+      static_cast<int>(bw.size()), static_cast<double>(BandwidthBufferBytes()) / 1048576.0,
+      c.threads, c.cold ? ", interleaved with the decode reps" : ", before the decode reps",
+      simd_target().c_str());
+}
+
+}  // namespace
+
+const char* const kNotForDecode[] = {"sq",      "skv",     "causal",       "impl",
+                                     "q-block", "kv-tile", "openblas-core"};
+const int kNotForDecodeCount = static_cast<int>(sizeof(kNotForDecode) / sizeof(kNotForDecode[0]));
+
+std::vector<FlagSpec> DecodeBenchFlagSpecs() {
+  return {
+      {"decode", FlagKind::kBool,
+       "time decode_attention (new tokens against a KV cache) instead of attention_cte"},
+      {"batch", FlagKind::kInt, "--decode: sequences (default 1)", 1, 4096},
+      {"cached", FlagKind::kInt, "--decode: cached tokens per sequence (default 4096)", 0,
+       int64_t{1} << 24},
+      {"new", FlagKind::kInt, "--decode: new tokens per sequence, T (default 1)", 1, 4096},
+      {"cold", FlagKind::kBool,
+       "--decode: evict the caches from L3 before each call (default true)"},
+  };
+}
+
+int DecodeBench(const ParsedFlags& f) {
+  for (int i = 0; i < kNotForDecodeCount; ++i) {
+    if (f.has(kNotForDecode[i])) {
+      return UsageError(kCommand, std::string("--") + kNotForDecode[i] + ": not used by --decode");
+    }
+  }
+  DecodeConfig c;
+  c.batch = f.integer("batch", 1);
+  c.heads = f.integer("heads", 32);
+  c.kv_heads = f.integer("kv-heads", 8);
+  c.d = f.integer("d", 128);
+  c.cached = f.integer("cached", 4096);
+  c.tokens = f.integer("new", 1);
+  c.dtype = DType::kFloat32;
+  if (f.has("dtype")) ParseFloatDType(f.text("dtype"), &c.dtype);
+  c.threads = static_cast<int>(f.integer("threads", 0));
+  if (c.threads == 0) c.threads = omp_get_max_threads();
+  c.reps = static_cast<int>(f.integer("reps", 5));
+  c.cold = f.boolean("cold", true);
+  c.json = f.boolean("json", false);
+  if (c.heads % c.kv_heads != 0) {
+    return UsageError(kCommand, "--kv-heads: " + std::to_string(c.kv_heads) +
+                                    " must divide --heads = " + std::to_string(c.heads));
+  }
+  HostTensor q(c.dtype, {c.batch, c.heads, c.tokens, c.d});
+  HostTensor k(c.dtype, {c.batch, c.kv_heads, c.max_len(), c.d});
+  HostTensor v(c.dtype, {c.batch, c.kv_heads, c.max_len(), c.d});
+  HostTensor out(c.dtype, {c.batch, c.heads, c.tokens, c.d});
+  FillUniform(&q, 1, 0.0f, 1.0f);
+  FillUniform(&k, 2, 0.0f, 1.0f);
+  FillUniform(&v, 3, 0.0f, 1.0f);
+  std::vector<int64_t> positions;
+  for (int64_t b = 0; b < c.batch; ++b) {
+    for (int64_t t = 0; t < c.tokens; ++t) positions.push_back(c.cached + t);
+  }
+  DecodeOptions options;
+  options.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+  options.num_threads = c.threads;
+  DecodeOutputs outputs;
+  outputs.out = MutableTensorView4::contiguous(out.data(), c.dtype, out.shape());
+  const auto run = [&] {
+    return decode_attention(
+        TensorView4::contiguous(q.data(), c.dtype, q.shape()),
+        TensorView4::contiguous(k.data(), c.dtype, k.shape()),
+        TensorView4::contiguous(v.data(), c.dtype, v.shape()),
+        TensorView::contiguous(positions.data(), DType::kInt64, {c.batch, c.tokens}), outputs,
+        options);
+  };
+  ReadBandwidth buffer(BandwidthBufferBytes());
+  if (Status s = run(); !s.ok) return RuntimeError(kCommand, "decode_attention: " + s.message);
+  std::vector<double> ms, bw;
+  if (!c.cold) {
+    for (int r = 0; r < c.reps; ++r) bw.push_back(buffer.Measure(c.threads));
+  }
+  for (int r = 0; r < c.reps; ++r) {
+    if (c.cold) bw.push_back(buffer.Measure(c.threads));
+    const auto start = std::chrono::steady_clock::now();
+    if (Status s = run(); !s.ok) return RuntimeError(kCommand, "decode_attention: " + s.message);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                     .count());
+  }
+  Print(c, ms, bw);
+  return kExitOk;
+}
+
+int BandwidthBench(int threads, int reps, bool json) {
+  ReadBandwidth buffer(BandwidthBufferBytes());
+  buffer.Measure(threads);  // warm-up: page tables, clocks
+  std::vector<int> counts = {1};
+  if (threads > 1) counts.push_back(threads);
+  std::vector<std::vector<double>> gbps(counts.size());
+  for (int r = 0; r < reps; ++r) {  // interleaved: 1 thread, T threads, 1 thread, ...
+    for (size_t i = 0; i < counts.size(); ++i) gbps[i].push_back(buffer.Measure(counts[i]));
+  }
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const double median = Median(gbps[i]);
+    const double best = *std::max_element(gbps[i].begin(), gbps[i].end());
+    if (json) {
+      std::printf(
+          "{\"impl\":\"bandwidth\",\"threads\":%d,\"bytes\":%zu,\"reps\":%d,"
+          "\"gbps\":%.3f,\"best_gbps\":%.3f}\n",
+          counts[i], buffer.bytes(), reps, median, best);
+    } else {
+      std::printf(
+          "read bandwidth, %d thread%s: median %.2f GB/s, best %.2f GB/s (%d passes over "
+          "%.0f MiB)\n",
+          counts[i], counts[i] == 1 ? "" : "s", median, best, reps,
+          static_cast<double>(buffer.bytes()) / 1048576.0);
+    }
+  }
+  return kExitOk;
+}
+
+}  // namespace flashcte::tools
