@@ -29,50 +29,15 @@
 #include <vector>
 
 #include "flashcte/flashcte.h"
+#include "flashcte/layer.h"
 
 namespace flashcte::reference {
 
-// rope_scaling with rope_type "llama3" (LAYER.md section 3), with its defaults.
-struct Llama3RopeScaling {
-  double factor = 8.0;
-  double low_freq_factor = 1.0;
-  double high_freq_factor = 4.0;
-  int64_t original_max_position_embeddings = 8192;
-};
-
-struct LayerConfig {
-  int64_t hidden_size = 0;
-  int64_t num_heads = 0;     // query heads (H)
-  int64_t num_kv_heads = 0;  // KV heads; must divide num_heads
-  int64_t head_dim = 0;      // 0: hidden_size / num_heads (section 1, Construction)
-  bool rope = true;          // false: a NoPE layer, Q and K are not rotated (section 3)
-  double rope_theta = 10000.0;
-  // Channels rotated: the first rotary_dim of each head, half-split within them (NeoX style,
-  // as partial_rotary_factor models do); the rest pass through. 0: head_dim (section 3's case).
-  int64_t rotary_dim = 0;
-  std::optional<Llama3RopeScaling> rope_scaling;
-  int64_t sliding_window = 0;  // 0: off; else key j is visible to query i when i - j < w
-  double qk_scale = 0.0;       // 0: 1/sqrt(head_dim) (section 9 item 14: 0 means unset)
-  bool qkv_bias = false;       // q/k/v_proj have biases (Qwen2)
-  bool o_bias = false;         // o_proj has a bias
-  bool qk_norm = false;        // per-head RMSNorm of Q and K along head_dim, before RoPE
-  double qk_norm_eps = 1e-6;
-  bool sinks = false;  // one learned, value-less, unscaled logit per query head (section 8)
-  DType dtype = DType::kFloat32;  // activation dtype: float32, bfloat16 or float16
-};
-
-// torch.nn.Linear layout (out_features, in_features), float32 row-major. Optional parts are empty
-// exactly when the config turns them off.
-struct LayerWeights {
-  std::vector<float> q_proj;                  // (num_heads * head_dim, hidden_size)
-  std::vector<float> k_proj;                  // (num_kv_heads * head_dim, hidden_size)
-  std::vector<float> v_proj;                  // (num_kv_heads * head_dim, hidden_size)
-  std::vector<float> o_proj;                  // (hidden_size, num_heads * head_dim)
-  std::vector<float> q_bias, k_bias, v_bias;  // qkv_bias: (num_heads or num_kv_heads) * head_dim
-  std::vector<float> o_bias;                  // o_bias: (hidden_size)
-  std::vector<float> q_norm, k_norm;          // qk_norm: (head_dim) each, shared by all heads
-  std::vector<float> sinks;                   // sinks: (num_heads)
-};
+// The layer's config and weights are the public types of include/flashcte/layer.h (plain data:
+// the oracle shares no code with the fast layer).
+using Llama3RopeScaling = flashcte::Llama3RopeScaling;
+using LayerConfig = flashcte::LayerConfig;
+using LayerWeights = flashcte::LayerWeights;
 
 // The KV cache of one layer (section 7), in float64 holding activation-dtype values.
 struct LayerCache {

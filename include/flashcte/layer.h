@@ -1,0 +1,144 @@
+// flashcte layer: optimum-neuron's attention layer (NeuronAttentionBase, shared/spec/LAYER.md) on
+// the CPU: QKV projections, optional per-head q/k RMSNorm, RoPE, the KV cache write, attention
+// (prefill through attention_cte with the cached tokens as the prior; token generation through
+// decode_attention), and the O projection.
+//
+// One call, AttentionLayer::forward(x, positions, cache), is NeuronAttentionBase.forward with
+// the decoder model's cache write folded in. Errors come back as a Status naming the argument and
+// the rule it broke; nothing here throws.
+#ifndef FLASHCTE_LAYER_H_
+#define FLASHCTE_LAYER_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "flashcte/flashcte.h"
+
+namespace flashcte {
+
+// rope_scaling with rope_type "llama3" (LAYER.md section 3), with its defaults.
+struct Llama3RopeScaling {
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+struct LayerConfig {
+  int64_t hidden_size = 0;
+  int64_t num_heads = 0;     // query heads (H)
+  int64_t num_kv_heads = 0;  // KV heads; must divide num_heads
+  int64_t head_dim = 0;      // 0: hidden_size / num_heads (section 1, Construction)
+  bool rope = true;          // false: a NoPE layer, Q and K are not rotated (section 3)
+  double rope_theta = 10000.0;
+  // Channels rotated: the first rotary_dim of each head, half-split within them (NeoX style, as
+  // partial_rotary_factor models do); the rest pass through. 0: head_dim (section 3's case).
+  int64_t rotary_dim = 0;
+  std::optional<Llama3RopeScaling> rope_scaling;
+  int64_t sliding_window = 0;  // 0: off; else key j is visible to query i when i - j < w
+  double qk_scale = 0.0;       // 0: 1/sqrt(head_dim) (section 9 item 14: 0 means unset)
+  bool qkv_bias = false;       // q/k/v_proj have biases (Qwen2)
+  bool o_bias = false;         // o_proj has a bias
+  bool qk_norm = false;        // per-head RMSNorm of Q and K along head_dim, before RoPE
+  double qk_norm_eps = 1e-6;
+  bool sinks = false;  // one learned, value-less, unscaled logit per query head (section 8)
+  DType dtype = DType::kFloat32;  // activation dtype: float32, bfloat16 or float16
+};
+
+// torch.nn.Linear layout (out_features, in_features), float32 row-major. Optional parts are empty
+// exactly when the config turns them off.
+struct LayerWeights {
+  std::vector<float> q_proj;                  // (num_heads * head_dim, hidden_size)
+  std::vector<float> k_proj;                  // (num_kv_heads * head_dim, hidden_size)
+  std::vector<float> v_proj;                  // (num_kv_heads * head_dim, hidden_size)
+  std::vector<float> o_proj;                  // (hidden_size, num_heads * head_dim)
+  std::vector<float> q_bias, k_bias, v_bias;  // qkv_bias: (num_heads or num_kv_heads) * head_dim
+  std::vector<float> o_bias;                  // o_bias: (hidden_size)
+  std::vector<float> q_norm, k_norm;          // qk_norm: (head_dim) each, shared by all heads
+  std::vector<float> sinks;                   // sinks: (num_heads)
+};
+
+// The KV cache of one layer (LAYER.md section 7): K (after q/k norm and RoPE) and V, each
+// (batch, kv_heads, max_len, head_dim) in the activation dtype, zero-initialized, with the
+// number of filled slots per sequence.
+class KvCache {
+ public:
+  KvCache() = default;
+  // A cache for `batch` sequences of up to `max_len` tokens of a layer with `kv_heads` heads of
+  // `head_dim` channels in `dtype`.
+  static Status create(int64_t batch, int64_t kv_heads, int64_t max_len, int64_t head_dim,
+                       DType dtype, KvCache* cache);
+
+  int64_t batch() const { return batch_; }
+  int64_t kv_heads() const { return kv_heads_; }
+  int64_t max_len() const { return max_len_; }
+  int64_t head_dim() const { return head_dim_; }
+  DType dtype() const { return dtype_; }
+  // Slots [0, length(b)) of sequence b hold tokens.
+  int64_t length(int64_t b) const { return lengths_[static_cast<size_t>(b)]; }
+  const std::vector<int64_t>& lengths() const { return lengths_; }
+  // Forgets every token of sequence b (its slots are reused by the next prompt).
+  void reset(int64_t b) { lengths_[static_cast<size_t>(b)] = 0; }
+
+  // Element views of the storage: (batch, kv_heads, max_len, head_dim), dense.
+  const void* k_data() const { return k_.data(); }
+  const void* v_data() const { return v_.data(); }
+  void* k_data() { return k_.data(); }
+  void* v_data() { return v_.data(); }
+
+ private:
+  friend class AttentionLayer;
+  int64_t batch_ = 0, kv_heads_ = 0, max_len_ = 0, head_dim_ = 0;
+  DType dtype_ = DType::kFloat32;
+  std::vector<uint8_t> k_, v_;
+  std::vector<int64_t> lengths_;
+};
+
+class AttentionLayer {
+ public:
+  // Checks the config and the weights against it and converts the weights to the layout the
+  // projections run on. The weights are rounded to the activation dtype (LAYER.md R1).
+  static Status create(const LayerConfig& config, const LayerWeights& weights,
+                       std::unique_ptr<AttentionLayer>* layer);
+  ~AttentionLayer();
+
+  const LayerConfig& config() const;
+  int64_t head_dim() const;
+
+  // A cache this layer accepts, for `batch` sequences of up to `max_len` tokens.
+  Status new_cache(int64_t batch, int64_t max_len, KvCache* cache) const;
+
+  // NeuronAttentionBase.forward with the cache write folded in:
+  //   x          (batch, T, hidden_size), float32 / bfloat16 / float16 (rounded to the activation
+  //              dtype), any strides;
+  //   positions  (batch, T) int64: the absolute position of each token. In each row they go up
+  //              by 1 from one token to the next and start at most at the row's cache length
+  //              (an earlier start rewrites the slots from there); below max_len;
+  //   out        (batch, T, hidden_size) in the activation dtype.
+  // Each token's K/V is written into the cache at its position, then every token attends to
+  // every cached slot at a position <= its own (within the window; sinks add a value-less
+  // logit). Calls with T <= kMaxDecodeTokens run on the decode kernel, longer ones (context
+  // encoding, chunked prefill) on attention_cte with the cached tokens before the chunk as the
+  // prior. Thread count: num_threads (0: OpenMP's default).
+  Status forward(const TensorView& x, const TensorView& positions, KvCache* cache,
+                 const MutableTensorView& out, int num_threads = 0) const;
+
+  // New tokens per sequence up to which forward() takes the decode kernel.
+  static constexpr int64_t kMaxDecodeTokens = 16;
+
+ private:
+  struct Impl;
+  explicit AttentionLayer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The GEMM library the projections run on and the kernels it uses, e.g.
+// "OpenBLAS 0.3.21, core SkylakeX (set by flashcte: the detected Zen ...)". Loads it on first use.
+std::string layer_gemm_backend();
+
+}  // namespace flashcte
+
+#endif  // FLASHCTE_LAYER_H_

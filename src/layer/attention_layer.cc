@@ -1,0 +1,374 @@
+// AttentionLayer (include/flashcte/layer.h): NeuronAttentionBase.forward (LAYER.md section 1)
+// with the cache write of the decoder model folded in.
+//
+//   x -> QKV GEMM (one fused [Wq; Wk; Wv] product, OpenBLAS, src/layer/blas.h) + bias -> round
+//     -> per head: q/k RMSNorm (before RoPE) -> RoPE (src/layer/rope.h)
+//     -> K, V written into the cache at the positions
+//     -> attention: T <= kMaxDecodeTokens on decode_attention (the cache read in place), longer
+//        chunks on attention_cte per sequence, with the chunk's own cache slots as K/V and the
+//        slots before it as the prior (prefix caching), causal, window, sinks
+//     -> O GEMM -> round -> + o_bias -> round (R7) -> out.
+// Roundings to the activation dtype follow the oracle's R1-R7 (src/reference/layer_reference.h).
+// The GEMMs are the layer's arithmetic: 2 * T * hidden * (H + 2 KV + H) * D FLOP per sequence
+// against the weights' 4 * hidden * (2 H + 2 KV) * D bytes, so decode (small T) reads weights
+// at the memory bandwidth and prefill runs at SGEMM speed.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "flashcte/decode.h"
+#include "flashcte/layer.h"
+#include "src/core/half.h"
+#include "src/layer/blas.h"
+#include "src/layer/config.h"
+#include "src/layer/rope.h"
+
+namespace flashcte {
+namespace {
+
+std::string Str(int64_t x) { return std::to_string(x); }
+
+float load_float(const void* data, DType dtype, int64_t offset) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return half::bf16_to_float(static_cast<const uint16_t*>(data)[offset]);
+    case DType::kFloat16:
+      return half::f16_to_float(static_cast<const uint16_t*>(data)[offset]);
+    default:
+      return static_cast<const float*>(data)[offset];
+  }
+}
+
+// Stores x (already a value of dtype) at data[offset].
+void store_float(void* data, DType dtype, int64_t offset, float x) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      static_cast<uint16_t*>(data)[offset] = half::float_to_bf16(x);
+      return;
+    case DType::kFloat16:
+      static_cast<uint16_t*>(data)[offset] = half::float_to_f16(x);
+      return;
+    default:
+      static_cast<float*>(data)[offset] = x;
+  }
+}
+
+std::vector<float> rounded(const std::vector<float>& w, DType dtype) {
+  std::vector<float> r(w.size());
+  for (size_t i = 0; i < w.size(); ++i) r[i] = layer::round_to(dtype, w[i]);
+  return r;
+}
+
+// x' = x * rsqrt(mean(x^2) + eps) * w in float32, cast back (LAYER.md section 8).
+void rms_norm(float* x, const float* weight, int64_t n, double eps, DType dtype) {
+  double squares = 0;
+  for (int64_t i = 0; i < n; ++i) squares += static_cast<double>(x[i]) * x[i];
+  const float inv = static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(n) + eps));
+  for (int64_t i = 0; i < n; ++i) x[i] = layer::round_to(dtype, x[i] * inv * weight[i]);
+}
+
+}  // namespace
+
+struct AttentionLayer::Impl {
+  LayerConfig config;
+  int64_t d = 0, heads = 0, kv_heads = 0, hidden = 0;
+  std::vector<float> w_qkv, b_qkv;  // (H + 2 KV) * D rows of hidden: [Wq; Wk; Wv], rounded
+  std::vector<float> w_o, b_o;      // (hidden, H * D), (hidden)
+  std::vector<float> q_norm, k_norm, sinks;
+  float scale = 1.0f;
+  layer::Rope rope;
+
+  Impl(const LayerConfig& c, const LayerWeights& w)
+      : config(c),
+        d(layer::head_dim_of(c)),
+        heads(c.num_heads),
+        kv_heads(c.num_kv_heads),
+        hidden(c.hidden_size),
+        rope(c, layer::head_dim_of(c)) {
+    const DType t = c.dtype;
+    for (const std::vector<float>* part : {&w.q_proj, &w.k_proj, &w.v_proj}) {
+      const std::vector<float> r = rounded(*part, t);
+      w_qkv.insert(w_qkv.end(), r.begin(), r.end());
+    }
+    if (c.qkv_bias) {
+      for (const std::vector<float>* part : {&w.q_bias, &w.k_bias, &w.v_bias}) {
+        const std::vector<float> r = rounded(*part, t);
+        b_qkv.insert(b_qkv.end(), r.begin(), r.end());
+      }
+    }
+    w_o = rounded(w.o_proj, t);
+    b_o = rounded(w.o_bias, t);
+    q_norm = rounded(w.q_norm, t);
+    k_norm = rounded(w.k_norm, t);
+    sinks = rounded(w.sinks, t);
+    // qk_scale 0 means unset (LAYER.md section 9 item 14).
+    scale = static_cast<float>(c.qk_scale != 0.0 ? c.qk_scale : 1.0 / std::sqrt(double(d)));
+  }
+
+  int64_t qkv_width() const { return (heads + 2 * kv_heads) * d; }
+  Status check_call(const TensorView& x, const TensorView& positions, const KvCache& cache,
+                    const MutableTensorView& out, std::vector<int64_t>* pos) const;
+  void project_qkv(const std::vector<float>& qkv, const std::vector<int64_t>& pos, int64_t batch,
+                   int64_t tokens, KvCache* cache, void* q_act) const;
+  Status attend(const void* q_act, const std::vector<int64_t>& pos, int64_t batch, int64_t tokens,
+                const KvCache& cache, void* attn, int threads) const;
+};
+
+Status AttentionLayer::Impl::check_call(const TensorView& x, const TensorView& positions,
+                                        const KvCache& cache, const MutableTensorView& out,
+                                        std::vector<int64_t>* pos) const {
+  if (x.rank != 3 || x.data == nullptr) {
+    return Status::Error("x: must be a tensor of shape (batch, T, hidden_size)");
+  }
+  if (x.dtype != DType::kFloat32 && x.dtype != DType::kBFloat16 && x.dtype != DType::kFloat16) {
+    return Status::Error("x: dtype must be float32, bfloat16 or float16");
+  }
+  if (x.shape[2] != hidden) {
+    return Status::Error("x: last dimension " + Str(x.shape[2]) +
+                         " must be hidden_size = " + Str(hidden));
+  }
+  const int64_t batch = x.shape[0], tokens = x.shape[1];
+  if (cache.batch() != batch || cache.kv_heads() != kv_heads || cache.head_dim() != d ||
+      cache.dtype() != config.dtype) {
+    return Status::Error("cache: holds (batch " + Str(cache.batch()) + ", kv_heads " +
+                         Str(cache.kv_heads()) + ", head_dim " + Str(cache.head_dim()) + ", " +
+                         dtype_name(cache.dtype()) + ") but this call needs (batch " + Str(batch) +
+                         ", kv_heads " + Str(kv_heads) + ", head_dim " + Str(d) + ", " +
+                         dtype_name(config.dtype) + "): a cache of another layer or batch");
+  }
+  if (positions.rank != 2 || positions.dtype != DType::kInt64 || positions.data == nullptr ||
+      positions.shape[0] != batch || positions.shape[1] != tokens) {
+    return Status::Error("positions: must be an int64 tensor of shape (batch, T) = (" + Str(batch) +
+                         ", " + Str(tokens) + ")");
+  }
+  if (out.rank != 3 || out.data == nullptr || out.shape[0] != batch || out.shape[1] != tokens ||
+      out.shape[2] != hidden || out.dtype != config.dtype) {
+    return Status::Error("out: must be a " + std::string(dtype_name(config.dtype)) +
+                         " tensor of shape (batch, T, hidden_size) = (" + Str(batch) + ", " +
+                         Str(tokens) + ", " + Str(hidden) + ")");
+  }
+  pos->resize(static_cast<size_t>(batch * tokens));
+  const auto* p = static_cast<const int64_t*>(positions.data);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t at = p[b * positions.strides[0] + t * positions.strides[1]];
+      (*pos)[static_cast<size_t>(b * tokens + t)] = at;
+      const std::string where = "positions: row " + Str(b) + " token " + Str(t) + " is " + Str(at);
+      if (t == 0 && (at < 0 || at > cache.length(b))) {
+        return Status::Error(where + "; a row must start in [0, cached length = " +
+                             Str(cache.length(b)) + "] (a later start would skip cache slots)");
+      }
+      if (t > 0 && at != (*pos)[static_cast<size_t>(b * tokens + t - 1)] + 1) {
+        return Status::Error(where + "; positions within a row must go up by 1");
+      }
+      if (at >= cache.max_len()) {
+        return Status::Error(where + ", past the cache's max_len = " + Str(cache.max_len()));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// From the QKV GEMM's rows (rounded, biased): q/k norm and RoPE per head, K and V into the cache
+// at the positions, Q into q_act (batch, T, H, D) in the activation dtype.
+void AttentionLayer::Impl::project_qkv(const std::vector<float>& qkv,
+                                       const std::vector<int64_t>& pos, int64_t batch,
+                                       int64_t tokens, KvCache* cache, void* q_act) const {
+  const DType t = config.dtype;
+  std::vector<float> cos(static_cast<size_t>(rope.rotary_dim() / 2));
+  std::vector<float> sin(cos.size()), row(static_cast<size_t>(qkv_width()));
+  const int64_t max_len = cache->max_len();
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < tokens; ++i) {
+      const int64_t token = b * tokens + i, at = pos[static_cast<size_t>(token)];
+      std::copy_n(qkv.data() + token * qkv_width(), qkv_width(), row.data());
+      float* q = row.data();
+      float* k = q + heads * d;
+      const float* v = k + kv_heads * d;
+      if (config.qk_norm) {
+        for (int64_t h = 0; h < heads; ++h)
+          rms_norm(q + h * d, q_norm.data(), d, config.qk_norm_eps, t);
+        for (int64_t h = 0; h < kv_heads; ++h)
+          rms_norm(k + h * d, k_norm.data(), d, config.qk_norm_eps, t);
+      }
+      if (config.rope) {
+        rope.cos_sin(at, cos.data(), sin.data());
+        rope.rotate(cos.data(), sin.data(), q, heads);
+        rope.rotate(cos.data(), sin.data(), k, kv_heads);
+      }
+      for (int64_t c = 0; c < heads * d; ++c) store_float(q_act, t, token * heads * d + c, q[c]);
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t slot = ((b * kv_heads + h) * max_len + at) * d;
+        for (int64_t c = 0; c < d; ++c) {
+          store_float(cache->k_data(), t, slot + c, k[h * d + c]);
+          store_float(cache->v_data(), t, slot + c, v[h * d + c]);
+        }
+      }
+    }
+  }
+}
+
+// attn (batch, T, H, D) in the activation dtype from q_act and the cache (K/V of the chunk
+// already written).
+Status AttentionLayer::Impl::attend(const void* q_act, const std::vector<int64_t>& pos,
+                                    int64_t batch, int64_t tokens, const KvCache& cache, void* attn,
+                                    int threads) const {
+  const DType t = config.dtype;
+  const int64_t max_len = cache.max_len(), row = heads * d;
+  const TensorView sink =
+      config.sinks ? TensorView::contiguous(sinks.data(), DType::kFloat32, {heads}) : TensorView{};
+  if (tokens <= kMaxDecodeTokens) {
+    DecodeOptions options;
+    options.scale = scale;
+    options.sliding_window = config.sliding_window;
+    options.sink = sink;
+    options.num_threads = threads;
+    TensorView4 q = TensorView4::contiguous(q_act, t, {batch, heads, tokens, d});
+    q.strides = {tokens * row, d, row, 1};
+    const TensorView4 k = TensorView4::contiguous(cache.k_data(), t, {batch, kv_heads, max_len, d});
+    const TensorView4 v = TensorView4::contiguous(cache.v_data(), t, {batch, kv_heads, max_len, d});
+    DecodeOutputs outputs;
+    outputs.out = MutableTensorView4::contiguous(attn, t, {batch, heads, tokens, d});
+    outputs.out.strides = q.strides;
+    return decode_attention(q, k, v,
+                            TensorView::contiguous(pos.data(), DType::kInt64, {batch, tokens}),
+                            outputs, options);
+  }
+  const int64_t element = dtype_size(t);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = pos[static_cast<size_t>(b * tokens)];
+    const auto* k_base =
+        static_cast<const uint8_t*>(cache.k_data()) + b * kv_heads * max_len * d * element;
+    const auto* v_base =
+        static_cast<const uint8_t*>(cache.v_data()) + b * kv_heads * max_len * d * element;
+    // The chunk's slots as K/V (bs_kv = kv_heads, Skv = T, d), strided over the cache.
+    const auto cache_view = [&](const uint8_t* base, int64_t first, int64_t length) {
+      TensorView view =
+          TensorView::contiguous(base + first * d * element, t, {kv_heads, length, d});
+      view.strides = {max_len * d, d, 1};
+      return view;
+    };
+    Options options;
+    options.scale = scale;
+    options.causal_mask = true;
+    options.sliding_window = config.sliding_window;
+    options.tp_k = true;  // K as (bs_kv, Skv, d), the cache's layout
+    options.sink = sink;
+    options.num_threads = threads;
+    if (start > 0) {  // the cached tokens before the chunk: prefix caching
+      options.k_prior = cache_view(k_base, 0, start);
+      options.v_prior = cache_view(v_base, 0, start);
+    }
+    TensorView q = TensorView::contiguous(
+        static_cast<const uint8_t*>(q_act) + b * tokens * row * element, t, {heads, tokens, d});
+    q.strides = {d, row, 1};
+    Outputs outputs;
+    outputs.out = MutableTensorView::contiguous(
+        static_cast<uint8_t*>(attn) + b * tokens * row * element, t, {heads, tokens, d});
+    outputs.out.strides = {d, row, 1};
+    const Status s = attention_cte(q, cache_view(k_base, start, tokens),
+                                   cache_view(v_base, start, tokens), outputs, options);
+    if (!s.ok) return Status::Error("attention (sequence " + Str(b) + "): " + s.message);
+  }
+  return Status::Ok();
+}
+
+AttentionLayer::AttentionLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+AttentionLayer::~AttentionLayer() = default;
+
+const LayerConfig& AttentionLayer::config() const { return impl_->config; }
+int64_t AttentionLayer::head_dim() const { return impl_->d; }
+
+Status AttentionLayer::create(const LayerConfig& config, const LayerWeights& weights,
+                              std::unique_ptr<AttentionLayer>* layer) {
+  if (layer == nullptr) return Status::Error("layer: must not be null");
+  if (Status s = layer::check_config(config); !s.ok) return s;
+  if (Status s = layer::check_weights(config, weights); !s.ok) return s;
+  try {
+    layer->reset(new AttentionLayer(std::make_unique<Impl>(config, weights)));
+  } catch (const std::bad_alloc&) {
+    return Status::Error("weights: allocation of the layer's weight copies failed");
+  }
+  return Status::Ok();
+}
+
+Status AttentionLayer::new_cache(int64_t batch, int64_t max_len, KvCache* cache) const {
+  return KvCache::create(batch, impl_->kv_heads, max_len, impl_->d, impl_->config.dtype, cache);
+}
+
+Status AttentionLayer::forward(const TensorView& x, const TensorView& positions, KvCache* cache,
+                               const MutableTensorView& out, int num_threads) const {
+  if (cache == nullptr) return Status::Error("cache: must not be null");
+  const Impl& m = *impl_;
+  std::vector<int64_t> pos;
+  if (Status s = m.check_call(x, positions, *cache, out, &pos); !s.ok) return s;
+  const int64_t batch = x.shape[0], tokens = x.shape[1], rows = batch * tokens;
+  const DType t = m.config.dtype;
+  try {
+    // x rounded to the activation dtype (R1), as float32 rows for the GEMM.
+    std::vector<float> xf(static_cast<size_t>(rows * m.hidden));
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t i = 0; i < tokens; ++i) {
+        for (int64_t c = 0; c < m.hidden; ++c) {
+          const float value =
+              load_float(x.data, x.dtype, b * x.strides[0] + i * x.strides[1] + c * x.strides[2]);
+          xf[static_cast<size_t>((b * tokens + i) * m.hidden + c)] = layer::round_to(t, value);
+        }
+      }
+    }
+    std::vector<float> qkv(static_cast<size_t>(rows * m.qkv_width()));
+    if (Status s = layer::gemm_nt(rows, m.qkv_width(), m.hidden, xf.data(), m.hidden,
+                                  m.w_qkv.data(), m.hidden, qkv.data(), m.qkv_width(), num_threads);
+        !s.ok) {
+      return s;
+    }
+    for (int64_t r = 0; r < rows; ++r) {  // + bias, rounded (R2)
+      float* y = qkv.data() + r * m.qkv_width();
+      for (int64_t c = 0; c < m.qkv_width(); ++c) {
+        y[c] = layer::round_to(t, m.b_qkv.empty() ? y[c] : y[c] + m.b_qkv[static_cast<size_t>(c)]);
+      }
+    }
+    const int64_t element = dtype_size(t), row = m.heads * m.d;
+    std::vector<uint8_t> q_act(static_cast<size_t>(rows * row * element));
+    m.project_qkv(qkv, pos, batch, tokens, cache, q_act.data());
+    std::vector<uint8_t> attn(q_act.size());
+    if (Status s = m.attend(q_act.data(), pos, batch, tokens, *cache, attn.data(), num_threads);
+        !s.ok) {
+      return s;
+    }
+    // The chunk's slots are filled once its attention ran (a failed call adds no tokens).
+    for (int64_t b = 0; b < batch; ++b) {
+      cache->lengths_[static_cast<size_t>(b)] =
+          std::max(cache->length(b), pos[static_cast<size_t>(b * tokens + tokens - 1)] + 1);
+    }
+    // O projection (R6: attn holds activation-dtype values), rounded, + bias, rounded (R7).
+    std::vector<float> attn_f(static_cast<size_t>(rows * row)),
+        y(static_cast<size_t>(rows * m.hidden));
+    for (size_t i = 0; i < attn_f.size(); ++i)
+      attn_f[i] = load_float(attn.data(), t, static_cast<int64_t>(i));
+    if (Status s = layer::gemm_nt(rows, m.hidden, row, attn_f.data(), row, m.w_o.data(), row,
+                                  y.data(), m.hidden, num_threads);
+        !s.ok) {
+      return s;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t b = r / tokens, i = r % tokens;
+      for (int64_t c = 0; c < m.hidden; ++c) {
+        float value = layer::round_to(t, y[static_cast<size_t>(r * m.hidden + c)]);
+        if (!m.b_o.empty()) value = layer::round_to(t, value + m.b_o[static_cast<size_t>(c)]);
+        store_float(out.data, t, b * out.strides[0] + i * out.strides[1] + c * out.strides[2],
+                    value);
+      }
+    }
+  } catch (const std::bad_alloc&) {
+    return Status::Error("memory: allocation of the layer's activations failed");
+  }
+  return Status::Ok();
+}
+
+std::string layer_gemm_backend() { return layer::gemm_backend(); }
+
+}  // namespace flashcte
