@@ -1,9 +1,16 @@
-"""flashcte: the Neuron ``attention_cte`` prefill flash-attention kernel on the CPU.
+"""flashcte: the Neuron ``attention_cte`` prefill flash-attention kernel on the CPU, and
+optimum-neuron's attention layer around it.
 
 Functions:
     attention_cte: the Neuron kernel's signature and layouts (batch and heads folded).
     flash_attn_func, flash_attn_varlen_func: FlashAttention's interface on top of it.
     simd_target: the SIMD instruction set the library dispatched to on this machine.
+    layer_gemm_backend: the GEMM library the layer's projections run on.
+
+Classes:
+    AttentionLayer: optimum-neuron's attention layer (projections, RoPE, KV cache write,
+        prefill/decode attention, O projection) with weights in torch.nn.Linear layout.
+    KvCache: one layer's KV cache, from AttentionLayer.new_cache(batch, max_len).
 
 Inputs are numpy arrays (float32, float16; bfloat16 through ``ml_dtypes``) or DLPack tensors
 (torch.Tensor in float32, float16, bfloat16), read without copying; outputs come back in the
@@ -14,6 +21,15 @@ kind of ``q``. Errors raise TypeError (dtypes) or ValueError with the library's
 from ._attention import attention_cte
 from ._flash_attn import flash_attn_func, flash_attn_varlen_func
 from ._flashcte import simd_target
+from ._layer import AttentionLayer, KvCache, layer_gemm_backend
 
 __version__ = "0.1.0"
-__all__ = ["attention_cte", "flash_attn_func", "flash_attn_varlen_func", "simd_target"]
+__all__ = [
+    "AttentionLayer",
+    "KvCache",
+    "attention_cte",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "layer_gemm_backend",
+    "simd_target",
+]

@@ -4,6 +4,9 @@ Native layer of flashcte. Use the functions of the `flashcte` package; this modu
 """
 
 from collections.abc import Sequence
+from typing import Annotated
+
+from numpy.typing import NDArray
 
 def attention_cte(
     *,
@@ -48,3 +51,162 @@ def simd_target() -> str:
     """
     The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.
     """
+
+class Llama3RopeScaling:
+    def __init__(self) -> None: ...
+    @property
+    def factor(self) -> float: ...
+    @factor.setter
+    def factor(self, arg: float, /) -> None: ...
+    @property
+    def low_freq_factor(self) -> float: ...
+    @low_freq_factor.setter
+    def low_freq_factor(self, arg: float, /) -> None: ...
+    @property
+    def high_freq_factor(self) -> float: ...
+    @high_freq_factor.setter
+    def high_freq_factor(self, arg: float, /) -> None: ...
+    @property
+    def original_max_position_embeddings(self) -> int: ...
+    @original_max_position_embeddings.setter
+    def original_max_position_embeddings(self, arg: int, /) -> None: ...
+
+class LayerConfig:
+    """flashcte::LayerConfig (flashcte/layer.h), field by field."""
+
+    def __init__(self) -> None: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @hidden_size.setter
+    def hidden_size(self, arg: int, /) -> None: ...
+    @property
+    def num_heads(self) -> int: ...
+    @num_heads.setter
+    def num_heads(self, arg: int, /) -> None: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @num_kv_heads.setter
+    def num_kv_heads(self, arg: int, /) -> None: ...
+    @property
+    def head_dim(self) -> int: ...
+    @head_dim.setter
+    def head_dim(self, arg: int, /) -> None: ...
+    @property
+    def rope(self) -> bool: ...
+    @rope.setter
+    def rope(self, arg: bool, /) -> None: ...
+    @property
+    def rope_theta(self) -> float: ...
+    @rope_theta.setter
+    def rope_theta(self, arg: float, /) -> None: ...
+    @property
+    def rotary_dim(self) -> int: ...
+    @rotary_dim.setter
+    def rotary_dim(self, arg: int, /) -> None: ...
+    @property
+    def rope_scaling(self) -> Llama3RopeScaling | None: ...
+    @rope_scaling.setter
+    def rope_scaling(self, arg: Llama3RopeScaling | None, /) -> None: ...
+    @property
+    def sliding_window(self) -> int: ...
+    @sliding_window.setter
+    def sliding_window(self, arg: int, /) -> None: ...
+    @property
+    def qk_scale(self) -> float: ...
+    @qk_scale.setter
+    def qk_scale(self, arg: float, /) -> None: ...
+    @property
+    def qkv_bias(self) -> bool: ...
+    @qkv_bias.setter
+    def qkv_bias(self, arg: bool, /) -> None: ...
+    @property
+    def o_bias(self) -> bool: ...
+    @o_bias.setter
+    def o_bias(self, arg: bool, /) -> None: ...
+    @property
+    def qk_norm(self) -> bool: ...
+    @qk_norm.setter
+    def qk_norm(self, arg: bool, /) -> None: ...
+    @property
+    def qk_norm_eps(self) -> float: ...
+    @qk_norm_eps.setter
+    def qk_norm_eps(self, arg: float, /) -> None: ...
+    @property
+    def sinks(self) -> bool: ...
+    @sinks.setter
+    def sinks(self, arg: bool, /) -> None: ...
+    @property
+    def dtype(self) -> str: ...
+    @dtype.setter
+    def dtype(self, arg: str, /) -> None: ...
+
+def layer_check_config(config: LayerConfig) -> None:
+    """
+    Raises ValueError/TypeError with the library's message when the config is invalid.
+    """
+
+class Layer:
+    """flashcte::AttentionLayer with its weights."""
+
+    def __init__(
+        self,
+        config: LayerConfig,
+        q_proj: object,
+        k_proj: object,
+        v_proj: object,
+        o_proj: object,
+        q_bias: object | None,
+        k_bias: object | None,
+        v_bias: object | None,
+        o_bias: object | None,
+        q_norm: object | None,
+        k_norm: object | None,
+        sinks: object | None,
+    ) -> None:
+        """
+        AttentionLayer::create from float32 C-contiguous weights (None: absent).
+        """
+
+    @property
+    def head_dim(self) -> int: ...
+    def forward(
+        self,
+        *,
+        x: object,
+        positions: object,
+        cache: KvCache,
+        out: object,
+        num_threads: int,
+        bf16_bits: bool,
+    ) -> None:
+        """AttentionLayer::forward into a caller-allocated out, the GIL released."""
+
+class KvCache:
+    """flashcte::KvCache."""
+
+    def __init__(
+        self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: str
+    ) -> None: ...
+    @property
+    def batch(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def max_len(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def lengths(self) -> list[int]: ...
+    def reset(self, b: int) -> None:
+        """Forgets every token of sequence b."""
+
+    def keys(self) -> Annotated[NDArray, {"writable": False}]:
+        """K storage: a read-only view (batch, kv_heads, max_len, head_dim)."""
+
+    def values(self) -> Annotated[NDArray, {"writable": False}]:
+        """V storage: a read-only view (batch, kv_heads, max_len, head_dim)."""
+
+def layer_gemm_backend() -> str:
+    """The GEMM library the layer's projections run on and its kernels."""

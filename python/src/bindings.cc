@@ -1,4 +1,5 @@
-// flashcte._flashcte: the nanobind layer between Python and flashcte::attention_cte.
+// flashcte._flashcte: the nanobind layer between Python and flashcte::attention_cte, and
+// flashcte::AttentionLayer with its KvCache (flashcte/_layer.py wraps those).
 //
 // This layer is deliberately thin. Python (flashcte/_attention.py) resolves defaults, allocates
 // the outputs in the caller's framework and turns numpy bfloat16 (ml_dtypes) arrays into uint16
@@ -15,11 +16,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "flashcte/flashcte.h"
+#include "flashcte/layer.h"
 
 namespace nb = nanobind;
 
@@ -237,6 +241,209 @@ void attention_cte(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb:
   if (!status.ok) raise_status(status);
 }
 
+// ---- The attention layer (flashcte/layer.h). Python (flashcte/_layer.py) checks shapes and
+// converts the weights to float32 C-contiguous arrays; here they are copied into LayerWeights and
+// AttentionLayer::create checks them against the config. A layer is held by a shared_ptr so that
+// set_weights (a new layer) while another thread's forward runs cannot free the running one.
+
+struct PyLayer {
+  std::shared_ptr<const flashcte::AttentionLayer> layer;
+};
+
+// A KvCache is mutated by forward while the GIL is released: `busy` (read and written only with
+// the GIL held) refuses a second forward, or a reset, on the same cache meanwhile.
+struct PyKvCache {
+  flashcte::KvCache cache;
+  bool busy = false;
+};
+
+flashcte::DType activation_dtype(const std::string& name) {
+  for (flashcte::DType t :
+       {flashcte::DType::kFloat32, flashcte::DType::kBFloat16, flashcte::DType::kFloat16}) {
+    if (name == flashcte::dtype_name(t)) return t;
+  }
+  throw nb::type_error(("dtype: must be float32, bfloat16 or float16, got " + name).c_str());
+}
+
+// One weight as the float32 values LayerWeights holds; None is an empty (absent) weight.
+std::vector<float> weight_values(const char* name, nb::handle h) {
+  if (h.is_none()) return {};
+  nb::ndarray<const float, nb::c_contig, nb::device::cpu> a;
+  if (!nb::try_cast(h, a, /*convert=*/false)) {
+    throw nb::type_error(
+        (std::string(name) + ": expected a C-contiguous float32 CPU array").c_str());
+  }
+  const float* data = a.data();
+  return std::vector<float>(data, data + a.size());
+}
+
+// Config errors only: AttentionLayer::create checks the config before the weights, so with no
+// weights a complaint about q_proj means the config itself passed.
+void layer_check_config(const flashcte::LayerConfig& config) {
+  std::unique_ptr<flashcte::AttentionLayer> layer;
+  const flashcte::Status s =
+      flashcte::AttentionLayer::create(config, flashcte::LayerWeights{}, &layer);
+  if (!s.ok && s.message.rfind("q_proj:", 0) != 0) raise_status(s);
+}
+
+void layer_init(PyLayer* self, const flashcte::LayerConfig& config, nb::handle q_proj,
+                nb::handle k_proj, nb::handle v_proj, nb::handle o_proj, nb::handle q_bias,
+                nb::handle k_bias, nb::handle v_bias, nb::handle o_bias, nb::handle q_norm,
+                nb::handle k_norm, nb::handle sinks) {
+  flashcte::LayerWeights w;
+  w.q_proj = weight_values("q_proj", q_proj);
+  w.k_proj = weight_values("k_proj", k_proj);
+  w.v_proj = weight_values("v_proj", v_proj);
+  w.o_proj = weight_values("o_proj", o_proj);
+  w.q_bias = weight_values("q_bias", q_bias);
+  w.k_bias = weight_values("k_bias", k_bias);
+  w.v_bias = weight_values("v_bias", v_bias);
+  w.o_bias = weight_values("o_bias", o_bias);
+  w.q_norm = weight_values("q_norm", q_norm);
+  w.k_norm = weight_values("k_norm", k_norm);
+  w.sinks = weight_values("sinks", sinks);
+  std::unique_ptr<flashcte::AttentionLayer> layer;
+  flashcte::Status status;
+  {
+    nb::gil_scoped_release release;  // rounding and relayout of the weights: large for real models
+    status = flashcte::AttentionLayer::create(config, w, &layer);
+  }
+  if (!status.ok) raise_status(status);
+  new (self) PyLayer{std::shared_ptr<const flashcte::AttentionLayer>(std::move(layer))};
+}
+
+void layer_forward(const PyLayer& self, nb::handle x, nb::handle positions, PyKvCache& cache,
+                   nb::handle out, int num_threads, bool bf16_bits) {
+  Imports im;
+  im.bf16_bits = bf16_bits;
+  const flashcte::TensorView xv = im.in("x", x);
+  const flashcte::TensorView pv = im.in("positions", positions);
+  const flashcte::MutableTensorView ov = im.out("out", out);
+  if (cache.busy) {
+    throw std::runtime_error("cache: another forward call is using this cache right now");
+  }
+  const std::shared_ptr<const flashcte::AttentionLayer> layer = self.layer;
+  flashcte::Status status;
+  {
+    // Cleared when the scope ends, with the GIL held again (`busy` outlives `release`).
+    struct Busy {
+      bool& flag;
+      ~Busy() { flag = false; }
+    };
+    cache.busy = true;
+    const Busy busy{cache.busy};
+    nb::gil_scoped_release release;
+    status = layer->forward(xv, pv, &cache.cache, ov, num_threads);
+  }
+  if (!status.ok) raise_status(status);
+}
+
+void cache_init(PyKvCache* self, int64_t batch, int64_t kv_heads, int64_t max_len, int64_t head_dim,
+                const std::string& dtype) {
+  flashcte::KvCache cache;
+  const flashcte::Status status = flashcte::KvCache::create(batch, kv_heads, max_len, head_dim,
+                                                            activation_dtype(dtype), &cache);
+  if (!status.ok) raise_status(status);
+  new (self) PyKvCache{std::move(cache), false};
+}
+
+void cache_reset(PyKvCache& self, int64_t b) {
+  if (b < 0 || b >= self.cache.batch()) {
+    throw nb::value_error(("b: must be in [0, batch = " + std::to_string(self.cache.batch()) +
+                           "), got " + std::to_string(b))
+                              .c_str());
+  }
+  if (self.busy) {
+    throw std::runtime_error("cache: another forward call is using this cache right now");
+  }
+  self.cache.reset(b);
+}
+
+// A read-only numpy view of the cache's K or V storage, (batch, kv_heads, max_len, head_dim),
+// keeping the cache alive; bfloat16 comes as its uint16 bits (Python views them as ml_dtypes').
+nb::ndarray<nb::numpy, nb::ro> cache_storage(nb::handle self_handle, bool values) {
+  PyKvCache& self = nb::cast<PyKvCache&>(self_handle);
+  const flashcte::KvCache& c = self.cache;
+  const size_t shape[4] = {static_cast<size_t>(c.batch()), static_cast<size_t>(c.kv_heads()),
+                           static_cast<size_t>(c.max_len()), static_cast<size_t>(c.head_dim())};
+  nb::dlpack::dtype dtype = nb::dtype<float>();
+  if (c.dtype() == flashcte::DType::kBFloat16) dtype = nb::dtype<uint16_t>();
+  if (c.dtype() == flashcte::DType::kFloat16) {
+    dtype = {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+  }
+  return nb::ndarray<nb::numpy, nb::ro>(values ? c.v_data() : c.k_data(), 4, shape, self_handle,
+                                        nullptr, dtype);
+}
+
+void bind_layer(nb::module_& m) {
+  nb::class_<flashcte::Llama3RopeScaling>(m, "Llama3RopeScaling")
+      .def(nb::init<>())
+      .def_rw("factor", &flashcte::Llama3RopeScaling::factor)
+      .def_rw("low_freq_factor", &flashcte::Llama3RopeScaling::low_freq_factor)
+      .def_rw("high_freq_factor", &flashcte::Llama3RopeScaling::high_freq_factor)
+      .def_rw("original_max_position_embeddings",
+              &flashcte::Llama3RopeScaling::original_max_position_embeddings);
+
+  using flashcte::LayerConfig;
+  nb::class_<LayerConfig>(m, "LayerConfig",
+                          "flashcte::LayerConfig (flashcte/layer.h), field by field.")
+      .def(nb::init<>())
+      .def_rw("hidden_size", &LayerConfig::hidden_size)
+      .def_rw("num_heads", &LayerConfig::num_heads)
+      .def_rw("num_kv_heads", &LayerConfig::num_kv_heads)
+      .def_rw("head_dim", &LayerConfig::head_dim)
+      .def_rw("rope", &LayerConfig::rope)
+      .def_rw("rope_theta", &LayerConfig::rope_theta)
+      .def_rw("rotary_dim", &LayerConfig::rotary_dim)
+      .def_rw("rope_scaling", &LayerConfig::rope_scaling)
+      .def_rw("sliding_window", &LayerConfig::sliding_window)
+      .def_rw("qk_scale", &LayerConfig::qk_scale)
+      .def_rw("qkv_bias", &LayerConfig::qkv_bias)
+      .def_rw("o_bias", &LayerConfig::o_bias)
+      .def_rw("qk_norm", &LayerConfig::qk_norm)
+      .def_rw("qk_norm_eps", &LayerConfig::qk_norm_eps)
+      .def_rw("sinks", &LayerConfig::sinks)
+      .def_prop_rw(
+          "dtype", [](const LayerConfig& c) { return std::string(flashcte::dtype_name(c.dtype)); },
+          [](LayerConfig& c, const std::string& name) { c.dtype = activation_dtype(name); });
+
+  m.def("layer_check_config", &layer_check_config, nb::arg("config"),
+        "Raises ValueError/TypeError with the library's message when the config is invalid.");
+
+  nb::class_<PyLayer>(m, "Layer", "flashcte::AttentionLayer with its weights.")
+      .def("__init__", &layer_init, nb::arg("config"), nb::arg("q_proj"), nb::arg("k_proj"),
+           nb::arg("v_proj"), nb::arg("o_proj"), nb::arg("q_bias").none(), nb::arg("k_bias").none(),
+           nb::arg("v_bias").none(), nb::arg("o_bias").none(), nb::arg("q_norm").none(),
+           nb::arg("k_norm").none(), nb::arg("sinks").none(),
+           "AttentionLayer::create from float32 C-contiguous weights (None: absent).")
+      .def_prop_ro("head_dim", [](const PyLayer& l) { return l.layer->head_dim(); })
+      .def("forward", &layer_forward, nb::kw_only(), nb::arg("x"), nb::arg("positions"),
+           nb::arg("cache"), nb::arg("out"), nb::arg("num_threads"), nb::arg("bf16_bits"),
+           "AttentionLayer::forward into a caller-allocated out, the GIL released.");
+
+  nb::class_<PyKvCache>(m, "KvCache", "flashcte::KvCache.")
+      .def("__init__", &cache_init, nb::arg("batch"), nb::arg("kv_heads"), nb::arg("max_len"),
+           nb::arg("head_dim"), nb::arg("dtype"))
+      .def_prop_ro("batch", [](const PyKvCache& c) { return c.cache.batch(); })
+      .def_prop_ro("kv_heads", [](const PyKvCache& c) { return c.cache.kv_heads(); })
+      .def_prop_ro("max_len", [](const PyKvCache& c) { return c.cache.max_len(); })
+      .def_prop_ro("head_dim", [](const PyKvCache& c) { return c.cache.head_dim(); })
+      .def_prop_ro(
+          "dtype",
+          [](const PyKvCache& c) { return std::string(flashcte::dtype_name(c.cache.dtype())); })
+      .def_prop_ro("lengths", [](const PyKvCache& c) { return c.cache.lengths(); })
+      .def("reset", &cache_reset, nb::arg("b"), "Forgets every token of sequence b.")
+      .def(
+          "keys", [](nb::handle self) { return cache_storage(self, false); },
+          "K storage: a read-only view (batch, kv_heads, max_len, head_dim).")
+      .def(
+          "values", [](nb::handle self) { return cache_storage(self, true); },
+          "V storage: a read-only view (batch, kv_heads, max_len, head_dim).");
+
+  m.def("layer_gemm_backend", &flashcte::layer_gemm_backend,
+        "The GEMM library the layer's projections run on and its kernels.");
+}
+
 }  // namespace
 
 NB_MODULE(_flashcte, m) {
@@ -257,4 +464,5 @@ NB_MODULE(_flashcte, m) {
         "tensors, read in place). Raises TypeError/ValueError with the library's message.");
   m.def("simd_target", &flashcte::simd_target,
         "The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.");
+  bind_layer(m);
 }

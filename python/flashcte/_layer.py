@@ -1,0 +1,530 @@
+"""flashcte.AttentionLayer: optimum-neuron's attention layer (NeuronAttentionBase) with a KV cache.
+
+The layer is the C++ ``flashcte::AttentionLayer`` (include/flashcte/layer.h): QKV projections,
+optional per-head q/k RMSNorm, RoPE (rotate_half on the first ``rotary_dim`` channels, Llama-3
+frequency remap), the KV cache write at the tokens' positions, causal attention over the cached
+positions (sliding window, learned sinks), and the O projection. Calls with up to 16 new tokens per
+sequence run on the decode kernel, longer ones (prefill, chunked prefill) on attention_cte with
+the cached tokens before the chunk as its prior.
+
+This module checks shapes, converts the weights to float32 once and allocates outputs in the
+caller's framework; the native layer (python/src/bindings.cc) copies the weights into the C++
+layer, and runs forward with the GIL released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from . import _flashcte
+from ._attention import _float, _int
+from ._tensors import (
+    BFLOAT16,
+    TORCH,
+    Tensor,
+    _torch,
+    dtype_name,
+    give_back,
+    is_bf16_numpy,
+    native,
+    viewable,
+)
+
+ArrayLike = Any  # numpy.ndarray, torch.Tensor or another DLPack tensor
+
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _activation_dtype(dtype: Any) -> str:
+    """'float32' | 'bfloat16' | 'float16' from a name, a numpy dtype or a torch dtype."""
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        torch = _torch()
+        if torch is not None and isinstance(dtype, torch.dtype):
+            name = dtype_name(dtype)
+        else:
+            try:
+                name = np.dtype(dtype).name
+            except TypeError:
+                name = repr(dtype)
+    canonical = _DTYPES.get(name.lower())
+    if canonical is None:
+        raise TypeError(f"dtype: must be float32, bfloat16 or float16, got {dtype!r}")
+    return canonical
+
+
+def _rope_scaling(rope_scaling: Any, rope_theta: float) -> Any:
+    """transformers' ``rope_scaling`` dict (or transformers 5's ``rope_parameters``, which also
+    holds ``rope_theta``: it must then agree with the argument) as the native Llama3RopeScaling,
+    or None."""
+    if rope_scaling is None:
+        return None
+    if not isinstance(rope_scaling, Mapping):
+        raise TypeError(
+            "rope_scaling: expected None or a dict such as {'rope_type': 'llama3', 'factor': 8.0, "
+            "'low_freq_factor': 1.0, 'high_freq_factor': 4.0, "
+            f"'original_max_position_embeddings': 8192}}, got {type(rope_scaling).__name__}"
+        )
+    if "rope_theta" in rope_scaling:
+        theta = _float("rope_scaling.rope_theta", rope_scaling["rope_theta"])
+        if theta != rope_theta:
+            raise ValueError(
+                f"rope_scaling: holds rope_theta {theta:g}, but the layer's rope_theta is "
+                f"{rope_theta:g} (pass rope_theta={theta:g})"
+            )
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind == "default":  # transformers' name for plain RoPE
+        return None
+    if kind != "llama3":
+        raise ValueError(
+            f"rope_scaling: rope_type {kind!r} is not supported; flashcte implements 'llama3' "
+            "(the Llama-3 frequency remap) only, or None for plain RoPE"
+        )
+    unknown = sorted(set(rope_scaling) - {"rope_type", "type", "rope_theta", *_LLAMA3_KEYS})
+    if unknown:
+        raise ValueError(
+            f"rope_scaling: unknown keys {unknown} for rope_type 'llama3' (known: "
+            f"{', '.join(_LLAMA3_KEYS)})"
+        )
+    s = _flashcte.Llama3RopeScaling()  # the C++ defaults: 8, 1, 4, 8192
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        if key in rope_scaling:
+            setattr(s, key, _float(f"rope_scaling.{key}", rope_scaling[key]))
+    if "original_max_position_embeddings" in rope_scaling:
+        s.original_max_position_embeddings = _int(
+            "rope_scaling.original_max_position_embeddings",
+            rope_scaling["original_max_position_embeddings"],
+        )
+    return s
+
+
+def _float32(name: str, x: Any) -> np.ndarray:
+    """Any real array (numpy, torch, DLPack, sequence) as a C-contiguous float32 numpy array."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name}: dtype must be a float type, got {dtype_name(x.dtype)}")
+        return x.detach().to(torch.float32).contiguous().numpy()
+    if not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
+        x = np.from_dlpack(x)
+    a = np.asarray(x)
+    real = np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)
+    if not (real or (BFLOAT16 is not None and a.dtype == BFLOAT16)) or a.dtype == np.bool_:
+        raise TypeError(f"{name}: dtype must be a float type, got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _weight(name: str, x: Any, shape: tuple, layout: str) -> np.ndarray:
+    a = _float32(name, x)
+    if a.shape != shape:
+        hint = ""
+        if a.shape == shape[::-1] and len(shape) == 2:
+            hint = "; this is the transpose: pass the nn.Linear weight itself"
+        raise ValueError(f"{name}: shape {a.shape} must be {layout} = {shape}{hint}")
+    return a
+
+
+def _positions(x: Any) -> Any:
+    """Positions as int64 (numpy or torch, read in place when already int64)."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"positions: must be a CPU tensor, got device {x.device}")
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise TypeError(f"positions: dtype must be int64, got {dtype_name(x.dtype)}")
+        return x.detach().to(torch.int64)
+    if not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
+        x = np.from_dlpack(x)
+    a = np.asarray(x)
+    if not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"positions: dtype must be int64, got {a.dtype}")
+    return viewable(a.astype(np.int64, copy=False))
+
+
+class KvCache:
+    """The KV cache of one layer: K (after q/k norm and RoPE) and V, each
+    ``(batch, kv_heads, max_len, head_dim)`` in the layer's dtype, zero-initialised, with the
+    number of filled slots of each sequence.
+
+    Usually made by :meth:`AttentionLayer.new_cache`. A layer accepts any cache of its shape
+    (batch of the call, kv_heads, head_dim, dtype) and refuses others; one cache belongs to one
+    layer of a model, as in the module. A cache is mutated by forward: a second call on the same
+    cache while one runs (from another thread) raises RuntimeError.
+    """
+
+    __slots__ = ("_native",)
+
+    def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, dtype="float32"):
+        self._native = _flashcte.KvCache(
+            _int("batch", batch),
+            _int("kv_heads", kv_heads),
+            _int("max_len", max_len),
+            _int("head_dim", head_dim),
+            _activation_dtype(dtype),
+        )
+
+    @property
+    def batch(self) -> int:
+        return self._native.batch
+
+    @property
+    def max_len(self) -> int:
+        return self._native.max_len
+
+    @property
+    def kv_heads(self) -> int:
+        return self._native.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._native.head_dim
+
+    @property
+    def dtype(self) -> str:
+        return self._native.dtype
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Filled slots per sequence: int64 ``(batch,)`` (a copy)."""
+        return np.asarray(self._native.lengths, dtype=np.int64)
+
+    def reset(self, b: int | None = None) -> None:
+        """Forgets every token of sequence ``b`` (all sequences when None); its slots are
+        reused by the next prompt."""
+        if b is None:
+            for i in range(self.batch):
+                self._native.reset(i)
+        else:
+            self._native.reset(_int("b", b))
+
+    def _storage(self, values: bool) -> np.ndarray:
+        a = self._native.values() if values else self._native.keys()
+        if self.dtype == "bfloat16":
+            if BFLOAT16 is None:  # pragma: no cover - exercised only without ml_dtypes
+                return a  # the bfloat16 bits as uint16
+            return a.view(BFLOAT16)
+        return a
+
+    @property
+    def keys(self) -> np.ndarray:
+        """K: a read-only numpy view ``(batch, kv_heads, max_len, head_dim)`` of the storage
+        (bfloat16 as ``ml_dtypes.bfloat16``; its uint16 bits without ml_dtypes)."""
+        return self._storage(False)
+
+    @property
+    def values(self) -> np.ndarray:
+        """V: a read-only numpy view ``(batch, kv_heads, max_len, head_dim)`` of the storage."""
+        return self._storage(True)
+
+    def __repr__(self) -> str:
+        return (
+            f"KvCache(batch={self.batch}, max_len={self.max_len}, kv_heads={self.kv_heads}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype!r}, lengths={self.lengths.tolist()})"
+        )
+
+
+class AttentionLayer:
+    """optimum-neuron's ``NeuronAttentionBase`` (shared/spec/LAYER.md) on the CPU.
+
+    Args:
+        hidden_size: the model's hidden size (in_features of q/k/v_proj).
+        num_heads: query heads.
+        num_kv_heads: KV heads; divides ``num_heads`` (GQA; 1 is MQA).
+        head_dim: channels per head; None for ``hidden_size // num_heads``.
+        rope_theta: the RoPE base.
+        rotary_dim: channels rotated, the first ``rotary_dim`` of each head (half-split within
+            them, as ``partial_rotary_factor`` models do); None for all of them.
+        rope_scaling: None, or transformers' dict for Llama 3: ``{"rope_type": "llama3",
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}`` (missing numbers take these defaults;
+            ``"type"`` is read as ``"rope_type"``; ``"default"`` means none; a ``"rope_theta"``
+            entry, as in transformers 5's ``rope_parameters``, must equal ``rope_theta``). Other
+            rope types raise ValueError.
+        sliding_window: 0 for none, else key ``j`` is visible to query ``i`` when
+            ``i - j < sliding_window``.
+        qk_scale: multiplies ``q.k``; None for ``1 / sqrt(head_dim)``.
+        sinks: None, or ``num_heads`` learned sink logits (gpt-oss): one value-less, unscaled
+            logit per query head in every softmax.
+        qkv_bias: q/k/v_proj have biases (Qwen2).
+        o_bias: o_proj has a bias.
+        qk_norm: per-head RMSNorm of Q and K along head_dim before RoPE (Qwen3), weights
+            ``q_norm`` / ``k_norm`` of ``(head_dim,)``, epsilon ``qk_norm_eps``.
+        rope: False for a NoPE layer (Q and K are not rotated).
+        dtype: the activation dtype: "float32", "bfloat16" or "float16" (or a numpy / torch
+            dtype). Weights, inputs, the cache and the outputs are rounded to it where the
+            module materializes them (the C++ oracle's R1-R7).
+
+    The config is checked here; the weights come with :meth:`set_weights`. Errors raise
+    TypeError (dtypes) or ValueError with the library's ``"<argument>: <rule>"`` message.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int | None = None,
+        *,
+        rope_theta: float = 10000.0,
+        rotary_dim: int | None = None,
+        rope_scaling: Mapping | None = None,
+        sliding_window: int = 0,
+        qk_scale: float | None = None,
+        sinks: ArrayLike | None = None,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        qk_norm_eps: float = 1e-6,
+        rope: bool = True,
+        dtype: Any = "float32",
+    ):
+        c = _flashcte.LayerConfig()
+        c.hidden_size = _int("hidden_size", hidden_size)
+        c.num_heads = _int("num_heads", num_heads)
+        c.num_kv_heads = _int("num_kv_heads", num_kv_heads)
+        c.head_dim = 0 if head_dim is None else _int("head_dim", head_dim)
+        if c.head_dim == 0 and head_dim is not None:
+            raise ValueError("head_dim: must be >= 1 (None for hidden_size // num_heads)")
+        c.rope = bool(rope)
+        c.rope_theta = _float("rope_theta", rope_theta)
+        c.rotary_dim = 0 if rotary_dim is None else _int("rotary_dim", rotary_dim)
+        if c.rotary_dim == 0 and rotary_dim is not None:
+            raise ValueError("rotary_dim: must be >= 2 (None for head_dim)")
+        c.rope_scaling = _rope_scaling(rope_scaling, c.rope_theta)
+        if not c.rope and (rotary_dim is not None or c.rope_scaling is not None):
+            raise ValueError("rope_scaling, rotary_dim: given, but rope=False (a NoPE layer)")
+        c.sliding_window = _int("sliding_window", sliding_window)
+        c.qk_scale = 0.0 if qk_scale is None else _float("qk_scale", qk_scale)
+        if qk_scale is not None and c.qk_scale == 0.0:
+            raise ValueError("qk_scale: must not be 0 (None for 1 / sqrt(head_dim))")
+        c.qkv_bias = bool(qkv_bias)
+        c.o_bias = bool(o_bias)
+        c.qk_norm = bool(qk_norm)
+        c.qk_norm_eps = _float("qk_norm_eps", qk_norm_eps)
+        c.sinks = sinks is not None
+        c.dtype = _activation_dtype(dtype)
+        _flashcte.layer_check_config(c)
+        self._config = c
+        self._head_dim = c.head_dim if c.head_dim else c.hidden_size // c.num_heads
+        self._sinks = None
+        if sinks is not None:
+            s = _float32("sinks", sinks)
+            if s.shape not in ((c.num_heads,), (c.num_heads, 1)):
+                raise ValueError(
+                    f"sinks: shape {s.shape} must be (num_heads,) = ({c.num_heads},): one logit "
+                    "per query head"
+                )
+            self._sinks = s.reshape(-1)
+        self._native = None
+
+    # --- the config, read back
+    @property
+    def hidden_size(self) -> int:
+        return self._config.hidden_size
+
+    @property
+    def num_heads(self) -> int:
+        return self._config.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._config.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    @property
+    def dtype(self) -> str:
+        return self._config.dtype
+
+    @property
+    def has_weights(self) -> bool:
+        return self._native is not None
+
+    def __repr__(self) -> str:
+        c = self._config
+        parts = [
+            f"hidden_size={c.hidden_size}",
+            f"num_heads={c.num_heads}",
+            f"num_kv_heads={c.num_kv_heads}",
+            f"head_dim={self._head_dim}",
+            f"dtype={c.dtype!r}",
+        ]
+        if not c.rope:
+            parts.append("rope=False")
+        else:
+            parts.append(f"rope_theta={c.rope_theta:g}")
+            if c.rotary_dim:
+                parts.append(f"rotary_dim={c.rotary_dim}")
+            if c.rope_scaling is not None:
+                parts.append(f"rope_scaling=llama3(factor={c.rope_scaling.factor:g})")
+        for flag in ("qkv_bias", "o_bias", "qk_norm"):
+            if getattr(c, flag):
+                parts.append(f"{flag}=True")
+        if c.sliding_window:
+            parts.append(f"sliding_window={c.sliding_window}")
+        if c.sinks:
+            parts.append("sinks=...")
+        if not self.has_weights:
+            parts.append("no weights yet")
+        return f"AttentionLayer({', '.join(parts)})"
+
+    def set_weights(
+        self,
+        q_proj: ArrayLike,
+        k_proj: ArrayLike,
+        v_proj: ArrayLike,
+        o_proj: ArrayLike,
+        q_bias: ArrayLike | None = None,
+        k_bias: ArrayLike | None = None,
+        v_bias: ArrayLike | None = None,
+        o_bias: ArrayLike | None = None,
+        q_norm: ArrayLike | None = None,
+        k_norm: ArrayLike | None = None,
+    ) -> None:
+        """Builds the C++ layer from weights in ``torch.nn.Linear`` layout
+        ``(out_features, in_features)``: numpy arrays or torch tensors of any float dtype,
+        converted to float32 once (the layer then rounds them to its dtype).
+
+        Args:
+            q_proj: ``(num_heads * head_dim, hidden_size)``.
+            k_proj, v_proj: ``(num_kv_heads * head_dim, hidden_size)``.
+            o_proj: ``(hidden_size, num_heads * head_dim)``.
+            q_bias, k_bias, v_bias: ``(out_features,)``; required with ``qkv_bias``, else None.
+            o_bias: ``(hidden_size,)``; required with ``o_bias``, else None.
+            q_norm, k_norm: ``(head_dim,)`` RMSNorm weights; required with ``qk_norm``.
+
+        Calling it again replaces the weights; caches stay valid (they depend on the shapes).
+        """
+        c, d = self._config, self._head_dim
+        hidden, q_out, kv_out = c.hidden_size, c.num_heads * d, c.num_kv_heads * d
+        linear = "(out_features, in_features)"
+        w = {
+            "q_proj": _weight("q_proj", q_proj, (q_out, hidden), linear),
+            "k_proj": _weight("k_proj", k_proj, (kv_out, hidden), linear),
+            "v_proj": _weight("v_proj", v_proj, (kv_out, hidden), linear),
+            "o_proj": _weight("o_proj", o_proj, (hidden, q_out), linear),
+        }
+        optional = (
+            ("q_bias", q_bias, "qkv_bias", (q_out,)),
+            ("k_bias", k_bias, "qkv_bias", (kv_out,)),
+            ("v_bias", v_bias, "qkv_bias", (kv_out,)),
+            ("o_bias", o_bias, "o_bias", (hidden,)),
+            ("q_norm", q_norm, "qk_norm", (d,)),
+            ("k_norm", k_norm, "qk_norm", (d,)),
+        )
+        for name, value, flag, shape in optional:
+            wanted = getattr(c, flag)
+            if value is None:
+                if wanted:
+                    raise ValueError(f"{name}: required, the layer was built with {flag}=True")
+                w[name] = None
+            elif not wanted:
+                raise ValueError(f"{name}: given, but the layer was built with {flag}=False")
+            else:
+                layout = "(head_dim,)" if flag == "qk_norm" else "(out_features,)"
+                w[name] = _weight(name, value, shape, layout)
+        self._native = _flashcte.Layer(self._config, sinks=self._sinks, **w)
+
+    def new_cache(self, batch: int, max_len: int) -> KvCache:
+        """An empty cache for ``batch`` sequences of up to ``max_len`` tokens."""
+        c = self._config
+        return KvCache(batch, max_len, c.num_kv_heads, self._head_dim, c.dtype)
+
+    def __call__(
+        self,
+        x: ArrayLike,
+        positions: ArrayLike,
+        cache: KvCache,
+        num_threads: int | None = None,
+    ) -> ArrayLike:
+        """One forward call: ``NeuronAttentionBase.forward`` with the cache write folded in.
+
+        Args:
+            x: ``(batch, T, hidden_size)``, float32, float16 or bfloat16 (rounded to the
+                layer's dtype); numpy arrays or DLPack tensors (torch), read in place.
+            positions: ``(batch, T)`` integer positions (int64; other integer types are
+                converted). In each row they go up by 1 from one token to the next, start at
+                most at the row's cached length (an earlier start rewrites the slots from there)
+                and stay below ``max_len``.
+            cache: from :meth:`new_cache`, with ``batch`` sequences.
+            num_threads: threads for the attention and the GEMMs; None for OpenMP's default.
+
+        Returns:
+            ``(batch, T, hidden_size)`` in the layer's dtype, in the kind of ``x`` (numpy in,
+            numpy out, bfloat16 as ``ml_dtypes.bfloat16``; torch in, torch out). Each token's
+            K/V is written into the cache at its position, then every token attends to every
+            cached slot at a position <= its own (within the window), and the cache's lengths
+            grow to cover the call. The GIL is released while the layer runs.
+        """
+        layer = self._native
+        if layer is None:
+            raise RuntimeError(
+                "AttentionLayer: no weights yet; call set_weights(q_proj, k_proj, v_proj, o_proj, "
+                "...) before forward"
+            )
+        if not isinstance(cache, KvCache):
+            raise TypeError(
+                f"cache: expected a flashcte.KvCache (layer.new_cache(batch, max_len)), got "
+                f"{type(cache).__name__}"
+            )
+        xt = Tensor("x", x)
+        if xt.ndim != 3:
+            raise ValueError(
+                f"x: must have rank 3 (batch, T, hidden_size), got rank {xt.ndim} (shape "
+                f"{xt.shape})"
+            )
+        batch, tokens = xt.shape[0], xt.shape[1]
+        out = self._empty(xt, (batch, tokens, self.hidden_size))
+        if num_threads is not None and _int("num_threads", num_threads, 32) < 0:
+            raise ValueError(
+                f"num_threads: must be >= 0 (None: OpenMP's default), got {num_threads}"
+            )
+        layer.forward(
+            x=native(xt),
+            positions=_positions(positions),
+            cache=cache._native,
+            out=native(out),
+            num_threads=0 if num_threads is None else int(num_threads),
+            bf16_bits=is_bf16_numpy(xt.arr) or is_bf16_numpy(out),
+        )
+        return give_back(xt, out)
+
+    forward = __call__
+
+    def _empty(self, like: Tensor, shape: tuple) -> Any:
+        """An output of `like`'s kind in the layer's dtype."""
+        dtype = self._config.dtype
+        if like.kind == TORCH:
+            torch = _torch()
+            return torch.empty(shape, dtype=getattr(torch, dtype))
+        if dtype == "bfloat16":
+            if BFLOAT16 is None:  # pragma: no cover - exercised only without ml_dtypes
+                raise TypeError(
+                    "x: a bfloat16 layer returns numpy bfloat16 arrays, which need ml_dtypes "
+                    "(pip install ml_dtypes); or pass torch tensors"
+                )
+            return np.empty(shape, dtype=BFLOAT16)
+        return np.empty(shape, dtype=np.dtype(dtype))  # numpy also for other DLPack producers
+
+
+def layer_gemm_backend() -> str:
+    """The GEMM library the layer's projections run on and its kernels, e.g.
+    ``"OpenBLAS 0.3.21 ..., core Cooperlake (set by flashcte ...)"``. Loads it on first use."""
+    return _flashcte.layer_gemm_backend()
