@@ -46,6 +46,13 @@ struct LayerConfig {
   double qk_norm_eps = 1e-6;
   bool sinks = false;  // one learned, value-less, unscaled logit per query head (section 8)
   DType dtype = DType::kFloat32;  // activation dtype: float32, bfloat16 or float16
+  // Tensor parallelism (LAYER.md section 4): the layer built as rank tp_rank of tp_degree holds
+  // that rank's heads of the GQA-sharded weights (REPLICATE_TO_TP_DEGREE when tp_degree is a
+  // multiple of num_kv_heads, else CONVERT_TO_MHA, with ON's padding) and its forward() returns
+  // the rank's partial o_proj output without o_bias: the caller sums the ranks' outputs and adds
+  // o_bias once (the all-reduce). tp_degree 1: the whole layer, o_bias included.
+  int64_t tp_degree = 1;
+  int64_t tp_rank = 0;
 };
 
 // torch.nn.Linear layout (out_features, in_features), float32 row-major. Optional parts are empty
@@ -105,6 +112,8 @@ class AttentionLayer {
                        std::unique_ptr<AttentionLayer>* layer);
   ~AttentionLayer();
 
+  // The config this layer runs: with tp_degree > 1, the rank's (num_heads and num_kv_heads per
+  // rank, o_bias off).
   const LayerConfig& config() const;
   int64_t head_dim() const;
 

@@ -24,6 +24,7 @@
 #include "src/core/half.h"
 #include "src/layer/blas.h"
 #include "src/layer/config.h"
+#include "src/layer/gqa.h"
 #include "src/layer/rope.h"
 
 namespace flashcte {
@@ -276,6 +277,52 @@ Status AttentionLayer::Impl::attend(const void* q_act, const std::vector<int64_t
   return Status::Ok();
 }
 
+namespace {
+
+// The config and weights of rank tp_rank of tp_degree (LAYER.md section 4, src/layer/gqa.h).
+Status rank_layer(const LayerConfig& config, const LayerWeights& weights, LayerConfig* rank_config,
+                  LayerWeights* rank_weights) {
+  if (config.tp_degree < 1) {
+    return Status::Error("tp_degree: must be >= 1, got " + Str(config.tp_degree));
+  }
+  if (config.tp_rank < 0 || config.tp_rank >= config.tp_degree) {
+    return Status::Error("tp_rank: must be in [0, tp_degree = " + Str(config.tp_degree) +
+                         "), got " + Str(config.tp_rank));
+  }
+  layer::GqaSharding sharding;
+  if (Status s = layer::plan_gqa_sharding(config.tp_degree, config.num_heads, config.num_kv_heads,
+                                          &sharding);
+      !s.ok) {
+    return s;
+  }
+  const int64_t d = layer::head_dim_of(config);
+  layer::ProjectionWeights full{weights.q_proj, weights.k_proj, weights.v_proj, weights.o_proj,
+                                weights.q_bias, weights.k_bias, weights.v_bias, {},
+                                weights.sinks};
+  layer::ProjectionWeights local;
+  if (Status s =
+          layer::shard_weights(sharding, config.hidden_size, d, full, config.tp_rank, &local);
+      !s.ok) {
+    return s;
+  }
+  *rank_config = config;
+  rank_config->num_heads = sharding.heads_per_rank;
+  rank_config->num_kv_heads = sharding.kv_heads_per_rank;
+  rank_config->head_dim = d;
+  rank_config->o_bias = false;  // added once, after the ranks' outputs are summed
+  rank_config->tp_degree = 1;
+  rank_config->tp_rank = 0;
+  *rank_weights = LayerWeights{std::move(local.q_proj), std::move(local.k_proj),
+                               std::move(local.v_proj), std::move(local.o_proj),
+                               std::move(local.q_bias), std::move(local.k_bias),
+                               std::move(local.v_bias), {},
+                               weights.q_norm,          weights.k_norm,
+                               std::move(local.sinks)};
+  return Status::Ok();
+}
+
+}  // namespace
+
 AttentionLayer::AttentionLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 AttentionLayer::~AttentionLayer() = default;
 
@@ -288,6 +335,13 @@ Status AttentionLayer::create(const LayerConfig& config, const LayerWeights& wei
   if (Status s = layer::check_config(config); !s.ok) return s;
   if (Status s = layer::check_weights(config, weights); !s.ok) return s;
   try {
+    if (config.tp_degree != 1 || config.tp_rank != 0) {
+      LayerConfig rank_config;
+      LayerWeights rank_weights;
+      if (Status s = rank_layer(config, weights, &rank_config, &rank_weights); !s.ok) return s;
+      layer->reset(new AttentionLayer(std::make_unique<Impl>(rank_config, rank_weights)));
+      return Status::Ok();
+    }
     layer->reset(new AttentionLayer(std::make_unique<Impl>(config, weights)));
   } catch (const std::bad_alloc&) {
     return Status::Error("weights: allocation of the layer's weight copies failed");
