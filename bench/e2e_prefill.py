@@ -85,7 +85,7 @@ def timed_forward(torch, model, name, timed, ids, mask):
     (seconds, seconds in attention, attention calls, last-token logits)."""
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
-    else:  # transformers < 4.54
+    else:  # older transformers (4.51 has no set_attn_implementation)
         model.config._attn_implementation = name
     timed.seconds, timed.calls = 0.0, 0
     t = time.perf_counter()

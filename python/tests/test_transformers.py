@@ -143,8 +143,8 @@ def spy(monkeypatch):
 
 
 def _switch(model, impl):
-    """model.set_attn_implementation (transformers >= 4.54); before it, the config's field, which
-    the layers read at every call."""
+    """model.set_attn_implementation where transformers has it (4.57 does, 4.51 not); else the
+    config's field, which the layers read at every call."""
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(impl)
     else:
@@ -282,6 +282,20 @@ def test_fallbacks_warn_once_and_match():
     with pytest.warns(fct.FlashcteFallbackWarning, match="not per-row key intervals"):
         got = _logits(model, NAME, ids, custom)
     assert (got - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_fallback_to_eager_for_softcap_and_sinks(name):
+    """sdpa has no soft-capping and no sinks: those calls fall back to the model's own eager
+    attention, with the boolean (sdpa-style) mask turned into eager's additive form."""
+    model, ref_impl = _model(name)
+    ids, mask = _batch()
+    fct._warned.clear()
+    ref = _logits(model, ref_impl, ids, mask)
+    _switch(model, NAME)
+    with pytest.warns(fct.FlashcteFallbackWarning, match="requires grad"):
+        got = model(input_ids=ids, attention_mask=mask).logits.float()
+    assert (got.detach() - ref)[mask.bool()].abs().max().item() <= 1e-5
 
 
 def test_mask_plans_are_cached_per_mask(monkeypatch):
