@@ -11,6 +11,11 @@
 // or, where simd::bf16_dot_for says so, on bfloat16 pairs and vdpbf16ps (simd/bf16_dot.h), per
 // section: a section with a NaN, Inf or subnormal value widens.
 //
+// Bytes per FLOP: a section's K and V are packed once (4 (d + dv) bytes per key read for float32
+// inputs, as much written) and serve the item's q_block rows of every head of the group, 2 (d +
+// dv) FLOP per row and key: 4 / (q_block x group) bytes per FLOP, 0.01 at the 384-row blocks of
+// MHA. Q and O stay resident per item.
+//
 // The Neuron kernel keeps O in HBM between sections; here O stays in per-thread scratch
 // (G x q_block x dv floats), which fits L2. Its 3-stage software pipeline is not reproduced:
 // out-of-order cores and the hardware prefetcher overlap loads and arithmetic by themselves.
@@ -83,64 +88,64 @@ ItemShape item_shape(const Problem& problem, const TileConfig& tiles, int64_t kv
 }
 
 // Head h's softmax state rows [r0, r0 + rows) in the item's scratch.
-SoftmaxState head_state(const Problem& problem, Scratch& sc, const ItemShape& item, int64_t h,
+SoftmaxState head_state(const Problem& problem, Scratch& scratch, const ItemShape& item, int64_t h,
                         int64_t r0, int64_t rows) {
   const int64_t first = h * item.rows + r0;
-  return SoftmaxState(&sc.neg_max[first], &sc.sum[first], &sc.alpha[first],
-                      &sc.o[first * item.ldo()], item.ldo(), rows, problem.value_dim);
+  return SoftmaxState(&scratch.neg_max[first], &scratch.sum[first], &scratch.alpha[first],
+                      &scratch.o[first * item.ldo()], item.ldo(), rows, problem.value_dim);
 }
 
 // The item's plan (what gets packed) and each sub-block's (what it computes), from the rows'
 // intervals clipped to the KV range (a KV split sees only its own keys).
 void plan_item(const Problem& problem, const TileConfig& tiles, const ItemShape& item,
-               int64_t kv_begin, int64_t kv_end, Scratch& sc) {
-  ensure(sc.intervals, item.rows);
+               int64_t kv_begin, int64_t kv_end, Scratch& scratch) {
+  ensure(scratch.intervals, item.rows);
   for (int64_t r = 0; r < item.rows; ++r) {
     RowInterval interval = row_interval(problem, item.kv_batch, item.row0 + r);
     interval.lo = std::max(interval.lo, kv_begin);
     interval.hi = std::max(interval.lo, std::min(interval.hi, kv_end));
-    sc.intervals[r] = interval;
+    scratch.intervals[r] = interval;
   }
-  plan_block(problem, tiles, item.kv_batch, sc.intervals.data(), item.rows, &sc.plan);
-  if (sc.sub_plans.size() < static_cast<size_t>(item.sub_blocks)) {
-    sc.sub_plans.resize(item.sub_blocks);
+  plan_block(problem, tiles, item.kv_batch, scratch.intervals.data(), item.rows, &scratch.plan);
+  if (scratch.sub_plans.size() < static_cast<size_t>(item.sub_blocks)) {
+    scratch.sub_plans.resize(item.sub_blocks);
   }
   for (int64_t sb = 0; sb < item.sub_blocks; ++sb) {
     const int64_t r0 = sb * kSubBlockRows;
-    plan_block(problem, tiles, item.kv_batch, sc.intervals.data() + r0,
-               std::min(kSubBlockRows, item.rows - r0), &sc.sub_plans[sb]);
+    plan_block(problem, tiles, item.kv_batch, scratch.intervals.data() + r0,
+               std::min(kSubBlockRows, item.rows - r0), &scratch.sub_plans[sb]);
   }
-  ensure(sc.sub_cursor, item.sub_blocks);
-  std::fill(sc.sub_cursor.begin(), sc.sub_cursor.begin() + item.sub_blocks, 0);
+  ensure(scratch.sub_cursor, item.sub_blocks);
+  std::fill(scratch.sub_cursor.begin(), scratch.sub_cursor.begin() + item.sub_blocks, 0);
 }
 
-void ensure_scratch(const Problem& problem, const ItemShape& item, bool native, Scratch& sc) {
+void ensure_scratch(const Problem& problem, const ItemShape& item, bool native, Scratch& scratch) {
   const int64_t group = problem.group, d = problem.head_dim,
                 sub_rows = std::min(kSubBlockRows, item.rows);
-  ensure(sc.q, group * item.rows * d);
-  ensure(sc.k, d * item.ldk);
-  ensure(sc.v, (item.section + simd::kPadFloats) * item.ldv);
-  ensure(sc.s, sub_rows * item.lds());
-  ensure(sc.o, group * item.rows * item.ldo());
-  for (LineAligned<float>* row_state : {&sc.neg_max, &sc.sum, &sc.alpha}) {
+  ensure(scratch.q, group * item.rows * d);
+  ensure(scratch.k, d * item.ldk);
+  ensure(scratch.v, (item.section + simd::kPadFloats) * item.ldv);
+  ensure(scratch.s, sub_rows * item.lds());
+  ensure(scratch.o, group * item.rows * item.ldo());
+  for (LineAligned<float>* row_state : {&scratch.neg_max, &scratch.sum, &scratch.alpha}) {
     ensure(*row_state, group * item.rows);
   }
   if (!native) return;
   const int64_t d2 = pair_dim(d);
-  ensure(sc.q2, group * item.rows * d2);
-  ensure(sc.k2, d2 / 2 * item.ldk);
-  ensure(sc.v2, (item.section / 2 + 1) * item.ldv);
-  ensure(sc.p2, sub_rows * item.lds());
+  ensure(scratch.q2, group * item.rows * d2);
+  ensure(scratch.k2, d2 / 2 * item.ldk);
+  ensure(scratch.v2, (item.section / 2 + 1) * item.ldv);
+  ensure(scratch.p2, sub_rows * item.lds());
 }
 
 // Every sub-block and head of the item through one packed section.
 void attend_packed_section(const Problem& problem, const simd::Ops& ops, const ItemShape& item,
-                           const PackedSection& packed, bool q_pairs, Scratch& sc) {
+                           const PackedSection& packed, bool q_pairs, Scratch& scratch) {
   const int64_t d = problem.head_dim, d2 = pair_dim(d);
   for (int64_t sb = 0; sb < item.sub_blocks; ++sb) {
     // The sub-block's sections are a subset of the item's, in the same order.
-    const BlockPlan& sub_plan = sc.sub_plans[sb];
-    size_t& cursor = sc.sub_cursor[sb];
+    const BlockPlan& sub_plan = scratch.sub_plans[sb];
+    size_t& cursor = scratch.sub_cursor[sb];
     if (cursor >= sub_plan.sections.size() || sub_plan.sections[cursor].begin != packed.begin) {
       continue;
     }
@@ -151,13 +156,13 @@ void attend_packed_section(const Problem& problem, const simd::Ops& ops, const I
       head.batch = item.kv_batch * problem.group + h;
       head.first_row = item.row0 + r0;
       head.prior = problem.prior_used[item.kv_batch];
-      head.q = &sc.q[(h * item.rows + r0) * d];
-      head.q_pairs = q_pairs ? &sc.q2[(h * item.rows + r0) * d2] : nullptr;
-      head.intervals = sc.intervals.data() + r0;
-      SoftmaxState state = head_state(problem, sc, item, h, r0, rows);
+      head.q = &scratch.q[(h * item.rows + r0) * d];
+      head.q_pairs = q_pairs ? &scratch.q2[(h * item.rows + r0) * d2] : nullptr;
+      head.intervals = scratch.intervals.data() + r0;
+      SoftmaxState state = head_state(problem, scratch, item, h, r0, rows);
       attend_section(problem, ops, packed, sub_plan.tiles.data() + sub_section.first_tile,
                      sub_section.end_tile - sub_section.first_tile, head,
-                     {sc.s.data(), sc.p2.data(), item.lds()}, state);
+                     {scratch.s.data(), scratch.p2.data(), item.lds()}, state);
     }
   }
 }
@@ -193,14 +198,14 @@ double AttentionKernel::cost(int64_t item, int64_t kv_begin, int64_t kv_end) con
 void AttentionKernel::run(int64_t item_index, int64_t kv_begin, int64_t kv_end,
                           float* partial) const {
   const Problem& problem = problem_;
-  Scratch& sc = thread_scratch();
+  Scratch& scratch = thread_scratch();
   const int64_t blocks = num_q_blocks(problem, tiles_);
   const ItemShape item = item_shape(problem, tiles_, item_index / blocks, item_index % blocks);
-  plan_item(problem, tiles_, item, kv_begin, kv_end, sc);
+  plan_item(problem, tiles_, item, kv_begin, kv_end, scratch);
   // bfloat16 inputs run on the native kernels where the policy says so (simd/bf16_dot.h).
   const simd::Bf16DotOps* dot =
       problem.dtype == DType::kBFloat16 ? simd::bf16_dot_for(ops_) : nullptr;
-  ensure_scratch(problem, item, dot != nullptr, sc);
+  ensure_scratch(problem, item, dot != nullptr, scratch);
 
   // Q resident: every head's rows packed once; each head's state seeded with its sink (splits
   // leave the sink to the merge).
@@ -208,21 +213,22 @@ void AttentionKernel::run(int64_t item_index, int64_t kv_begin, int64_t kv_end,
   bool q_subnormal = false;
   for (int64_t h = 0; h < problem.group; ++h) {
     const int64_t b = item.kv_batch * problem.group + h;
-    q_subnormal |= pack_q(problem, ops_, b, item.row0, item.rows, &sc.q[h * item.rows * d],
-                          dot ? &sc.q2[h * item.rows * d2] : nullptr, sc.convert);
-    head_state(problem, sc, item, h, 0, item.rows).seed(sink_logit(problem, b, partial != nullptr));
+    q_subnormal |= pack_q(problem, ops_, b, item.row0, item.rows, &scratch.q[h * item.rows * d],
+                          dot ? &scratch.q2[h * item.rows * d2] : nullptr, scratch.convert);
+    head_state(problem, scratch, item, h, 0, item.rows)
+        .seed(sink_logit(problem, b, partial != nullptr));
   }
   // The native kernels would flush a subnormal query: such items widen.
   const simd::Bf16DotOps* item_dot = q_subnormal ? nullptr : dot;
-  for (const SectionWork& section : sc.plan.sections) {
+  for (const SectionWork& section : scratch.plan.sections) {
     const PackedSection packed =
-        pack_section(problem, ops_, item_dot, item.kv_batch, section, item.ldk, item.ldv, sc);
-    attend_packed_section(problem, ops_, item, packed, item_dot != nullptr, sc);
+        pack_section(problem, ops_, item_dot, item.kv_batch, section, item.ldk, item.ldv, scratch);
+    attend_packed_section(problem, ops_, item, packed, item_dot != nullptr, scratch);
   }
 
   const int64_t saved_floats = SoftmaxState::saved_row_floats(problem.value_dim);
   for (int64_t h = 0; h < problem.group; ++h) {
-    SoftmaxState state = head_state(problem, sc, item, h, 0, item.rows);
+    SoftmaxState state = head_state(problem, scratch, item, h, 0, item.rows);
     for (int64_t r = 0; r < item.rows; ++r) {
       if (partial == nullptr) {
         write_row(problem, item.kv_batch * problem.group + h, item.row0 + r, state, r);

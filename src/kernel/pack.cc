@@ -190,8 +190,7 @@ bool pack_pairs_directly(const Problem& problem, const simd::Ops& ops, int64_t k
 PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
                            const simd::Bf16DotOps* dot, int64_t kv_b, const SectionWork& section,
                            int64_t ldk, int64_t ldv, Scratch& scratch) {
-  Scratch& sc = scratch;
-  const TileWork* tiles = sc.plan.tiles.data() + section.first_tile;
+  const TileWork* tiles = scratch.plan.tiles.data() + section.first_tile;
   const int64_t num_tiles = section.end_tile - section.first_tile;
   PackedSection packed;
   packed.begin = section.begin;
@@ -199,33 +198,33 @@ PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
   packed.ldv = ldv;
   if (dot && can_pack_pairs_directly(problem) &&
       !pack_pairs_directly(problem, ops, kv_b, tiles, num_tiles, section.begin, ldk, ldv,
-                           sc.k2.data(), sc.v2.data())) {
+                           scratch.k2.data(), scratch.v2.data())) {
     packed.dot = dot;
-    packed.k2 = sc.k2.data();
-    packed.v2 = sc.v2.data();
+    packed.k2 = scratch.k2.data();
+    packed.v2 = scratch.v2.data();
     return packed;
   }
   bool subnormal = false;
   for (int64_t t = 0; t < num_tiles; ++t) {
-    pack_kv(problem, ops, kv_b, tiles[t].begin, tiles[t].end, section.begin, sc.k.data(), ldk,
-            sc.v.data(), ldv, sc.convert);
+    pack_kv(problem, ops, kv_b, tiles[t].begin, tiles[t].end, section.begin, scratch.k.data(), ldk,
+            scratch.v.data(), ldv, scratch.convert);
     const int64_t off = tiles[t].begin - section.begin, n = tiles[t].end - tiles[t].begin;
-    const unsigned v_classes = ops.classify(sc.v.data() + off * ldv, n * ldv);
+    const unsigned v_classes = ops.classify(scratch.v.data() + off * ldv, n * ldv);
     packed.v_nonfinite |= (v_classes & simd::kNonFinite) != 0;
     if (!dot) continue;
     subnormal |= (v_classes & simd::kSubnormal) != 0;
     for (int64_t x = 0; x < problem.head_dim; ++x) {
-      subnormal |= (ops.classify(sc.k.data() + x * ldk + off, n) & simd::kSubnormal) != 0;
+      subnormal |= (ops.classify(scratch.k.data() + x * ldk + off, n) & simd::kSubnormal) != 0;
     }
   }
-  packed.k = sc.k.data();
-  packed.v = sc.v.data();
+  packed.k = scratch.k.data();
+  packed.v = scratch.v.data();
   if (!dot || packed.v_nonfinite || subnormal) return packed;
-  pack_pairs(problem, ops, tiles, num_tiles, section.begin, sc.k.data(), ldk, sc.v.data(), ldv,
-             sc.k2.data(), sc.v2.data());
+  pack_pairs(problem, ops, tiles, num_tiles, section.begin, scratch.k.data(), ldk, scratch.v.data(),
+             ldv, scratch.k2.data(), scratch.v2.data());
   packed.dot = dot;
-  packed.k2 = sc.k2.data();
-  packed.v2 = sc.v2.data();
+  packed.k2 = scratch.k2.data();
+  packed.v2 = scratch.v2.data();
   return packed;
 }
 
