@@ -250,7 +250,8 @@ TEST(SimdToFloat, ExactEveryDtype) {
             const float f = static_cast<float>(x);
             std::memcpy(&src[i * size], &f, sizeof f);
           } else {
-            const uint16_t bits = dt == DType::kBFloat16 ? half::double_to_bf16(x) : half::double_to_f16(x);
+            const uint16_t bits =
+                dt == DType::kBFloat16 ? half::double_to_bf16(x) : half::double_to_f16(x);
             std::memcpy(&src[i * size], &bits, sizeof bits);
           }
           if (i < n) want[i] = reference::load_element(src.data(), dt, i);

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "flashcte/flashcte.h"
-#include "src/reference/reference.h"
 #include "src/core/half.h"
+#include "src/reference/reference.h"
 #include "tools/npy.h"
 
 #ifndef FLASHCTE_CLI_PATH

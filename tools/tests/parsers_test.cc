@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "tools/args.h"
 #include "src/core/half.h"
+#include "tools/args.h"
 #include "tools/npy.h"
 
 namespace flashcte::tools {
