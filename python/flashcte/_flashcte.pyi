@@ -47,6 +47,20 @@ def attention_cte(
     attention_cte into caller-allocated outputs (all tensors as numpy arrays or DLPack tensors, read in place). Raises TypeError/ValueError with the library's message.
     """
 
+def merge_attn_states(
+    *,
+    out_a: object,
+    lse_a: object,
+    out_b: object,
+    lse_b: object,
+    out: object,
+    lse: object | None,
+    bf16_bits: bool,
+) -> None:
+    """
+    merge_attn_states into caller-allocated outputs (out may be out_a or out_b itself, lse lse_a or lse_b). Raises TypeError/ValueError with the library's message.
+    """
+
 def simd_target() -> str:
     """
     The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.

@@ -24,6 +24,7 @@
 
 #include "flashcte/flashcte.h"
 #include "flashcte/layer.h"
+#include "flashcte/merge.h"
 
 namespace nb = nanobind;
 
@@ -237,6 +238,22 @@ void attention_cte(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb:
   {
     nb::gil_scoped_release release;
     status = flashcte::attention_cte(qv, kv, vv, outputs, o);
+  }
+  if (!status.ok) raise_status(status);
+}
+
+// merge_attn_states (flashcte/merge.h) into caller-allocated outputs; lse may be None.
+void merge_attn_states(nb::handle out_a, nb::handle lse_a, nb::handle out_b, nb::handle lse_b,
+                       nb::handle out, nb::handle lse, bool bf16_bits) {
+  Imports im;
+  im.bf16_bits = bf16_bits;
+  const flashcte::TensorView oa = im.in("out_a", out_a), la = im.in("lse_a", lse_a);
+  const flashcte::TensorView ob = im.in("out_b", out_b), lb = im.in("lse_b", lse_b);
+  const flashcte::MutableTensorView o = im.out("out", out), l = im.out("lse", lse);
+  flashcte::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = flashcte::merge_attn_states(oa, la, ob, lb, o, l);
   }
   if (!status.ok) raise_status(status);
 }
@@ -462,6 +479,11 @@ NB_MODULE(_flashcte, m) {
         nb::arg("window_right"), nb::arg("bottom_right"), nb::arg("bf16_bits"),
         "attention_cte into caller-allocated outputs (all tensors as numpy arrays or DLPack "
         "tensors, read in place). Raises TypeError/ValueError with the library's message.");
+  m.def("merge_attn_states", &merge_attn_states, nb::kw_only(), nb::arg("out_a"), nb::arg("lse_a"),
+        nb::arg("out_b"), nb::arg("lse_b"), nb::arg("out"), nb::arg("lse").none(),
+        nb::arg("bf16_bits"),
+        "merge_attn_states into caller-allocated outputs (out may be out_a or out_b itself, lse "
+        "lse_a or lse_b). Raises TypeError/ValueError with the library's message.");
   m.def("simd_target", &flashcte::simd_target,
         "The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.");
   bind_layer(m);

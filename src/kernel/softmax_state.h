@@ -1,6 +1,7 @@
 // The online-softmax state of the flash recurrence, per query row, and its named operations.
 // Every place that updates (neg_max, sum, O) goes through this type: the section recurrence
-// (attention.cc), the KV-split merge (attention.cc) and the decode kernel.
+// (attention.cc), the KV-split merge (attention.cc), the decode kernel and the merge of finished
+// results, merge_attn_states (src/dispatch/merge_api.cc).
 //
 // Per row, after the keys seen so far, with scores S_j and values V_j:
 //   neg_max  m = -max_j S_j               negated, as on Neuron: exp(S + m) needs no subtract
@@ -14,6 +15,10 @@
 // merge    a partial state (m_b, l_b, O_b) of other keys: m' = min(m, m_b),
 //          alpha = exp(m' - m), beta = exp(m' - m_b), l = alpha l + beta l_b, O likewise
 // finish   out = O * (1 / l): one reciprocal per row; lse = -m + log(l)
+// normalized state  what finish() leaves, (out, lse), is the state (m = -lse, l = 1, O = out):
+//          exp(S_j - lse) sums to 1 over its keys. merge_normalized() merges it through merge(),
+//          so merging finished results (merge_attn_states, include/flashcte/merge.h) is the same
+//          recurrence as the kernel's KV-split merge; lse = -inf is the empty state (l = 0).
 // An empty state (no key, no sink) has m = +inf and l = 0; alpha is then 0, so whatever O held
 // is dropped, and finish() gives the documented empty row (out 0, lse -inf).
 //
@@ -93,6 +98,14 @@ class SoftmaxState {
     for (int64_t c = 0; c < value_dim_; ++c) o[c] = alpha * o[c] + beta * o_b[c];
     sum_[r] = alpha * sum_[r] + beta * sum_b;
     neg_max_[r] = neg_new;
+  }
+
+  // Folds in row r of a normalized state over other keys, as finish() leaves one: out o_b and
+  // lse_b, i.e. the state (neg_max = -lse_b, sum = 1, O = o_b); lse_b = -inf is a state that saw
+  // no key (sum 0, o_b unread). A NaN lse_b gives NaN (beta is NaN), as does +inf: neither is a
+  // state finish() produces.
+  void merge_normalized(int64_t r, const float* o_b, float lse_b) {
+    merge(r, o_b, -lse_b, lse_b == -kInf ? 0.0f : 1.0f);
   }
 
   // A KV split parks its rows as saved rows (O, then neg_max and sum) until the merge.

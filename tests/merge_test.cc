@@ -1,0 +1,440 @@
+// merge_attn_states (include/flashcte/merge.h) against a float64 merge of the same float32
+// inputs, and against attention_cte itself: attention over the keys K1 | K2 equals the merge of
+// attention over K1 and over K2 (sinks, causal rows that see nothing on one side).
+//
+// Tolerances. The merge is exact arithmetic up to a few float32 roundings per element: the weight
+// of the smaller side exp(lse_min - lse_max) (one exp, ~1 ulp), the sum 1 + w, one reciprocal, a
+// multiply and an add (or one fused multiply-add) and a multiply for out; lse = max + log(sum)
+// (the log ~1 ulp of log(sum) <= log 2, the add half an ulp of lse, w's error at most half an
+// ulp). In units of u = 2^-24 (half an ulp of 1): |out - exact| <= 6 u max(|out_a|, |out_b|) over
+// the row, |lse - exact| <= 3 u max(|lse|, 1) (kOutUnits, kLseUnits; measured 2.8 u and 1.2 u,
+// printed by MergeTest.MatchesFloat64). Against attention_cte on the whole key set the rule is
+// the suite's float32 rule, 1e-5 of the largest output (test_util.cc).
+#include "flashcte/merge.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashcte/flashcte.h"
+#include "src/core/half.h"
+
+namespace flashcte {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr double kUnit = 1.0 / (1 << 24);  // u: half an ulp of 1 in float32
+constexpr double kOutUnits = 6, kLseUnits = 3;
+
+// One side, (batch, rows, dv) and (batch, rows) float32 row-major.
+struct State {
+  int64_t batch = 0, rows = 0, dv = 0;
+  std::vector<float> out, lse;
+  State(int64_t b, int64_t r, int64_t d) : batch(b), rows(r), dv(d), out(b * r * d), lse(b * r) {}
+  TensorView out_view() const {
+    return TensorView::contiguous(out.data(), DType::kFloat32, {batch, rows, dv});
+  }
+  TensorView lse_view() const {
+    return TensorView::contiguous(lse.data(), DType::kFloat32, {batch, rows});
+  }
+  MutableTensorView out_mut() {
+    return MutableTensorView::contiguous(out.data(), DType::kFloat32, {batch, rows, dv});
+  }
+  MutableTensorView lse_mut() {
+    return MutableTensorView::contiguous(lse.data(), DType::kFloat32, {batch, rows});
+  }
+};
+
+// The float64 merge of row i (flat index over batch*rows).
+void reference_row(const State& a, const State& b, int64_t i, std::vector<double>* out,
+                   double* lse) {
+  const double la = a.lse[i], lb = b.lse[i];
+  out->assign(a.dv, 0.0);
+  if (la == -kInf && lb == -kInf) {
+    *lse = -kInf;
+    return;
+  }
+  const double m = std::max(la, lb);
+  *lse = m + std::log(std::exp(la - m) + std::exp(lb - m));
+  const double wa = std::exp(la - *lse), wb = std::exp(lb - *lse);
+  for (int64_t c = 0; c < a.dv; ++c) {
+    (*out)[c] = wa * a.out[i * a.dv + c] + wb * b.out[i * b.dv + c];
+  }
+}
+
+// Random sides: lse in [-30, 30] shifted by a per-row level (up to 1e4), with rows empty on a,
+// on b or on both, and rows whose two sides are 10, 80 (the weight near float32's smallest
+// normal), 100 (subnormal) and 200 (underflow to 0) apart.
+void fill(std::mt19937& rng, State* a, State* b) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uniform(-30.0f, 30.0f);
+  for (float& x : a->out) x = normal(rng);
+  for (float& x : b->out) x = 3.0f * normal(rng);
+  const float levels[] = {0.0f, 0.0f, 1.0f, -500.0f, 1e4f};
+  const float gaps[] = {10.0f, 80.0f, 100.0f, 200.0f};
+  const int64_t n = a->batch * a->rows;
+  for (int64_t i = 0; i < n; ++i) {
+    const float level = levels[i % 5];
+    a->lse[i] = level + uniform(rng);
+    b->lse[i] = level + uniform(rng);
+    switch (i % 11) {
+      case 1:
+        a->lse[i] = -kInf;
+        break;
+      case 2:
+        b->lse[i] = -kInf;
+        break;
+      case 3:
+        a->lse[i] = b->lse[i] = -kInf;
+        break;
+      case 4:
+      case 5:
+        b->lse[i] = a->lse[i] + gaps[(i / 11) % 4] * (i % 11 == 4 ? 1.0f : -1.0f);
+        break;
+      default:
+        break;
+    }
+    // An empty side's out is 0, as attention_cte leaves it.
+    for (State* s : {a, b}) {
+      if (s->lse[i] == -kInf) std::fill_n(&s->out[i * s->dv], s->dv, 0.0f);
+    }
+  }
+}
+
+// Largest errors of (out, lse) in units u of their scales (see the file comment).
+struct Errors {
+  double out_units = 0, lse_units = 0;
+};
+
+Errors compare(const State& a, const State& b, const State& got) {
+  Errors e;
+  std::vector<double> ref;
+  double ref_lse = 0;
+  for (int64_t i = 0; i < a.batch * a.rows; ++i) {
+    reference_row(a, b, i, &ref, &ref_lse);
+    const std::string where = "row " + std::to_string(i) + " lse_a " + std::to_string(a.lse[i]) +
+                              " lse_b " + std::to_string(b.lse[i]);
+    if (std::isinf(ref_lse)) {
+      EXPECT_EQ(got.lse[i], -kInf) << where;
+    } else {
+      const double err =
+          std::fabs(got.lse[i] - ref_lse) / (kUnit * std::max(std::fabs(ref_lse), 1.0));
+      e.lse_units = std::max(e.lse_units, err);
+      EXPECT_LE(err, kLseUnits) << where << " lse " << got.lse[i] << " ref " << ref_lse;
+    }
+    double scale = 0;
+    for (int64_t c = 0; c < a.dv; ++c) {
+      scale = std::max(
+          {scale, std::fabs(double(a.out[i * a.dv + c])), std::fabs(double(b.out[i * b.dv + c]))});
+    }
+    for (int64_t c = 0; c < a.dv; ++c) {
+      const double diff = std::fabs(got.out[i * a.dv + c] - ref[c]);
+      if (scale == 0) {
+        EXPECT_EQ(diff, 0.0) << where;
+        continue;
+      }
+      const double err = diff / (kUnit * scale);
+      e.out_units = std::max(e.out_units, err);
+      EXPECT_LE(err, kOutUnits) << where << " column " << c << " out " << got.out[i * a.dv + c]
+                                << " ref " << ref[c];
+    }
+  }
+  return e;
+}
+
+TEST(MergeTest, MatchesFloat64) {
+  std::mt19937 rng(15);
+  Errors worst;
+  for (const int64_t dv : {1, 7, 64, 128}) {
+    State a(3, 221, dv), b(3, 221, dv), got(3, 221, dv);
+    fill(rng, &a, &b);
+    ASSERT_TRUE(merge_attn_states(a.out_view(), a.lse_view(), b.out_view(), b.lse_view(),
+                                  got.out_mut(), got.lse_mut())
+                    .ok);
+    const Errors e = compare(a, b, got);
+    worst.out_units = std::max(worst.out_units, e.out_units);
+    worst.lse_units = std::max(worst.lse_units, e.lse_units);
+  }
+  std::printf("[ merge    ] largest error: out %.2f, lse %.2f (units of 2^-24 of the scale)\n",
+              worst.out_units, worst.lse_units);
+}
+
+// A row empty on one side is the other side exactly; empty on both is (0, -inf).
+TEST(MergeTest, EmptyRowsAreExact) {
+  std::mt19937 rng(3);
+  State a(1, 44, 16), b(1, 44, 16), got(1, 44, 16);
+  fill(rng, &a, &b);
+  ASSERT_TRUE(merge_attn_states(a.out_view(), a.lse_view(), b.out_view(), b.lse_view(),
+                                got.out_mut(), got.lse_mut())
+                  .ok);
+  int checked = 0;
+  for (int64_t i = 0; i < 44; ++i) {
+    const State* only = nullptr;
+    if (a.lse[i] == -kInf && b.lse[i] == -kInf) {
+      EXPECT_EQ(got.lse[i], -kInf);
+      for (int64_t c = 0; c < 16; ++c) EXPECT_EQ(got.out[i * 16 + c], 0.0f);
+      ++checked;
+      continue;
+    }
+    if (a.lse[i] == -kInf) only = &b;
+    if (b.lse[i] == -kInf) only = &a;
+    if (!only) continue;
+    ++checked;
+    EXPECT_EQ(got.lse[i], only->lse[i]) << "row " << i;
+    for (int64_t c = 0; c < 16; ++c) EXPECT_EQ(got.out[i * 16 + c], only->out[i * 16 + c]);
+  }
+  EXPECT_GE(checked, 9);
+}
+
+// Rank 2 views (rows, dv) / (rows,), strided ones (a transposed batch axis, every other
+// column), and in place: out is out_a, lse is lse_b.
+TEST(MergeTest, StridedRank2AndInPlace) {
+  std::mt19937 rng(7);
+  const int64_t batch = 2, rows = 37, dv = 12;
+  State a(batch, rows, dv), b(batch, rows, dv), want(batch, rows, dv);
+  fill(rng, &a, &b);
+  ASSERT_TRUE(merge_attn_states(a.out_view(), a.lse_view(), b.out_view(), b.lse_view(),
+                                want.out_mut(), want.lse_mut())
+                  .ok);
+  // Rank 2, one batch element at a time: same values.
+  for (int64_t bi = 0; bi < batch; ++bi) {
+    std::vector<float> out(rows * dv), lse(rows);
+    const auto o2 = [&](const State& s) {
+      return TensorView::contiguous(&s.out[bi * rows * dv], DType::kFloat32, {rows, dv});
+    };
+    const auto l1 = [&](const State& s) {
+      return TensorView::contiguous(&s.lse[bi * rows], DType::kFloat32, {rows});
+    };
+    ASSERT_TRUE(
+        merge_attn_states(o2(a), l1(a), o2(b), l1(b),
+                          MutableTensorView::contiguous(out.data(), DType::kFloat32, {rows, dv}),
+                          MutableTensorView::contiguous(lse.data(), DType::kFloat32, {rows}))
+            .ok);
+    for (int64_t i = 0; i < rows * dv; ++i) ASSERT_EQ(out[i], want.out[bi * rows * dv + i]);
+    for (int64_t i = 0; i < rows; ++i) ASSERT_EQ(lse[i], want.lse[bi * rows + i]);
+  }
+  // Side b stored (rows, batch, 2 dv), read through strides as (batch, rows, dv).
+  std::vector<float> bt(rows * batch * 2 * dv, std::nanf("")), lt(rows * batch);
+  for (int64_t bi = 0; bi < batch; ++bi) {
+    for (int64_t r = 0; r < rows; ++r) {
+      lt[r * batch + bi] = b.lse[bi * rows + r];
+      for (int64_t c = 0; c < dv; ++c) {
+        bt[(r * batch + bi) * 2 * dv + 2 * c] = b.out[(bi * rows + r) * dv + c];
+      }
+    }
+  }
+  TensorView bv;
+  bv.data = bt.data();
+  bv.rank = 3;
+  bv.shape = {batch, rows, dv};
+  bv.strides = {2 * dv, batch * 2 * dv, 2};
+  TensorView lv;
+  lv.data = lt.data();
+  lv.rank = 2;
+  lv.shape = {batch, rows};
+  lv.strides = {1, batch};
+  // In place: out = out_a, lse = lse_b (a copy of b's lse, contiguous).
+  State acc = a;
+  std::vector<float> lse_b = b.lse;
+  const TensorView lse_b_view =
+      TensorView::contiguous(lse_b.data(), DType::kFloat32, {batch, rows});
+  const MutableTensorView lse_b_mut =
+      MutableTensorView::contiguous(lse_b.data(), DType::kFloat32, {batch, rows});
+  ASSERT_TRUE(
+      merge_attn_states(acc.out_view(), acc.lse_view(), bv, lse_b_view, acc.out_mut(), lse_b_mut)
+          .ok);
+  EXPECT_EQ(acc.out, want.out);
+  EXPECT_EQ(lse_b, want.lse);
+  // lse read through a transposed view.
+  State got(batch, rows, dv);
+  ASSERT_TRUE(
+      merge_attn_states(a.out_view(), a.lse_view(), bv, lv, got.out_mut(), got.lse_mut()).ok);
+  EXPECT_EQ(got.out, want.out);
+  EXPECT_EQ(got.lse, want.lse);
+}
+
+// 16-bit sides and outputs: inputs widened exactly, out rounded once (to nearest even).
+TEST(MergeTest, SixteenBitOutsRoundOnce) {
+  std::mt19937 rng(11);
+  const int64_t rows = 29, dv = 8;
+  State a(1, rows, dv), b(1, rows, dv), want(1, rows, dv);
+  fill(rng, &a, &b);
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    // b rounded to the 16-bit type; the float32 merge of a and the rounded b, rounded once, is
+    // what the 16-bit out must hold.
+    std::vector<uint16_t> b16(rows * dv), out16(rows * dv);
+    State b_rounded = b;
+    for (int64_t i = 0; i < rows * dv; ++i) {
+      b16[i] =
+          dtype == DType::kBFloat16 ? half::float_to_bf16(b.out[i]) : half::float_to_f16(b.out[i]);
+      b_rounded.out[i] =
+          dtype == DType::kBFloat16 ? half::bf16_to_float(b16[i]) : half::f16_to_float(b16[i]);
+    }
+    ASSERT_TRUE(merge_attn_states(a.out_view(), a.lse_view(), b_rounded.out_view(),
+                                  b_rounded.lse_view(), want.out_mut(), want.lse_mut())
+                    .ok);
+    std::vector<float> lse(rows);
+    ASSERT_TRUE(
+        merge_attn_states(a.out_view(), a.lse_view(),
+                          TensorView::contiguous(b16.data(), dtype, {1, rows, dv}), b.lse_view(),
+                          MutableTensorView::contiguous(out16.data(), dtype, {1, rows, dv}),
+                          MutableTensorView::contiguous(lse.data(), DType::kFloat32, {1, rows}))
+            .ok);
+    for (int64_t i = 0; i < rows * dv; ++i) {
+      const uint16_t expect = dtype == DType::kBFloat16 ? half::float_to_bf16(want.out[i])
+                                                        : half::float_to_f16(want.out[i]);
+      ASSERT_EQ(out16[i], expect) << dtype_name(dtype) << " element " << i;
+    }
+    for (int64_t i = 0; i < rows; ++i) ASSERT_EQ(lse[i], want.lse[i]);
+  }
+}
+
+TEST(MergeTest, NanPropagatesAndLseIsOptional) {
+  State a(1, 3, 2), b(1, 3, 2), got(1, 3, 2);
+  a.out = {1, 2, 3, 4, 5, 6};
+  b.out = {7, 8, 9, 10, 11, 12};
+  a.lse = {std::nanf(""), 0.0f, kInf};
+  b.lse = {0.0f, 0.0f, 0.0f};
+  ASSERT_TRUE(merge_attn_states(a.out_view(), a.lse_view(), b.out_view(), b.lse_view(),
+                                got.out_mut(), MutableTensorView{})
+                  .ok);
+  EXPECT_TRUE(std::isnan(got.out[0]) && std::isnan(got.out[1]));
+  EXPECT_FLOAT_EQ(got.out[2], 6.0f);  // equal weights: the mean
+  EXPECT_FLOAT_EQ(got.out[3], 7.0f);
+  EXPECT_TRUE(std::isnan(got.out[4]) && std::isnan(got.out[5]));  // lse +inf is not a state
+}
+
+// attention over K1 | K2 == merge(attention over K1, attention over K2), with lse from the
+// kernel: a sink on side a only; causal, where rows before K2's first key see nothing of K2.
+TEST(MergeTest, SplitAttentionEqualsWhole) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t bs = 4, n = 300, m = 113, d = 32;
+  std::vector<float> q(bs * n * d), k(bs * n * d), v(bs * n * d), sink(bs);
+  for (float& x : q) x = normal(rng);
+  for (float& x : k) x = normal(rng);
+  for (float& x : v) x = normal(rng);
+  for (float& x : sink) x = 2.0f * normal(rng);
+  // K1 = keys [0, m), K2 = keys [m, n), copied into their own (bs, len, d) arrays.
+  const auto slice = [&](const std::vector<float>& x, int64_t lo, int64_t hi) {
+    std::vector<float> y(bs * (hi - lo) * d);
+    for (int64_t b = 0; b < bs; ++b) {
+      std::memcpy(&y[b * (hi - lo) * d], &x[(b * n + lo) * d], (hi - lo) * d * sizeof(float));
+    }
+    return y;
+  };
+  const std::vector<float> k1 = slice(k, 0, m), v1 = slice(v, 0, m);
+  const std::vector<float> k2 = slice(k, m, n), v2 = slice(v, m, n);
+  for (const bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "non-causal");
+    Options base;
+    base.scale = 0.2f;
+    base.tp_k = true;
+    base.causal_mask = false;
+    const TensorView qv = TensorView::contiguous(q.data(), DType::kFloat32, {bs, n, d});
+    const TensorView sink_view = TensorView::contiguous(sink.data(), DType::kFloat32, {bs, 1});
+    // Whole: causal through packing bounds [0, i + 1) (the same per-row rule as the split).
+    std::vector<int64_t> lo(n, 0), hi(n), lo2(n, 0), hi1(n), hi2(n);
+    for (int64_t i = 0; i < n; ++i) {
+      hi[i] = causal ? i + 1 : n;
+      hi1[i] = std::min(hi[i], m);
+      hi2[i] = std::max<int64_t>(hi[i] - m, 0);
+    }
+    const auto bounds = [&](Options o, const std::vector<int64_t>& l,
+                            const std::vector<int64_t>& h) {
+      if (causal) {
+        o.bound_min = TensorView::contiguous(l.data(), DType::kInt64, {n});
+        o.bound_max = TensorView::contiguous(h.data(), DType::kInt64, {n});
+      }
+      return o;
+    };
+    State whole(1, bs * n, d), s1(1, bs * n, d), s2(1, bs * n, d), merged(1, bs * n, d);
+    const auto run = [&](const std::vector<float>& kk, const std::vector<float>& vv, int64_t len,
+                         const Options& o, State* s) {
+      Outputs out;
+      out.out = MutableTensorView::contiguous(s->out.data(), DType::kFloat32, {bs, n, d});
+      out.lse = MutableTensorView::contiguous(s->lse.data(), DType::kFloat32, {bs, n});
+      const Status st =
+          attention_cte(qv, TensorView::contiguous(kk.data(), DType::kFloat32, {bs, len, d}),
+                        TensorView::contiguous(vv.data(), DType::kFloat32, {bs, len, d}), out, o);
+      ASSERT_TRUE(st.ok) << st.message;
+    };
+    Options with_sink = base;
+    with_sink.sink = sink_view;
+    run(k, v, n, bounds(with_sink, lo, hi), &whole);
+    run(k1, v1, m, bounds(with_sink, lo, hi1), &s1);
+    run(k2, v2, n - m, bounds(base, lo2, hi2), &s2);
+    ASSERT_TRUE(merge_attn_states(s1.out_view(), s1.lse_view(), s2.out_view(), s2.lse_view(),
+                                  merged.out_mut(), merged.lse_mut())
+                    .ok);
+    if (causal) {  // rows before K2 are empty on side b, and take side a as it is
+      for (int64_t b = 0; b < bs; ++b) {
+        for (int64_t i = 0; i < m; ++i) ASSERT_EQ(s2.lse[b * n + i], -kInf);
+      }
+    }
+    double scale = 0, lse_scale = 1;
+    for (float x : whole.out) scale = std::max(scale, std::fabs(double(x)));
+    for (float x : whole.lse) lse_scale = std::max(lse_scale, std::fabs(double(x)));
+    for (size_t i = 0; i < whole.out.size(); ++i) {
+      ASSERT_LE(std::fabs(merged.out[i] - whole.out[i]), 1e-5 * scale) << "element " << i;
+    }
+    for (size_t i = 0; i < whole.lse.size(); ++i) {
+      ASSERT_LE(std::fabs(merged.lse[i] - whole.lse[i]), 1e-5 * lse_scale) << "row " << i;
+    }
+  }
+}
+
+TEST(MergeTest, BadArgumentsNameTheArgument) {
+  State a(1, 4, 3), b(1, 4, 3), got(1, 4, 3);
+  const auto starts = [](const Status& s, const std::string& prefix) {
+    return !s.ok && s.message.rfind(prefix, 0) == 0;
+  };
+  State wide(1, 4, 5);
+  EXPECT_TRUE(starts(merge_attn_states(a.out_view(), a.lse_view(), wide.out_view(), b.lse_view(),
+                                       got.out_mut(), got.lse_mut()),
+                     "out_b: shape (1, 4, 5) differs from out_a's (1, 4, 3)"));
+  EXPECT_TRUE(starts(merge_attn_states(a.out_view(), TensorView{}, b.out_view(), b.lse_view(),
+                                       got.out_mut(), got.lse_mut()),
+                     "lse_a: is required"));
+  std::vector<uint16_t> half(4);
+  EXPECT_TRUE(
+      starts(merge_attn_states(a.out_view(), a.lse_view(), b.out_view(),
+                               TensorView::contiguous(half.data(), DType::kBFloat16, {1, 4}),
+                               got.out_mut(), got.lse_mut()),
+             "lse_b: dtype must be float32"));
+  std::vector<float> flat(4);
+  EXPECT_TRUE(starts(
+      merge_attn_states(TensorView::contiguous(flat.data(), DType::kFloat32, {4}), a.lse_view(),
+                        b.out_view(), b.lse_view(), got.out_mut(), got.lse_mut()),
+      "out_a: must have rank 2"));
+  // out shifted by one element over out_a: overlapping, not the same view.
+  std::vector<float> buf(13);
+  const TensorView a_view = TensorView::contiguous(buf.data(), DType::kFloat32, {1, 4, 3});
+  EXPECT_TRUE(starts(
+      merge_attn_states(a_view, a.lse_view(), b.out_view(), b.lse_view(),
+                        MutableTensorView::contiguous(buf.data() + 1, DType::kFloat32, {1, 4, 3}),
+                        got.lse_mut()),
+      "out: overlaps out_a without being the same view"));
+  EXPECT_TRUE(starts(
+      merge_attn_states(a.out_view(), a.lse_view(), b.out_view(), b.lse_view(), got.out_mut(),
+                        MutableTensorView::contiguous(got.out.data(), DType::kFloat32, {1, 4})),
+      "lse: overlaps out"));
+  // lse_a's memory as lse, read as lse_b: the same bytes, but lse is not lse_b's view.
+  std::vector<float> l(8);
+  EXPECT_TRUE(starts(
+      merge_attn_states(a.out_view(), TensorView::contiguous(l.data(), DType::kFloat32, {1, 4}),
+                        b.out_view(), TensorView::contiguous(l.data() + 2, DType::kFloat32, {1, 4}),
+                        got.out_mut(),
+                        MutableTensorView::contiguous(l.data(), DType::kFloat32, {1, 4})),
+      "lse: overlaps lse_b without being the same view"));
+}
+
+}  // namespace
+}  // namespace flashcte
