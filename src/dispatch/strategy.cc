@@ -247,10 +247,9 @@ Status KernelThreads(const CpuStrategyInputs& in, int64_t kv_batch, int* threads
   options.causal_mask = in.causal;
   options.num_threads = in.threads;
   PlanSummary plan;
-  const Status planned =
-      plan_attention(shape_only(in.batch, in.seqlen_q, in.head_dim),
-                     shape_only(kv_batch, in.head_dim, in.seqlen_kv),
-                     shape_only(kv_batch, in.seqlen_kv, in.head_dim), options, &plan);
+  Status planned = plan_attention(shape_only(in.batch, in.seqlen_q, in.head_dim),
+                                  shape_only(kv_batch, in.head_dim, in.seqlen_kv),
+                                  shape_only(kv_batch, in.seqlen_kv, in.head_dim), options, &plan);
   *threads = plan.threads;
   return planned;
 }
