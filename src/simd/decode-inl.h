@@ -196,9 +196,9 @@ void DecodeQk(const float* q, int64_t ldq, int64_t rows, const void* k, DType dt
 // One PV tile: R rows x C vectors of columns starting at V column 0 of `v` (already offset);
 // with kTail the last vector holds only `tail` (< N) columns of V.
 template <int64_t R, int64_t C, bool kTail, class T>
-HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n,
-                       const T* HWY_RESTRICT v, int64_t ldv, int64_t tail, const float* alpha,
-                       float* HWY_RESTRICT o, int64_t ldo) {
+HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, const T* HWY_RESTRICT v,
+                       int64_t ldv, int64_t tail, const float* alpha, float* HWY_RESTRICT o,
+                       int64_t ldo) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   hn::Vec<DF> acc[R][C];
@@ -240,8 +240,8 @@ HWY_INLINE void PvPanel(const float* p, int64_t ldp, int64_t rows, int64_t n, co
   constexpr int64_t R = std::min<int64_t>(4, std::max<int64_t>(1, kDecodePvAcc / C));
   int64_t r = 0;
   for (; r + R <= rows; r += R) {
-    PvTile<R, C, kTail>(p + r * ldp, ldp, n, v, ldv, tail, alpha ? alpha + r : nullptr,
-                        o + r * ldo, ldo);
+    PvTile<R, C, kTail>(p + r * ldp, ldp, n, v, ldv, tail, alpha ? alpha + r : nullptr, o + r * ldo,
+                        ldo);
   }
   RemainderBlock<R - 1>(rows - r, r, [&](auto block_rows, int64_t r1) HWY_ATTR {
     constexpr int64_t R1 = decltype(block_rows)::value;
