@@ -5,30 +5,13 @@
 
 #include "flashcte/flashcte.h"
 #include "src/core/problem.h"
+#include "src/dispatch/contiguous.h"
 #include "src/dispatch/validate.h"
 #include "src/kernel/attention.h"
 #include "src/schedule/schedule.h"
 #include "src/simd/ops.h"
 
 namespace flashcte {
-namespace {
-
-template <class View, class Ptr>
-View make_contiguous(Ptr data, DType dtype, const std::vector<int64_t>& shape) {
-  View t;
-  t.data = data;
-  t.dtype = dtype;
-  t.rank = static_cast<int>(std::min<size_t>(shape.size(), kMaxRank));
-  int64_t stride = 1;
-  for (int i = t.rank - 1; i >= 0; --i) {
-    t.shape[i] = shape[i];
-    t.strides[i] = stride;
-    stride *= shape[i];
-  }
-  return t;
-}
-
-}  // namespace
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
@@ -60,12 +43,12 @@ int dtype_size(DType dtype) {
 
 TensorView TensorView::contiguous(const void* data, DType dtype,
                                   const std::vector<int64_t>& shape) {
-  return make_contiguous<TensorView>(data, dtype, shape);
+  return internal::make_contiguous<TensorView>(data, dtype, shape);
 }
 
 MutableTensorView MutableTensorView::contiguous(void* data, DType dtype,
                                                 const std::vector<int64_t>& shape) {
-  return make_contiguous<MutableTensorView>(data, dtype, shape);
+  return internal::make_contiguous<MutableTensorView>(data, dtype, shape);
 }
 
 Status attention_cte(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -6,38 +6,21 @@
 #include <string>
 
 #include "flashcte/decode.h"
+#include "src/dispatch/contiguous.h"
 #include "src/dispatch/decode_validate.h"
 #include "src/kernel/decode.h"
 #include "src/schedule/decode_schedule.h"
 
 namespace flashcte {
-namespace {
-
-template <class View, class Ptr>
-View make_contiguous(Ptr data, DType dtype, const std::vector<int64_t>& shape) {
-  View t;
-  t.data = data;
-  t.dtype = dtype;
-  t.rank = static_cast<int>(std::min<size_t>(shape.size(), t.shape.size()));
-  int64_t stride = 1;
-  for (int i = t.rank - 1; i >= 0; --i) {
-    t.shape[i] = shape[i];
-    t.strides[i] = stride;
-    stride *= shape[i];
-  }
-  return t;
-}
-
-}  // namespace
 
 TensorView4 TensorView4::contiguous(const void* data, DType dtype,
                                     const std::vector<int64_t>& shape) {
-  return make_contiguous<TensorView4>(data, dtype, shape);
+  return internal::make_contiguous<TensorView4>(data, dtype, shape);
 }
 
 MutableTensorView4 MutableTensorView4::contiguous(void* data, DType dtype,
                                                   const std::vector<int64_t>& shape) {
-  return make_contiguous<MutableTensorView4>(data, dtype, shape);
+  return internal::make_contiguous<MutableTensorView4>(data, dtype, shape);
 }
 
 Status decode_attention(const TensorView4& q, const TensorView4& k_cache,

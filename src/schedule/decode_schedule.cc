@@ -1,10 +1,6 @@
 #include "src/schedule/decode_schedule.h"
 
-#include <omp.h>
-
-#include <atomic>
-#include <exception>
-
+#include "src/schedule/parallel.h"
 #include "src/schedule/schedule.h"
 
 namespace flashcte::internal {
@@ -44,35 +40,7 @@ void run_decode(const DecodeKernel& kernel) {
   const auto merge = [&](int64_t i) {
     kernel.merge(merges[i].pair, partials.data() + merges[i].partial * partial_floats);
   };
-  const int threads = resolve_threads(p.threads, n);
-  if (threads == 1) {
-    // No parallel region: for a single short sequence its fork and join cost more than the work.
-    for (int64_t i = 0; i < n; ++i) run_item(i);
-    for (int64_t i = 0; i < m; ++i) merge(i);
-    return;
-  }
-  // As in schedule.cc: the first exception (a failed scratch allocation) is kept, the remaining
-  // items are skipped, and it is rethrown outside the region for the API to report.
-  std::exception_ptr failure;
-  std::atomic<bool> failed{false};
-  const auto guarded = [&](auto&& body) {
-    if (failed.load(std::memory_order_relaxed)) return;
-    try {
-      body();
-    } catch (...) {
-#pragma omp critical(flashcte_decode_failure)
-      if (!failure) failure = std::current_exception();
-      failed.store(true, std::memory_order_relaxed);
-    }
-  };
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) guarded([&] { run_item(i); });
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < m; ++i) guarded([&] { merge(i); });
-  }
-  if (failure) std::rethrow_exception(failure);
+  run_then_merge(resolve_threads(p.threads, n), n, run_item, m, merge);
 }
 
 }  // namespace flashcte::internal

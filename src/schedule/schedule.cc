@@ -3,10 +3,9 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
-#include <exception>
 
 #include "src/core/math.h"
+#include "src/schedule/parallel.h"
 
 namespace flashcte::internal {
 namespace {
@@ -75,42 +74,10 @@ void run_all(const AttentionKernel& kernel) {
   const auto merge = [&](int64_t i) {
     kernel.merge(i, partials.data() + i * splits * partial_floats, splits);
   };
-  const int threads = resolve_threads(kernel.problem().threads, n);
-  if (threads == 1) {
-    // No parallel region at all: for tiny problems its fork and join cost more than the work.
-    for (int64_t i = 0; i < n; ++i) run_item(i);
-    if (splits > 1) {
-      for (int64_t i = 0; i < merged; ++i) merge(i);
-    }
-    return;
-  }
-  // An exception must not leave an OpenMP region (that terminates the process): the first one
-  // (a failed scratch allocation) is kept, the remaining items are skipped, and it is rethrown
-  // here for the API layer to turn into a Status.
-  std::exception_ptr failure;
-  std::atomic<bool> failed{false};
-  const auto guarded = [&](auto&& body) {
-    if (failed.load(std::memory_order_relaxed)) return;
-    try {
-      body();
-    } catch (...) {
-#pragma omp critical(flashcte_failure)
-      if (!failure) failure = std::current_exception();
-      failed.store(true, std::memory_order_relaxed);
-    }
-  };
   // Largest first with dynamic hand-out: the longest-processing-time rule, which keeps the
   // causal triangle's long rows from landing on one thread at the end.
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) guarded([&] { run_item(i); });
-    if (splits > 1) {
-#pragma omp for schedule(static)
-      for (int64_t i = 0; i < merged; ++i) guarded([&] { merge(i); });
-    }
-  }
-  if (failure) std::rethrow_exception(failure);
+  run_then_merge(resolve_threads(kernel.problem().threads, n), n, run_item, splits > 1 ? merged : 0,
+                 merge);
 }
 
 }  // namespace flashcte::internal
