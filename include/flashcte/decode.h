@@ -85,6 +85,9 @@ struct DecodeOutputs {
 // (kv_heads = q_heads) are its ends. Scores and the softmax run in float32; with bfloat16 inputs
 // the probabilities are rounded to bfloat16 before P.V, as in attention_cte. bfloat16 and float16
 // caches are read in place (converted in registers), and only the slots some row attends are read.
+// Where bfloat16 runs on the native dot product (AVX512_BF16 on AMD Zen 4/5, the choice
+// attention_cte makes, FLASHCTE_BF16_DOT=widen turns it off), subnormal bfloat16 inputs count as
+// zero: a difference below 2^-126 per product.
 // Thread-safe; outputs are bitwise identical for any num_threads.
 Status decode_attention(const TensorView4& q, const TensorView4& k_cache,
                         const TensorView4& v_cache, const TensorView& positions,

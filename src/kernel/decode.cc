@@ -11,6 +11,9 @@
 //   then either out = O / l (a pair with one chunk) or the unnormalized state parked for the
 //   merge, which folds the chunks in order with SoftmaxState::merge.
 //
+// bfloat16 inputs run on the native vdpbf16ps kernels where simd::bf16_dot_for says so (the
+// policy attention_cte follows: AMD Zen 4/5 yes, Intel widens), with Q also packed as bfloat16.
+//
 // A row only ever reads the scores, and P.V only the V rows, of the slots it attends: slots past
 // a token's position (the later new tokens of a chunk) or before its window may hold anything,
 // NaN included, without reaching its output. K and V are read where they are, converted in
@@ -26,6 +29,7 @@
 #include "src/kernel/convert.h"
 #include "src/kernel/scratch.h"
 #include "src/kernel/softmax_state.h"
+#include "src/simd/bf16_dot.h"
 
 namespace flashcte::internal {
 namespace {
@@ -33,18 +37,26 @@ namespace {
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Chunk boundaries: every multiple of this many slots (a constant, so the split of a problem
-// never depends on the thread count). 32/8 heads at d = 128 read 8 * 1024 * 512 bytes of
-// bfloat16 K/V per chunk and KV head group: ~25 us of bandwidth against a merge of 4 rows x 130
-// floats, and 4096 cached tokens still make 4 chunks per KV head for the threads to share.
+// never depends on the thread count). Zen 4 EPYC, 2 threads, 32/8 heads, d = 128, bf16, 4096
+// cached tokens (32 chunks of one call): 512 slots 19.1, 1024 23.0, 2048 23.0 GB/s (medians of 5
+// interleaved cold runs, a loaded machine); 1024 keeps the chunks (8 KV heads x 4 per 4096
+// tokens) plentiful for more threads, and a chunk still streams 256 KiB of K and of V per head
+// against a merge of rows x (dv + 2) floats.
 constexpr int64_t kChunkSlots = 1024;
 // Slots per block: the scores of a block (rows x 64 floats) and its K and V rows (64 x 256 bytes
 // each for bfloat16 at d = 128, 32 KiB of float32) stay in L1 / L2 between QK, the softmax and PV.
+// Chosen, not measured against other sizes.
 constexpr int64_t kBlockSlots = 64;
+// The kernels prefetch ahead of their reads only, so every chunk would start its K and V streams
+// on demand misses; this much of each is requested into L2 when a chunk starts. Same setup as
+// kChunkSlots: 20.0 GB/s without, 23.0 with 8 KiB.
+constexpr int64_t kStartPrefetchBytes = 8192;
 
 struct DecodeScratch {
-  LineAligned<float> q;  // [rows][ldq] float32, zero past d
-  LineAligned<float> s;  // [rows][lds] scores, then probabilities
-  LineAligned<float> o;  // [rows][ldo] accumulators
+  LineAligned<float> q;      // [rows][ldq] float32, zero past d
+  LineAligned<uint16_t> q2;  // [rows][ldq2] bfloat16, zero past d (the native bfloat16 path)
+  LineAligned<float> s;      // [rows][lds] scores, then probabilities
+  LineAligned<float> o;      // [rows][ldo] accumulators
   LineAligned<float> neg_max, sum, alpha;
   std::vector<unsigned char> gather_k, gather_v;  // a block of K / V rows when not unit stride
 };
@@ -54,22 +66,29 @@ DecodeScratch& decode_scratch() {
   return scratch;
 }
 
-// The geometry of one pair's rows in scratch.
+// The geometry of one pair's rows in scratch, and whether it runs on the native bfloat16
+// kernels (vdpbf16ps: bfloat16 inputs where simd::bf16_dot_for says so, as attention_cte).
 struct PairShape {
-  int64_t b, kv_head, rows, ldq, lds, ldo;
+  int64_t b, kv_head, rows, ldq, ldq2, lds, ldo;
+  bool native;
 };
 
-PairShape pair_shape(const DecodeProblem& p, int64_t pair) {
+PairShape pair_shape(const DecodeProblem& p, const simd::Ops& ops, int64_t pair) {
+  const bool native = p.dtype == DType::kBFloat16 && simd::bf16_dot_for(ops) != nullptr &&
+                      ops.decode_qk_bf16 != nullptr && ops.decode_pv_bf16 != nullptr;
   return {pair / p.kv_heads,
           pair % p.kv_heads,
           p.rows(),
           simd::padded(p.head_dim),
+          round_up(p.head_dim, 32),
           simd::leading_dim(kBlockSlots),
-          simd::padded(p.value_dim)};
+          simd::padded(p.value_dim),
+          native};
 }
 
 void ensure_scratch(const PairShape& ps, DecodeScratch& sc) {
   ensure(sc.q, ps.rows * ps.ldq);
+  if (ps.native) ensure(sc.q2, ps.rows * ps.ldq2);
   ensure(sc.s, ps.rows * ps.lds);
   ensure(sc.o, ps.rows * ps.ldo);
   for (LineAligned<float>* row_state : {&sc.neg_max, &sc.sum, &sc.alpha}) {
@@ -92,8 +111,10 @@ float sink_logit(const DecodeProblem& p, int64_t head) {
   return p.sink ? p.sink[head * p.sink_stride] : -kInf;
 }
 
-// Q rows of the pair in float32, zero past d (decode_qk reads whole vectors).
-void pack_q(const DecodeProblem& p, const simd::Ops& ops, const PairShape& ps, float* q) {
+// Q rows of the pair in float32, zero past d (decode_qk reads whole vectors), and as bfloat16
+// for the native kernels (exact: the inputs are bfloat16).
+void pack_q(const DecodeProblem& p, const simd::Ops& ops, const PairShape& ps, float* q,
+            uint16_t* q2) {
   const int64_t d = p.head_dim, elem = dtype_size(p.dtype);
   const auto& st = p.q_strides;
   for (int64_t r = 0; r < ps.rows; ++r) {
@@ -105,6 +126,9 @@ void pack_q(const DecodeProblem& p, const simd::Ops& ops, const PairShape& ps, f
       for (int64_t x = 0; x < d; ++x) dst[x] = load_as_float(p.q, offset + x * st[3], p.dtype);
     }
     std::fill(dst + d, dst + ps.ldq, 0.0f);
+    if (!ps.native) continue;
+    ops.narrow_bf16(dst, d, q2 + r * ps.ldq2);
+    std::fill(q2 + r * ps.ldq2 + d, q2 + (r + 1) * ps.ldq2, uint16_t{0});
   }
 }
 
@@ -152,8 +176,13 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
   int64_t ldk = 0;
   const void* k = cache_rows(p, static_cast<const unsigned char*>(p.k) + k_off * elem, p.k_strides,
                              p.head_dim, j0 + all.lo, j0 + all.hi, sc.gather_k, &ldk);
-  ops.decode_qk(sc.q.data(), ps.ldq, ps.rows, k, p.dtype, ldk, all.hi - all.lo, p.head_dim, p.scale,
-                sc.s.data(), ps.lds);
+  if (ps.native) {
+    ops.decode_qk_bf16(sc.q2.data(), ps.ldq2, ps.rows, static_cast<const uint16_t*>(k), ldk,
+                       all.hi - all.lo, p.head_dim, p.scale, sc.s.data(), ps.lds);
+  } else {
+    ops.decode_qk(sc.q.data(), ps.ldq, ps.rows, k, p.dtype, ldk, all.hi - all.lo, p.head_dim,
+                  p.scale, sc.s.data(), ps.lds);
+  }
 
   const bool round_p = p.dtype == DType::kBFloat16;
   for (int64_t t0 = 0; t0 < p.tokens;) {
@@ -178,9 +207,37 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
     int64_t ldv = 0;
     const void* v = cache_rows(p, static_cast<const unsigned char*>(p.v) + v_off * elem,
                                p.v_strides, p.value_dim, j0 + c.lo, j0 + c.hi, sc.gather_v, &ldv);
-    ops.decode_pv(sc.s.data() + r0 * ps.lds + col, ps.lds, r1 - r0, n, v, p.dtype, ldv, p.value_dim,
-                  state.alpha() + r0, state.o(r0), ps.ldo);
+    float* prow = sc.s.data() + r0 * ps.lds + col;
+    if (ps.native) {
+      ops.decode_pv_bf16(prow, ps.lds, r1 - r0, n, static_cast<const uint16_t*>(v), ldv,
+                         p.value_dim, state.alpha() + r0, state.o(r0), ps.ldo);
+    } else {
+      ops.decode_pv(prow, ps.lds, r1 - r0, n, v, p.dtype, ldv, p.value_dim, state.alpha() + r0,
+                    state.o(r0), ps.ldo);
+    }
   }
+}
+
+// The first kStartPrefetchBytes of the chunk's K and V streams, into L2: the kernels prefetch
+// only ahead of where they read, so each chunk would start on demand misses.
+void prefetch_stream(const DecodeProblem& p, const void* base, const std::array<int64_t, 4>& st,
+                     int64_t head_off, int64_t channels, int64_t lo, int64_t hi) {
+  if (st[3] != 1) return;
+  const int64_t elem = dtype_size(p.dtype);
+  const auto* bytes = static_cast<const char*>(base) + (head_off + lo * st[2]) * elem;
+  const int64_t rows =
+      std::min(hi - lo, std::max<int64_t>(1, kStartPrefetchBytes / (st[2] * elem)));
+  for (int64_t j = 0; j < rows; ++j) {
+    for (int64_t b = 0; b < channels * elem; b += 64)
+      __builtin_prefetch(bytes + j * st[2] * elem + b, 0, 2);
+  }
+}
+
+void prefetch_start(const DecodeProblem& p, const PairShape& ps, const SlotRange& slots) {
+  prefetch_stream(p, p.k, p.k_strides, ps.b * p.k_strides[0] + ps.kv_head * p.k_strides[1],
+                  p.head_dim, slots.lo, slots.hi);
+  prefetch_stream(p, p.v, p.v_strides, ps.b * p.v_strides[0] + ps.kv_head * p.v_strides[1],
+                  p.value_dim, slots.lo, slots.hi);
 }
 
 // Normalizes row r of `state` and writes it as (b, head, token) of out and lse.
@@ -235,9 +292,9 @@ int64_t DecodeKernel::partial_floats() const {
 void DecodeKernel::run(int64_t pair, int64_t chunk, float* partial) const {
   const DecodeProblem& p = problem_;
   DecodeScratch& sc = decode_scratch();
-  const PairShape ps = pair_shape(p, pair);
+  const PairShape ps = pair_shape(p, ops_, pair);
   ensure_scratch(ps, sc);
-  pack_q(p, ops_, ps, sc.q.data());
+  pack_q(p, ops_, ps, sc.q.data(), sc.q2.data());
   SoftmaxState state = pair_state(p, ps, sc);
   // Each row starts from its head's sink; a chunk of a split pair leaves the sink to the merge.
   for (int64_t r = 0; r < ps.rows; ++r) {
@@ -245,6 +302,7 @@ void DecodeKernel::run(int64_t pair, int64_t chunk, float* partial) const {
     row.seed(partial ? -kInf : sink_logit(p, row_head(p, ps, r)));
   }
   const SlotRange slots = chunk_slots(ps.b, chunk);
+  if (kStartPrefetchBytes > 0) prefetch_start(p, ps, slots);
   for (int64_t j0 = slots.lo; j0 < slots.hi; j0 += kBlockSlots) {
     attend_block(*this, ops_, ps, j0, std::min(j0 + kBlockSlots, slots.hi), sc, state);
   }
@@ -260,7 +318,7 @@ void DecodeKernel::run(int64_t pair, int64_t chunk, float* partial) const {
 
 void DecodeKernel::merge(int64_t pair, const float* partials) const {
   const DecodeProblem& p = problem_;
-  const PairShape ps = pair_shape(p, pair);
+  const PairShape ps = pair_shape(p, ops_, pair);
   const int64_t chunks = num_chunks(ps.b), saved = SoftmaxState::saved_row_floats(p.value_dim);
   std::vector<float> o(static_cast<size_t>(p.value_dim));
   float neg_max = 0, sum = 0, alpha = 0;

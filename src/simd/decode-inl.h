@@ -1,26 +1,34 @@
 // Decode: the two matmuls of a few query rows against K and V rows read in place from a KV cache
 // of float32, bfloat16 or float16 (src/kernel/decode.h). Nothing is packed: cache rows are
-// converted to float32 in registers as they are loaded.
+// converted to float32 in registers as they are loaded. decode_bf16-inl.h has the native
+// AVX512_BF16 versions for bfloat16 caches.
 //
 // QK (DecodeQk): S[r][j] = scale * Q[r] . K[j]. The cache is (key, d) row-major, so each score is
 // a dot product along d. Register tile: R rows x K keys of N-lane accumulators with R * K = N
-// (AVX-512 4 x 4 = 16 zmm, AVX2 4 x 2 = 8 ymm, SSE4 4 x 1, scalar 1 x 1); per step of N along d,
-// K loads of K (converted), R loads of Q (L1-resident) and R * K FMAs. The horizontal sums wait
-// until the whole of d is done: the N accumulators then go through one transposing ladder
-// (SumLadder: log2 N levels of ConcatEven + ConcatOdd + Add, N - 1 steps) that leaves the sum of
-// accumulator i in lane i, about 3 vector ops per score against d / N FMAs per score (8 at
-// d = 128 on AVX-512).
+// (AVX-512 4 x 4 = 16 zmm, AVX2 4 x 2 = 8 ymm, SSE4 4 x 1, scalar 1 x 1), filled key by key, each
+// K row read from start to end (converted), the R rows of Q from L1. Reading the tile's K rows
+// interleaved along d instead (all K keys per step) halved a core's K stream on float32 (QK alone,
+// one thread, Zen 4: 7.8 -> 14.8 GB/s key by key). The horizontal sums wait until the tile is
+// done: its N accumulators go through one transposing ladder (SumLadder: log2 N levels of
+// ConcatEven + ConcatOdd + Add, N - 1 steps) that leaves the sum of accumulator i in lane i, about
+// 3 vector ops per score against d / N FMAs per score (8 at d = 128 on AVX-512).
 //
 // PV (DecodePv): O[r] = alpha[r] O[r] + sum_j P[r][j] V[j]: per key, C vectors of the V row
-// (converted) and one broadcast of P per row. Register tile R x C with C as wide as dv allows
-// (AVX-512: up to 8 vectors = 128 columns, R * C <= 16; other targets up to 4, R * C <= 8), keys
-// innermost, so a V row is loaded from memory by the first row block and from L1 by the others.
+// (converted) and one broadcast of P per row. Register tile R x C (AVX-512: R * C <= 16, AVX2
+// R * C <= 8) with all the rows in one block where possible (4 x 4 on AVX-512 for 4 rows), so a
+// 16-bit V value is converted once per 4 rows; keys innermost, column panels outer (the second
+// panel finds the rows in L2).
+//
+// Prefetch: both kernels request each K / V row kDecodePrefetchBytes ahead into L2 (prefetcht1).
+// A core's demand misses and L1 prefetches are capped by its L1 miss buffers (~15 GB/s here);
+// requests into L2 let the 2 cores approach the memory's read bandwidth (decode_bf16-inl.h has
+// the measurement).
 //
 // Bytes per FLOP: each cached K or V element is read once per call and feeds 2 FLOPs per query
 // row (group * T rows of one KV head). At 4 rows (32/8 heads, T = 1) that is 0.25 B/FLOP for
 // bfloat16 and 0.5 for float32 caches; two Zen 4 cores (~117 GFLOP/s of fp32 FMA each) reading
-// ~22 GB/s break even near 0.1 B/FLOP, so the kernel is memory-bound with room to spare for
-// float32 and within ~2x of the arithmetic limit for bfloat16 at 4 rows.
+// ~30 GB/s break even near 0.13 B/FLOP, so float32 is memory-bound with room to spare and
+// bfloat16 within ~2x of the arithmetic limit at 4 rows (hence the native path).
 //
 // Width contract (ops.h, decode_qk / decode_pv): K and V are read at columns [0, d) / [0, dv) of
 // rows [0, n) only (the last cache row may end a mapping: column tails are copied into a zeroed
@@ -36,10 +44,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
 #include "hwy/highway.h"
+#include "src/simd/decode_bf16-inl.h"
 #include "src/simd/shared-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -53,6 +63,32 @@ constexpr int64_t kDecodeQkRows = kMaxLanes < 4 ? kMaxLanes : 4;
 // leaving room for the C converted V vectors and the P broadcast.
 constexpr int64_t kDecodePvAcc = kMaxLanes >= 16 ? 16 : 8;
 constexpr int64_t kDecodePvCols = kMaxLanes >= 16 ? 8 : 4;
+
+// Rows ahead to prefetch for rows `ld` elements of T apart.
+template <class T>
+HWY_INLINE int64_t PrefetchRows(int64_t ld) {
+  const int64_t stride = std::max<int64_t>(1, ld * static_cast<int64_t>(sizeof(T)));
+  return (decode_prefetch_bytes() + stride - 1) / stride;
+}
+
+// Requests the `bytes` at p into L2 (prefetcht1), one request per cache line.
+HWY_INLINE void PrefetchToL2(uintptr_t p, int64_t bytes) {
+#if HWY_COMPILER_GCC || HWY_COMPILER_CLANG
+  for (uintptr_t a = p & ~uintptr_t{63}; a < p + static_cast<uintptr_t>(bytes); a += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
+  }
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+// The address `rows` rows of `ld` elements past p, as an integer: it may lie past the buffer, so
+// only prefetches use it.
+template <class T>
+HWY_INLINE uintptr_t RowsAhead(const T* p, int64_t rows, int64_t ld) {
+  return reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(rows * ld) * sizeof(T);
+}
 
 // N values of a cache row from p, as float32.
 template <class T>
@@ -96,6 +132,27 @@ HWY_INLINE hn::Vec<DF> SumLadder(DF df, hn::Vec<DF>* v) {
 }
 #endif
 
+// acc[r] += Q[r] . K-row over [0, d) for R rows, the K row read from start to end.
+template <int64_t R, class T>
+HWY_INLINE void DotRow(DF df, const float* const* qr, const T* HWY_RESTRICT krow, int64_t d,
+                       hn::Vec<DF>* acc, int64_t acc_stride) {
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df)), full = d / lanes * lanes;
+  for (int64_t x = 0; x < full; x += lanes) {
+    const auto kv = LoadAsFloat(df, krow + x);
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < R; ++r) {
+      acc[r * acc_stride] = hn::MulAdd(hn::LoadU(df, qr[r] + x), kv, acc[r * acc_stride]);
+    }
+  }
+  if (full < d) {
+    const auto kv = LoadTailAsFloat(df, krow + full, d - full);
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < R; ++r) {
+      acc[r * acc_stride] = hn::MulAdd(hn::LoadU(df, qr[r] + full), kv, acc[r * acc_stride]);
+    }
+  }
+}
+
 // One QK tile: rows [r0, r0 + R) x keys [j0, j0 + N / R). Rows and keys past the ends are
 // computed on the last row / key (clamped pointers) and not stored.
 template <int64_t R, class T>
@@ -105,33 +162,17 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
   const DF df;
   constexpr int64_t N = kMaxLanes, K = N / R;
   static_assert(R * K == N, "the ladder sums exactly N accumulators");
-  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
   const float* qr[R];
-  const T* kr[K];
   for (int64_t r = 0; r < R; ++r) qr[r] = q + std::min(r0 + r, rows - 1) * ldq;
-  for (int64_t c = 0; c < K; ++c) kr[c] = k + std::min(j0 + c, n - 1) * ldk;
   hn::Vec<DF> acc[R * K];
 #pragma GCC unroll 16
   for (int64_t i = 0; i < R * K; ++i) acc[i] = hn::Zero(df);
-  const auto step = [&](int64_t x, const hn::Vec<DF>* kv) HWY_ATTR {
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < R; ++r) {
-      const auto qv = hn::LoadU(df, qr[r] + x);
+  const int64_t ahead = PrefetchRows<T>(ldk), row_bytes = d * static_cast<int64_t>(sizeof(T));
+  // Key by key, each K row read from start to end: sequential lines for the prefetchers.
 #pragma GCC unroll 16
-      for (int64_t c = 0; c < K; ++c) acc[r * K + c] = hn::MulAdd(qv, kv[c], acc[r * K + c]);
-    }
-  };
-  int64_t x = 0;
-  for (; x + lanes <= d; x += lanes) {
-    hn::Vec<DF> kv[K];
-#pragma GCC unroll 16
-    for (int64_t c = 0; c < K; ++c) kv[c] = LoadAsFloat(df, kr[c] + x);
-    step(x, kv);
-  }
-  if (x < d) {
-    hn::Vec<DF> kv[K];
-    for (int64_t c = 0; c < K; ++c) kv[c] = LoadTailAsFloat(df, kr[c] + x, d - x);
-    step(x, kv);
+  for (int64_t c = 0; c < K; ++c) {
+    PrefetchToL2(RowsAhead(k + (j0 + c) * ldk, ahead, ldk), row_bytes);
+    DotRow<R>(df, qr, k + std::min(j0 + c, n - 1) * ldk, d, acc + c, K);
   }
   HWY_ALIGN float sums[N];
 #if HWY_HAVE_SCALABLE
@@ -194,11 +235,12 @@ void DecodeQk(const float* q, int64_t ldq, int64_t rows, const void* k, DType dt
 }
 
 // One PV tile: R rows x C vectors of columns starting at V column 0 of `v` (already offset);
-// with kTail the last vector holds only `tail` (< N) columns of V.
+// with kTail the last vector holds only `tail` (< N) columns of V. With prefetch_bytes, each
+// step also requests that many bytes of the V row PrefetchRows ahead into L2.
 template <int64_t R, int64_t C, bool kTail, class T>
 HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, const T* HWY_RESTRICT v,
                        int64_t ldv, int64_t tail, const float* alpha, float* HWY_RESTRICT o,
-                       int64_t ldo) {
+                       int64_t ldo, int64_t prefetch_bytes) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   hn::Vec<DF> acc[R][C];
@@ -211,8 +253,10 @@ HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, cons
       if (alpha) acc[r][c] = hn::Mul(acc[r][c], al);
     }
   }
+  const int64_t ahead = PrefetchRows<T>(ldv);
   for (int64_t j = 0; j < n; ++j) {
     const T* row = v + j * ldv;
+    if (prefetch_bytes) PrefetchToL2(RowsAhead(row, ahead, ldv), prefetch_bytes);
     hn::Vec<DF> vv[C];
 #pragma GCC unroll 8
     for (int64_t c = 0; c < C; ++c) {
@@ -234,19 +278,21 @@ HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, cons
 }
 
 // Rows [0, rows) of one panel of C vectors, in row blocks of the most rows the budget allows.
+// Only the first row block reads V from memory, and prefetches ahead; the others find it in L1.
 template <int64_t C, bool kTail, class T>
 HWY_INLINE void PvPanel(const float* p, int64_t ldp, int64_t rows, int64_t n, const T* v,
-                        int64_t ldv, int64_t tail, const float* alpha, float* o, int64_t ldo) {
+                        int64_t ldv, int64_t tail, const float* alpha, float* o, int64_t ldo,
+                        int64_t prefetch_bytes) {
   constexpr int64_t R = std::min<int64_t>(4, std::max<int64_t>(1, kDecodePvAcc / C));
   int64_t r = 0;
   for (; r + R <= rows; r += R) {
     PvTile<R, C, kTail>(p + r * ldp, ldp, n, v, ldv, tail, alpha ? alpha + r : nullptr, o + r * ldo,
-                        ldo);
+                        ldo, r == 0 ? prefetch_bytes : 0);
   }
   RemainderBlock<R - 1>(rows - r, r, [&](auto block_rows, int64_t r1) HWY_ATTR {
     constexpr int64_t R1 = decltype(block_rows)::value;
     PvTile<R1, C, kTail>(p + r1 * ldp, ldp, n, v, ldv, tail, alpha ? alpha + r1 : nullptr,
-                         o + r1 * ldo, ldo);
+                         o + r1 * ldo, ldo, r1 == 0 ? prefetch_bytes : 0);
   });
 }
 
@@ -254,12 +300,13 @@ HWY_INLINE void PvPanel(const float* p, int64_t ldp, int64_t rows, int64_t n, co
 template <int64_t C, bool kTail, class T>
 HWY_INLINE void PvPanelOf(int64_t vectors, const float* p, int64_t ldp, int64_t rows, int64_t n,
                           const T* v, int64_t ldv, int64_t tail, const float* alpha, float* o,
-                          int64_t ldo) {
+                          int64_t ldo, int64_t prefetch_bytes) {
   if constexpr (C >= 1) {
     if (vectors == C) {
-      PvPanel<C, kTail>(p, ldp, rows, n, v, ldv, tail, alpha, o, ldo);
+      PvPanel<C, kTail>(p, ldp, rows, n, v, ldv, tail, alpha, o, ldo, prefetch_bytes);
     } else {
-      PvPanelOf<C - 1, kTail>(vectors, p, ldp, rows, n, v, ldv, tail, alpha, o, ldo);
+      PvPanelOf<C - 1, kTail>(vectors, p, ldp, rows, n, v, ldv, tail, alpha, o, ldo,
+                              prefetch_bytes);
     }
   }
 }
@@ -270,15 +317,23 @@ void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const T* v, i
   const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
   const int64_t full = dv / N, tail = dv % N;
   const int64_t vectors = full + (tail ? 1 : 0);
-  for (int64_t c0 = 0; c0 < vectors; c0 += kDecodePvCols) {
-    const int64_t width = std::min(kDecodePvCols, vectors - c0);
+  // Panels as wide as the budget allows with every row block at 4 rows (or all the rows): a
+  // bfloat16 / float16 V value is converted once per 4 rows (AVX-512, 4 rows: 4 x 4 tiles, not
+  // 2 x 8 tiles that convert each V row twice).
+  const int64_t panel =
+      std::min(kDecodePvCols, std::max<int64_t>(1, kDecodePvAcc / std::min<int64_t>(rows, 4)));
+  for (int64_t c0 = 0; c0 < vectors; c0 += panel) {
+    const int64_t width = std::min(panel, vectors - c0);
     const bool partial = tail != 0 && c0 + width == vectors;
     const T* vc = v + c0 * N;
     float* oc = o + c0 * N;
+    // The first panel prefetches whole rows ahead; the later ones find them in L2.
+    const int64_t prefetch = c0 == 0 ? dv * static_cast<int64_t>(sizeof(T)) : 0;
     if (partial) {
-      PvPanelOf<kDecodePvCols, true>(width, p, ldp, rows, n, vc, ldv, tail, alpha, oc, ldo);
+      PvPanelOf<kDecodePvCols, true>(width, p, ldp, rows, n, vc, ldv, tail, alpha, oc, ldo,
+                                     prefetch);
     } else {
-      PvPanelOf<kDecodePvCols, false>(width, p, ldp, rows, n, vc, ldv, 0, alpha, oc, ldo);
+      PvPanelOf<kDecodePvCols, false>(width, p, ldp, rows, n, vc, ldv, 0, alpha, oc, ldo, prefetch);
     }
   }
 }

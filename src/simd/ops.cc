@@ -38,7 +38,9 @@ const Ops* GetOps() {
                             &PairBf16,
                             &Pv,
                             &DecodeQk,
-                            &DecodePv};
+                            &DecodePv,
+                            kDecodeQkBf16,
+                            kDecodePvBf16};
   return &table;
 }
 

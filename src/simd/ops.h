@@ -158,6 +158,14 @@ struct Ops {
   void (*decode_pv)(const float* p, int64_t ldp, int64_t rows, int64_t n, const void* v,
                     DType dtype, int64_t ldv, int64_t dv, const float* alpha, float* o,
                     int64_t ldo);
+  // The same two for bfloat16 caches on AVX512_BF16's vdpbf16ps (decode_bf16-inl.h), with Q as
+  // bfloat16 rows [rows][ldq], ldq >= round_up(d, 32), zero past d, and P holding bfloat16
+  // values. Call them only where bf16_dot_for(*this) is non-null (the CPU runs vdpbf16ps and
+  // the policy wants it); null where the build has no such code (not x86).
+  void (*decode_qk_bf16)(const uint16_t* q, int64_t ldq, int64_t rows, const uint16_t* k,
+                         int64_t ldk, int64_t n, int64_t d, float scale, float* s, int64_t lds);
+  void (*decode_pv_bf16)(const float* p, int64_t ldp, int64_t rows, int64_t n, const uint16_t* v,
+                         int64_t ldv, int64_t dv, const float* alpha, float* o, int64_t ldo);
 };
 
 // The table for the best target Highway supports on this CPU (respecting

@@ -12,9 +12,11 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "src/core/half.h"
+#include "src/simd/bf16_dot.h"
 #include "src/simd/ops.h"
 #include "tests/simd/tester.h"
 
@@ -76,21 +78,30 @@ class CacheRows {
 struct QkCase {
   DType dtype = DType::kFloat32;
   int64_t rows = 1, n = 1, d = 1, ld_extra = 0;
+  bool native = false;  // decode_qk_bf16 (bfloat16 only)
   float scale = 0.75f;
 
   void run(const simd::Ops& ops, std::mt19937& rng) const {
     std::ostringstream os;
     os << "decode_qk on " << ops.target << ", " << dtype_name(dtype) << ": rows " << rows << ", n "
-       << n << ", d " << d << ", ld +" << ld_extra;
+       << n << ", d " << d << ", ld +" << ld_extra << (native ? ", native" : "");
     SCOPED_TRACE(os.str());
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    // Q is read over [0, round_up(d, N)) and must be zero (finite) past d; canaries beyond.
-    const int64_t q_read = round_up(d, ops.lanes);
+    // Q is read over [0, round_up(d, N)) (native: its bfloat16 copy over [0, round_up(d, 32)))
+    // and must be zero (finite) past d; canaries beyond.
+    const int64_t q_read = round_up(d, native ? 32 : ops.lanes);
     GuardedBuffer q(rows, q_read + ld_extra, ld_extra % 3), s(rows, n + ld_extra, ld_extra % 2);
     CacheRows k(dtype, n, d, d + ld_extra);
     std::vector<double> qx(static_cast<size_t>(rows * d)), kx(static_cast<size_t>(n * d));
+    // The native kernel's Q2: bfloat16 rows, the same (bfloat16-exact) values.
+    const int64_t ldq2 = q_read + ld_extra;
+    std::vector<uint16_t> q2(static_cast<size_t>(rows * ldq2), 0x7FC1);
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t x = 0; x < q_read; ++x) q.at(r, x) = x < d ? u(rng) : 0.0f;
+      for (int64_t x = 0; x < q_read; ++x) {
+        const float value = native ? half::bf16_to_float(half::float_to_bf16(u(rng))) : u(rng);
+        q.at(r, x) = x < d ? value : 0.0f;
+        q2[r * ldq2 + x] = half::float_to_bf16(q.at(r, x));
+      }
       for (int64_t x = 0; x < d; ++x) qx[r * d + x] = q.at(r, x);
     }
     for (int64_t j = 0; j < n; ++j) {
@@ -98,7 +109,12 @@ struct QkCase {
     }
     q.seal();
     const std::vector<unsigned char> k_before = k.snapshot();
-    ops.decode_qk(q.data(), q.ld(), rows, k.data(), dtype, k.ld(), n, d, scale, s.data(), s.ld());
+    if (native) {
+      ops.decode_qk_bf16(q2.data(), ldq2, rows, static_cast<const uint16_t*>(k.data()), k.ld(), n,
+                         d, scale, s.data(), s.ld());
+    } else {
+      ops.decode_qk(q.data(), q.ld(), rows, k.data(), dtype, k.ld(), n, d, scale, s.data(), s.ld());
+    }
     Reference ref(rows, n);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t j = 0; j < n; ++j) {
@@ -123,15 +139,17 @@ struct PvCase {
   DType dtype = DType::kFloat32;
   int64_t rows = 1, n = 1, dv = 1, ld_extra = 0;
   bool with_alpha = true;
+  bool native = false;  // decode_pv_bf16 (bfloat16 V, P holding bfloat16 values)
 
   void run(const simd::Ops& ops, std::mt19937& rng) const {
     std::ostringstream os;
     os << "decode_pv on " << ops.target << ", " << dtype_name(dtype) << ": rows " << rows << ", n "
-       << n << ", dv " << dv << ", ld +" << ld_extra << (with_alpha ? ", alpha" : "");
+       << n << ", dv " << dv << ", ld +" << ld_extra << (with_alpha ? ", alpha" : "")
+       << (native ? ", native" : "");
     SCOPED_TRACE(os.str());
     std::uniform_real_distribution<float> u(-1.0f, 1.0f), u01(0.0f, 1.0f);
     // O is read and written over [0, round_up(dv, N)): finite there, canaries beyond.
-    const int64_t o_touched = round_up(dv, ops.lanes);
+    const int64_t o_touched = round_up(dv, native ? 16 : ops.lanes);
     GuardedBuffer p(rows, n + ld_extra, ld_extra % 3), o(rows, o_touched + ld_extra, 1);
     GuardedBuffer alpha(1, rows);
     CacheRows v(dtype, n, dv, dv + ld_extra);
@@ -140,7 +158,9 @@ struct PvCase {
       for (int64_t c = 0; c < dv; ++c) vx[j * dv + c] = v.set(j, c, u(rng));
     }
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t j = 0; j < n; ++j) p.at(r, j) = u01(rng);
+      for (int64_t j = 0; j < n; ++j) {
+        p.at(r, j) = native ? half::bf16_to_float(half::float_to_bf16(u01(rng))) : u01(rng);
+      }
       for (int64_t c = 0; c < o_touched; ++c) o.at(r, c) = u(rng);
       alpha.at(0, r) = u01(rng);
     }
@@ -159,8 +179,13 @@ struct PvCase {
         ref.tol[r * dv + c] = dot_tolerance(n + 1, abs_sum);
       }
     }
-    ops.decode_pv(p.data(), p.ld(), rows, n, v.data(), dtype, v.ld(), dv,
-                  with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
+    if (native) {
+      ops.decode_pv_bf16(p.data(), p.ld(), rows, n, static_cast<const uint16_t*>(v.data()), v.ld(),
+                         dv, with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
+    } else {
+      ops.decode_pv(p.data(), p.ld(), rows, n, v.data(), dtype, v.ld(), dv,
+                    with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
+    }
     expect_near(o, ref, "O");
     EXPECT_EQ(o.untouched_outside(rows, o_touched), "") << "O written past round_up(dv, N)";
     EXPECT_EQ(p.unchanged(), "") << "P changed";
@@ -225,6 +250,34 @@ TEST(SimdDecodePv, EveryRowCountStrideAndAlphaMode) {
       }
     }
   });
+}
+
+// The native bfloat16 kernels (decode_bf16-inl.h) where this CPU runs them: the AVX-512 targets
+// of a CPU with AVX512_BF16, whatever the policy says (the tests force it on). Sizes at the edges
+// of their 32-element pairs and 16-lane vectors.
+TEST(SimdDecodeBf16Native, QkAndPvAtEveryEdge) {
+  std::mt19937 rng(15);
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
+  std::vector<std::string> ran;
+  for_each_target([&](const simd::Ops& ops) {
+    if (simd::bf16_dot_for(ops) == nullptr || ops.decode_qk_bf16 == nullptr) return;
+    ran.emplace_back(ops.target);
+    const DType bf16 = DType::kBFloat16;
+    for (int64_t d : {1, 15, 16, 17, 31, 32, 33, 63, 64, 80, 128, 257}) {
+      for (int64_t n : {1, 3, 4, 5, 15, 16, 17, 33}) {
+        QkCase{bf16, 4, n, d, 0, true}.run(ops, rng);
+        PvCase{bf16, 4, n, d, 0, true, true}.run(ops, rng);
+      }
+    }
+    for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16}) {
+      for (int64_t ld_extra : {0, 1, 7}) {
+        QkCase{bf16, rows, 37, 80, ld_extra, true}.run(ops, rng);
+        PvCase{bf16, rows, 21, 144, ld_extra, rows % 2 == 0, true}.run(ops, rng);
+      }
+    }
+  });
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
+  if (ran.empty()) GTEST_SKIP() << "this CPU has no AVX512_BF16: the native kernels cannot run";
 }
 
 }  // namespace

@@ -1,0 +1,335 @@
+// The decode matmuls on AVX512_BF16's vdpbf16ps, for bfloat16 caches (decode-inl.h has the
+// portable ones). Highway 1.0.3 has no bf16 dot product on x86, so these are intrinsics compiled
+// once, outside the per-target code, with their own target attribute; they run only where
+// simd::bf16_dot_for (bf16_dot.h) says the CPU has the instruction and it pays (AMD Zen 4/5: the
+// native dot is twice the fp32 FMA rate; an Intel Xeon widens).
+//
+// QK (Qk): S[r][j] = scale * sum_x Q2[r][x] K[j][x], Q2 the query rows as bfloat16 (exact: the
+// inputs are bfloat16) and K the cache rows as they are. One vdpbf16ps multiplies 32 bfloat16
+// pairs of a Q row and a K row and adds each pair's two products into one of 16 float32 lanes, so
+// a dot product along d = 128 is 4 instructions where the portable path converts 8 K vectors and
+// issues 8 FMAs. Register tile R x 16/R keys as in decode-inl.h, stepping along d with all the
+// tile's keys at once (R * K independent chains: key by key, the vdpbf16ps latency showed), and
+// an in-lane ladder for the sums. Column tails are masked loads (fault-suppressing), no copies.
+//
+// Measured alone (one thread, 4 rows, d = 128, K / V in L1, Zen 4): QK 9.3 ns per key against
+// 13.4 for the portable kernel, PV 6.5 against 10.5; a cold decode call on 2 threads reads
+// 25.9 GB/s of K/V against 20.4 widened (32/8 heads, 32768 tokens, read bandwidth ~32 GB/s).
+//
+// PV (Pv): O[r] = alpha[r] O[r] + sum_j P[r][j] V[j]. vdpbf16ps wants pairs along the
+// contraction (keys): V rows j and j+1 are interleaved in registers (vpermt2w: 32 columns of
+// both rows -> two vectors of 16 (V[j][c], V[j+1][c]) pairs) and P[r][j], P[r][j+1] go as one
+// broadcast pair. P is already rounded to bfloat16 for bfloat16 inputs (Ops::exp_sum), so the
+// pair is exact. Register tile R rows x G groups of 32 columns (2 accumulators each), R * 2G <= 16.
+//
+// The numbers: products of two bfloat16 are exact in float32; vdpbf16ps rounds each addition to
+// nearest and flushes subnormal inputs and results to zero, where the portable path keeps them: a
+// difference below 2^-126 per product. Width contracts as decode_qk / decode_pv (ops.h) with
+// N = 16, except that Q2 is read over [0, round_up(d, 32)) (zero past d).
+#ifndef FLASHCTE_SRC_SIMD_DECODE_BF16_INL_H_
+#define FLASHCTE_SRC_SIMD_DECODE_BF16_INL_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "hwy/base.h"
+#include "hwy/detect_targets.h"
+
+namespace flashcte::simd {
+
+// How far ahead of their reads (bytes of each K or V stream) the decode kernels, portable and
+// native, prefetch into L2 (prefetcht1, one request per line). Without it a core's K/V misses go
+// through its L1 miss buffers and a decode call reads ~15 GB/s on 2 threads (Zen 4 EPYC, 32/8
+// heads, d = 128, bf16 native, medians of 5 interleaved cold runs; read bandwidth ~33 GB/s):
+//   distance      0      2 KiB   4 KiB   8 KiB
+//   4096 slots    15.3   19.4    21.8    23.3 GB/s
+//   32768 slots   16.2   20.8    26.0    25.9 GB/s
+inline constexpr int64_t kDecodePrefetchBytes = 8192;
+inline int64_t decode_prefetch_bytes() { return kDecodePrefetchBytes; }
+
+}  // namespace flashcte::simd
+
+#if HWY_ARCH_X86 && (HWY_COMPILER_GCC || HWY_COMPILER_CLANG)
+#include <immintrin.h>
+#define FLASHCTE_DECODE_HAVE_BF16 1
+
+namespace flashcte::simd::decode_bf16 {
+
+#define FLASHCTE_DECODE_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+constexpr int64_t kLanes = 16;
+// GCC 12 warns that the unmasked _mm512_shuffle_* read an undefined vector (fixed in GCC 13); the
+// zero-masked forms with every lane selected compute the same.
+constexpr __mmask16 kAll = 0xFFFF;
+
+// One L2 prefetch (prefetcht1) per cache line of [p, p + bytes).
+FLASHCTE_DECODE_BF16 inline void prefetch_row(uintptr_t p, int64_t bytes) {
+  for (uintptr_t a = p & ~uintptr_t{63}; a < p + static_cast<uintptr_t>(bytes); a += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
+  }
+}
+
+// Lane i of the result = the sum of v[i]'s 16 lanes (clobbers v). Two in-block levels (vshufps:
+// lanes 0 + 1 and 2 + 3 of each 128-bit block of a pair of vectors), then two across blocks
+// (vshuff32x4): 45 three-operand shuffles and adds, no register copies, where the ConcatEven /
+// ConcatOdd ladder of decode-inl.h costs a copy per vpermt2ps (Zen 4, one thread, 4 rows,
+// d = 128, K in L1: QK 12.8 -> 9.3 ns per key).
+FLASHCTE_DECODE_BF16 inline __m512 sum_ladder(__m512* v) {
+  // v[2i], v[2i+1] -> per block [a0+a1, a2+a3, b0+b1, b2+b3].
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < 8; ++i) {
+    v[i] = _mm512_add_ps(_mm512_maskz_shuffle_ps(kAll, v[2 * i], v[2 * i + 1], 0x88),
+                         _mm512_maskz_shuffle_ps(kAll, v[2 * i], v[2 * i + 1], 0xDD));
+  }
+  // -> per block [sum a, sum b, sum c, sum d] of that block, sources 4i .. 4i + 3.
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < 4; ++i) {
+    v[i] = _mm512_add_ps(_mm512_maskz_shuffle_ps(kAll, v[2 * i], v[2 * i + 1], 0x88),
+                         _mm512_maskz_shuffle_ps(kAll, v[2 * i], v[2 * i + 1], 0xDD));
+  }
+  // Blocks: v[i] block k holds block k's partials of sources 4i .. 4i + 3; sum the 4 blocks.
+#pragma GCC unroll 2
+  for (int64_t i = 0; i < 2; ++i) {
+    v[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll, v[2 * i], v[2 * i + 1], 0x88),
+                         _mm512_maskz_shuffle_f32x4(kAll, v[2 * i], v[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll, v[0], v[1], 0x88),
+                       _mm512_maskz_shuffle_f32x4(kAll, v[0], v[1], 0xDD));
+}
+
+template <int64_t R>
+FLASHCTE_DECODE_BF16 inline void qk_tile(const uint16_t* q, int64_t ldq, int64_t rows, int64_t r0,
+                                         const uint16_t* k, int64_t ldk, int64_t n, int64_t j0,
+                                         int64_t d, float scale, float* s, int64_t lds,
+                                         int64_t ahead) {
+  constexpr int64_t K = kLanes / R;
+  const uint16_t* qr[R];
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r) qr[r] = q + std::min(r0 + r, rows - 1) * ldq;
+  __m512 acc[kLanes];
+#pragma GCC unroll 16
+  for (int64_t i = 0; i < kLanes; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t full = d / 32 * 32;
+  const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (d - full)) - 1);
+  const uint16_t* kr[K];
+#pragma GCC unroll 16
+  for (int64_t c = 0; c < K; ++c) {
+    kr[c] = k + std::min(j0 + c, n - 1) * ldk;
+    prefetch_row(
+        reinterpret_cast<uintptr_t>(k) + static_cast<uintptr_t>((j0 + c + ahead) * ldk) * 2, 2 * d);
+  }
+  // Step by step along d, all K keys at once: R * K independent accumulator chains hide the
+  // vdpbf16ps latency that key by key (R chains) left exposed (4 rows, d = 128, K in L1, Zen 4:
+  // 14.8 -> 12.9 ns per key, both before the in-lane ladder).
+  for (int64_t x = 0; x < full; x += 32) {
+    __m512bh kv[K];
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < K; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kr[c] + x);
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr[r] + x);
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < K; ++c) acc[r * K + c] = _mm512_dpbf16_ps(acc[r * K + c], qv, kv[c]);
+    }
+  }
+  if (tail) {
+    __m512bh kv[K];
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < K; ++c) kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(tail, kr[c] + full);
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr[r] + full);
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < K; ++c) acc[r * K + c] = _mm512_dpbf16_ps(acc[r * K + c], qv, kv[c]);
+    }
+  }
+  alignas(64) float sums[kLanes];
+  _mm512_store_ps(sums, _mm512_mul_ps(sum_ladder(acc), _mm512_set1_ps(scale)));
+  const int64_t keys = std::min(K, n - j0);
+  for (int64_t r = 0; r < R && r0 + r < rows; ++r) {
+    std::memcpy(s + (r0 + r) * lds + j0, sums + r * K, sizeof(float) * keys);
+  }
+}
+
+// Q2 [rows][ldq] bfloat16 (ldq >= round_up(d, 32), zero past d), K [n][ldk] bfloat16.
+FLASHCTE_DECODE_BF16 inline void Qk(const uint16_t* q, int64_t ldq, int64_t rows, const uint16_t* k,
+                                    int64_t ldk, int64_t n, int64_t d, float scale, float* s,
+                                    int64_t lds) {
+  const int64_t stride = std::max<int64_t>(1, 2 * ldk);
+  const int64_t ahead = (decode_prefetch_bytes() + stride - 1) / stride;
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    const int64_t left = rows - r0;  // 3 rows take a 4-row tile, as in decode-inl.h
+    for (int64_t j0 = 0; j0 < n;) {
+      if (left >= 3) {
+        qk_tile<4>(q, ldq, rows, r0, k, ldk, n, j0, d, scale, s, lds, ahead);
+        j0 += 4;
+      } else if (left == 2) {
+        qk_tile<2>(q, ldq, rows, r0, k, ldk, n, j0, d, scale, s, lds, ahead);
+        j0 += 8;
+      } else {
+        qk_tile<1>(q, ldq, rows, r0, k, ldk, n, j0, d, scale, s, lds, ahead);
+        j0 += 16;
+      }
+    }
+  }
+}
+
+// The pair (P[j], P[j + 1]) of bfloat16 bits as one 32-bit lane: P holds bfloat16 values.
+inline uint32_t p_pair(const float* p, bool second) {
+  uint32_t lo, hi = 0;
+  std::memcpy(&lo, p, 4);
+  if (second) std::memcpy(&hi, p + 1, 4);
+  return (lo >> 16) | (hi & 0xFFFF0000u);
+}
+
+// R rows x G groups of 32 columns (the last one holding `last_cols` <= 32 columns; with kHalf its
+// upper 16 are past round_up(dv, 16) and are neither computed nor stored).
+template <int64_t R, int64_t G, bool kHalf>
+FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n, const uint16_t* v,
+                                         int64_t ldv, int64_t last_cols, const float* alpha,
+                                         float* o, int64_t ldo, int64_t prefetch_bytes,
+                                         int64_t ahead) {
+  __m512 acc[R][2 * G];
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha ? alpha[r] : 1.0f);
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < 2 * G - (kHalf ? 1 : 0); ++c) {
+      acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldo + c * kLanes), al);
+    }
+  }
+  const __m512i lo_idx =
+      _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx =
+      _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54,
+                       22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  const __mmask32 last = static_cast<__mmask32>((uint64_t{1} << last_cols) - 1);
+  for (int64_t j = 0; j < n; j += 2) {
+    const bool second = j + 1 < n;
+    const uint16_t* a = v + j * ldv;
+    const uint16_t* b = a + ldv;
+    if (prefetch_bytes) {
+      const uintptr_t next =
+          reinterpret_cast<uintptr_t>(a) + static_cast<uintptr_t>(ahead * ldv) * 2;
+      prefetch_row(next, prefetch_bytes);
+      prefetch_row(next + static_cast<uintptr_t>(ldv) * 2, prefetch_bytes);
+    }
+    __m512bh pairs[2 * G];
+#pragma GCC unroll 16
+    for (int64_t g = 0; g < G; ++g) {
+      const __mmask32 m = g == G - 1 ? last : ~__mmask32{0};
+      const __m512i va = _mm512_maskz_loadu_epi16(m, a + 32 * g);
+      const __m512i vb = second ? _mm512_maskz_loadu_epi16(m, b + 32 * g) : _mm512_setzero_si512();
+      pairs[2 * g] = (__m512bh)_mm512_permutex2var_epi16(va, lo_idx, vb);
+      if (!kHalf || g < G - 1)
+        pairs[2 * g + 1] = (__m512bh)_mm512_permutex2var_epi16(va, hi_idx, vb);
+    }
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r) {
+      const __m512bh pr =
+          (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pair(p + r * ldp + j, second)));
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < 2 * G - (kHalf ? 1 : 0); ++c) {
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pr, pairs[c]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < 2 * G - (kHalf ? 1 : 0); ++c) {
+      _mm512_storeu_ps(o + r * ldo + c * kLanes, acc[r][c]);
+    }
+  }
+}
+
+// Rows [0, rows) of a panel of `groups` (1..G) groups, rows in blocks of R.
+template <int64_t R, int64_t G, bool kHalf>
+FLASHCTE_DECODE_BF16 inline void pv_rows(int64_t groups, const float* p, int64_t ldp, int64_t rows,
+                                         int64_t n, const uint16_t* v, int64_t ldv,
+                                         int64_t last_cols, const float* alpha, float* o,
+                                         int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
+  if constexpr (G >= 1) {
+    if (groups != G) {
+      pv_rows<R, G - 1, kHalf>(groups, p, ldp, rows, n, v, ldv, last_cols, alpha, o, ldo,
+                               prefetch_bytes, ahead);
+      return;
+    }
+    for (int64_t r = 0; r < rows; r += R) {
+      const int64_t left = std::min(R, rows - r);
+      const float* ar = alpha ? alpha + r : nullptr;
+      const int64_t pf = r == 0 ? prefetch_bytes : 0;  // later row blocks find V in L1
+      const float* pr = p + r * ldp;
+      float* orow = o + r * ldo;
+      if (left == R) {
+        pv_tile<R, G, kHalf>(pr, ldp, n, v, ldv, last_cols, ar, orow, ldo, pf, ahead);
+      } else if constexpr (R == 4) {
+        if (left == 3) {
+          pv_tile<3, G, kHalf>(pr, ldp, n, v, ldv, last_cols, ar, orow, ldo, pf, ahead);
+        } else if (left == 2) {
+          pv_tile<2, G, kHalf>(pr, ldp, n, v, ldv, last_cols, ar, orow, ldo, pf, ahead);
+        } else {
+          pv_tile<1, G, kHalf>(pr, ldp, n, v, ldv, last_cols, ar, orow, ldo, pf, ahead);
+        }
+      }
+    }
+  }
+}
+
+// O over [0, round_up(dv, 16)), V [n][ldv] bfloat16 read at [0, dv).
+template <int64_t R>
+FLASHCTE_DECODE_BF16 inline void pv_with(const float* p, int64_t ldp, int64_t rows, int64_t n,
+                                         const uint16_t* v, int64_t ldv, int64_t dv,
+                                         const float* alpha, float* o, int64_t ldo) {
+  constexpr int64_t G = 8 / R;  // R * 2G = 16 accumulators
+  const int64_t stride = std::max<int64_t>(1, 2 * ldv);
+  const int64_t ahead = (decode_prefetch_bytes() + stride - 1) / stride;
+  const int64_t groups = (dv + 31) / 32;
+  for (int64_t g0 = 0; g0 < groups; g0 += G) {
+    const int64_t width = std::min(G, groups - g0);
+    const int64_t last_cols = std::min<int64_t>(32, dv - 32 * (g0 + width - 1));
+    const int64_t pf = g0 == 0 ? 2 * dv : 0;  // the first panel prefetches whole rows
+    const uint16_t* vg = v + 32 * g0;
+    float* og = o + 32 * g0;
+    if (last_cols <= 16) {
+      pv_rows<R, G, true>(width, p, ldp, rows, n, vg, ldv, last_cols, alpha, og, ldo, pf, ahead);
+    } else {
+      pv_rows<R, G, false>(width, p, ldp, rows, n, vg, ldv, last_cols, alpha, og, ldo, pf, ahead);
+    }
+  }
+}
+
+FLASHCTE_DECODE_BF16 inline void Pv(const float* p, int64_t ldp, int64_t rows, int64_t n,
+                                    const uint16_t* v, int64_t ldv, int64_t dv, const float* alpha,
+                                    float* o, int64_t ldo) {
+  if (rows <= 0) return;
+  // Every row block at 4 rows (or all the rows): a V pair is interleaved once per 4 rows.
+  if (rows >= 3) {
+    pv_with<4>(p, ldp, rows, n, v, ldv, dv, alpha, o, ldo);
+  } else if (rows == 2) {
+    pv_with<2>(p, ldp, rows, n, v, ldv, dv, alpha, o, ldo);
+  } else {
+    pv_with<1>(p, ldp, rows, n, v, ldv, dv, alpha, o, ldo);
+  }
+}
+
+}  // namespace flashcte::simd::decode_bf16
+
+namespace flashcte::simd {
+inline constexpr auto kDecodeQkBf16 = &decode_bf16::Qk;
+inline constexpr auto kDecodePvBf16 = &decode_bf16::Pv;
+}  // namespace flashcte::simd
+
+#else  // no AVX512_BF16 code on this architecture or compiler
+
+namespace flashcte::simd {
+inline constexpr void (*kDecodeQkBf16)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t,
+                                       int64_t, int64_t, float, float*, int64_t) = nullptr;
+inline constexpr void (*kDecodePvBf16)(const float*, int64_t, int64_t, int64_t, const uint16_t*,
+                                       int64_t, int64_t, const float*, float*, int64_t) = nullptr;
+}  // namespace flashcte::simd
+
+#endif  // HWY_ARCH_X86 && (HWY_COMPILER_GCC || HWY_COMPILER_CLANG)
+#endif  // FLASHCTE_SRC_SIMD_DECODE_BF16_INL_H_
