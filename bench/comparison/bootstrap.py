@@ -165,6 +165,8 @@ def reused_source_info(args, built_cli: Path, built_py: Path) -> dict:
     cli_info, py_info = built(built_cli), built(built_py)
     if args.cli:
         cli_info = {"commit": f"unknown (--cli {args.cli})"}
+    if args.mode == "decode":  # decode points time the CLI alone
+        return dict(cli_info, no_build=True, cli_commit=cli_info.get("commit"))
     if cli_info.get("commit") != py_info.get("commit"):
         log(f"!! --no-build: the CLI was built from {cli_info.get('commit')}, the Python "
             f"package from {py_info.get('commit')}")
@@ -189,11 +191,13 @@ def bootstrap(args) -> None:
     if not args.no_install:
         install_peers(py, status)
     status_file.write_text(json.dumps(status, indent=1))
+    # Decode points time the CLI and torch only: the Python package is neither built nor needed.
+    needs_package = args.mode != "decode"
     if args.no_build:
         source_info = reused_source_info(args, built_cli, built_py)
-    else:
+    elif needs_package:
         install_flashcte(py, src, source_info, built_py)
-    if not importable(py, "flashcte"):
+    if needs_package and not importable(py, "flashcte"):
         sys.exit("bench/compare: the flashcte package is not importable in the venv")
     if args.build_only:
         log(f"== built {source_info.get('commit', '?')}: CLI {cli}, venv {venv}")

@@ -21,6 +21,8 @@ OPENBLAS_FIELDS = ("openblas_core", "openblas_core_detected", "openblas_core_ove
 # measurements on an AVX-512 machine): enough for a best-of that a passing compile on a shared
 # machine does not decide.
 PEAK_REPS = 7
+# Passes of `flashcte bench --impl bandwidth` (each thread count; 256 MiB, ~15 ms a pass).
+BANDWIDTH_REPS = 15
 
 DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
@@ -68,6 +70,12 @@ def fmt(x, nd=1):
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "—"
     return f"{x:.{nd}f}"
+
+
+def median(values) -> float:
+    t = sorted(values)
+    n = len(t)
+    return t[n // 2] if n % 2 else 0.5 * (t[n // 2 - 1] + t[n // 2])
 
 
 def unmasked_pairs(sq: int, skv: int, causal: bool) -> int:

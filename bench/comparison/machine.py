@@ -1,5 +1,6 @@
-"""The machine: the cores' arithmetic limits (`flashcte bench --impl peak`), what the CPU and
-the kernel are, and the versions of the peers in the venv."""
+"""The machine: the cores' arithmetic limits (`flashcte bench --impl peak`), its read bandwidth
+(`--impl bandwidth`), what the CPU and the kernel are, and the versions of the peers in the
+venv."""
 
 from __future__ import annotations
 
@@ -7,16 +8,28 @@ import json
 import os
 import platform
 import subprocess
+import time
 from pathlib import Path
 
-from .common import OPENBLAS_VARS, PEAK_REPS, run
+from .common import BANDWIDTH_REPS, OPENBLAS_VARS, PEAK_REPS, run
 from .peers.cli import fresh_process
 
 
 def measure_peak(cli: str, threads: int, timeout: int) -> dict:
     """`flashcte bench --impl peak`: the cores' arithmetic limit on 1 thread and on `threads`."""
-    cmd = [cli, "bench", "--impl", "peak", "--json", "--threads", str(threads), "--reps",
-           str(PEAK_REPS)]
+    return measure(cli, "peak", threads, PEAK_REPS, timeout)
+
+
+def measure_bandwidth(cli: str, threads: int, timeout: int) -> dict:
+    """`flashcte bench --impl bandwidth`: the streaming read bandwidth of memory on 1 thread and
+    on `threads` (median and best of BANDWIDTH_REPS interleaved passes)."""
+    return measure(cli, "bandwidth", threads, BANDWIDTH_REPS, timeout)
+
+
+def measure(cli: str, impl: str, threads: int, reps: int, timeout: int) -> dict:
+    """`flashcte bench --impl IMPL --json`: {"command", "lines": its JSON lines of that impl}, or
+    {"command", "error"}."""
+    cmd = [cli, "bench", "--impl", impl, "--json", "--threads", str(threads), "--reps", str(reps)]
     try:
         r = run(fresh_process(cmd), timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -25,7 +38,39 @@ def measure_peak(cli: str, threads: int, timeout: int) -> dict:
         return {"command": " ".join(cmd),
                 "error": f"exit {r.returncode}: {(r.stderr or r.stdout).strip()[-300:]}"}
     lines = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
-    return {"command": " ".join(cmd), "lines": [l for l in lines if l.get("impl") == "peak"]}
+    return {"command": " ".join(cmd), "lines": [l for l in lines if l.get("impl") == impl]}
+
+
+def read_bandwidth(bw: dict | None, threads: int) -> tuple[float | None, str]:
+    """The median read bandwidth measure_bandwidth found on `threads` threads: (GB/s, what it
+    is) or (None, why not)."""
+    if not bw or "lines" not in bw:
+        return None, (bw or {}).get("error", "no bandwidth measured")
+    line = next((l for l in bw["lines"] if l.get("threads") == threads), None)
+    if line is None:
+        return None, f"no bandwidth measurement on {threads} thread(s)"
+    return line["gbps"], (f"median of {line['reps']} passes over {line['bytes'] / 2**20:.0f} MiB "
+                          f"on {threads} thread(s), best {line['best_gbps']:.1f} GB/s")
+
+
+def idle_fraction(window: float) -> float:
+    """The fraction of all CPUs' time that was idle (idle + iowait) over `window` seconds."""
+    def stat():
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    a = stat()
+    time.sleep(window)
+    d = [y - x for x, y in zip(a, stat())]
+    return (d[3] + d[4]) / sum(d) if sum(d) > 0 else 1.0
+
+
+def wait_idle(max_s: float, window: float = 5.0, idle: float = 0.9) -> dict:
+    """Waits until the CPUs were at least `idle` idle over a window (others' work on a shared
+    machine), at most max_s seconds. Returns the seconds waited and the last idle fraction."""
+    t0 = time.time()
+    frac = idle_fraction(window)
+    while frac < idle and time.time() - t0 < max_s:
+        frac = idle_fraction(window)
+    return {"waited_s": round(time.time() - t0), "idle": round(frac, 3)}
 
 
 def peak_limit(peak: dict | None, dtype: str, threads: int) -> tuple[float | None, str]:
@@ -65,7 +110,7 @@ def machine_info(cli: str) -> dict:
     info["flags_summary"] = " ".join(f"{f}{'+' if f in flags else '-'}" for f in wanted)
     r = subprocess.run("grep -o 'avx512[a-z_]*' /proc/cpuinfo | sort -u", shell=True, text=True,
                        capture_output=True)
-    info["avx512_grep"] = r.stdout.strip() or "(no output: no AVX-512 feature flags)"
+    info["avx512_grep"] = " ".join(r.stdout.split()) or "(no output: no AVX-512 feature flags)"
     info["memory"] = next((l.split(None, 1)[1].strip() for l in
                            Path("/proc/meminfo").read_text().splitlines()
                            if l.startswith("MemTotal")), "?")

@@ -1,5 +1,6 @@
 """bench/compare's command line, and what runs where: the bootstrap (outside the venv), the
-orchestrator (inside it, --in-venv), a worker (--worker) or a memory probe (--memprobe)."""
+orchestrator (inside it, --in-venv; decode_run's for --decode), a worker (--worker, and
+--decode-worker for a decode point) or a memory probe (--memprobe)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import argparse
 import json
 
 from .common import DEFAULT_VENV, DTYPE_ALIASES, IMPLS
-from .points import PRESETS
+from .points import DECODE_PRESET, PRESETS
 
 
-def parse_args(argv, doc: str):
+def build_parser(doc: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="bench/compare", description=doc.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -23,6 +24,17 @@ def parse_args(argv, doc: str):
     mode.add_argument("--full", dest="mode", action="store_const", const="full",
                       help="S=512..32768, fp32/bf16/fp16, causal and not, d=64/128, MHA 8:8 "
                            "and GQA 32:8, 5 rounds: many hours")
+    mode.add_argument("--decode", dest="mode", action="store_const", const="decode",
+                      help="decode points against PyTorch SDPA: 1 new token, heads 32:8, d=128, "
+                           "N=4096 and 32768 cached tokens, batch 1 and 8, bf16 and fp32; K/V "
+                           "GB/s and the ratio to the measured read bandwidth; 5 rounds "
+                           "(minutes; --dtypes, --d, --heads, --threads, --reps apply)")
+    ap.add_argument("--batch", type=int, nargs="+", help="--decode: batch sizes (default 1 8)")
+    ap.add_argument("--cached", type=int, nargs="+",
+                    help="--decode: cached tokens N (default 4096 32768)")
+    ap.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
+                    help="--decode: before each point wait (at most SECONDS) until the CPUs "
+                         "were 90%% idle over 5 s, for a shared machine (default 0: no wait)")
     ap.add_argument("--target-only", action="store_true",
                     help="only the issue's target table points")
     ap.add_argument("--no-target", action="store_true", help="skip the target table points")
@@ -54,16 +66,30 @@ def parse_args(argv, doc: str):
                     help="build and install (CLI, venv, peers), then stop")
     ap.add_argument("--in-venv", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    return ap
+
+
+def parse_args(argv, doc: str):
+    ap = build_parser(doc)
     args = ap.parse_args(argv)
     args.mode = args.mode or "quick"
-    preset = PRESETS[args.mode]
+    if args.mode == "decode":
+        not_decode = [f"--{k.replace('_', '-')}" for k in ("sizes", "causal", "target_only")
+                      if getattr(args, k)]
+        if not_decode:
+            ap.error(f"{', '.join(not_decode)}: not used by --decode")
+        preset = DECODE_PRESET
+    elif args.batch or args.cached or args.wait_idle:
+        ap.error("--batch, --cached, --wait-idle: only with --decode")
+    else:
+        preset = PRESETS[args.mode]
     args.reps = args.reps or preset["reps"]
     args.impls = args.impls or list(IMPLS)
     if "flashcte" not in args.impls:
         args.impls = ["flashcte"] + args.impls  # the reference of every cross-check
     args.impls = [i for i in IMPLS if i in args.impls]
     if args.materialized_max_s is None:
-        args.materialized_max_s = preset["materialized_max_s"]
+        args.materialized_max_s = preset.get("materialized_max_s", 0)
     return args
 
 
@@ -73,6 +99,10 @@ def main(argv, doc: str) -> None:
         from .worker import worker
         worker(json.loads(argv[1]))
         return
+    if argv[:1] == ["--decode-worker"]:
+        from .decode import decode_worker
+        decode_worker(json.loads(argv[1]))
+        return
     if argv[:1] == ["--memprobe"]:
         from .memory import memprobe
         memprobe(json.loads(argv[1]))
@@ -81,6 +111,10 @@ def main(argv, doc: str) -> None:
     if not args.in_venv:
         from .bootstrap import bootstrap
         bootstrap(args)  # re-executes the entry point inside the venv
+        return
+    if args.mode == "decode":
+        from .decode_run import orchestrate_decode
+        orchestrate_decode(args)
         return
     from .orchestrate import orchestrate
     orchestrate(args)

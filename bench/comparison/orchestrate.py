@@ -72,13 +72,19 @@ def run_point(p: dict, args, cli: str, peer_ok: dict, peer_reason: dict, py: str
              materialized_max_s=args.materialized_max_s, mem_budget=args.mem_budget_gib * 2**30,
              peer_ok=peer_ok, peer_reason=peer_reason)
     q.pop("tags", None)
-    cmd = [py, str(SCRIPT), "--worker", json.dumps(q)]
+    return run_worker(py, "--worker", q, args.impls, args.timeout)
+
+
+def run_worker(py: str, flag: str, q: dict, impls: list[str], timeout: int) -> list[dict]:
+    """A fresh `bench/compare FLAG JSON` process: its JSON lines, one per implementation and a
+    summary (kind "point"); rows saying why for what it did not report if it failed."""
+    cmd = [py, str(SCRIPT), flag, json.dumps(q)]
     try:
-        r = subprocess.run(cmd, text=True, capture_output=True, timeout=args.timeout)
+        r = subprocess.run(cmd, text=True, capture_output=True, timeout=timeout)
         rc, out, err = r.returncode, r.stdout, r.stderr
     except subprocess.TimeoutExpired as e:
         rc, out, err = -1, (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (
-            e.stdout or ""), f"worker timed out after {args.timeout} s"
+            e.stdout or ""), f"worker timed out after {timeout} s"
     rows = []
     for line in out.splitlines():
         if line.startswith("{"):
@@ -88,7 +94,7 @@ def run_point(p: dict, args, cli: str, peer_ok: dict, peer_reason: dict, py: str
         if rc == -9 or rc == 137:
             reason = "worker killed (out of memory?)"
         done = {r["impl"] for r in rows if "impl" in r}
-        rows += [{"impl": i, "status": "error", "reason": reason} for i in args.impls
+        rows += [{"impl": i, "status": "error", "reason": reason} for i in impls
                  if i not in done]
         rows.append({"kind": "point", "error": reason})
     return rows

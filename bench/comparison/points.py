@@ -1,7 +1,10 @@
 """The points a run measures (dtype, causal, S, d, heads:kv_heads, threads): the presets, the
-issue's target table and the sweep; and the inputs every implementation gets at a point."""
+issue's target table and the sweep; and the inputs every implementation gets at a point. And
+the decode points of --decode (dtype, batch, cached tokens N, d, heads:kv_heads, threads)."""
 
 from __future__ import annotations
+
+import itertools
 
 from .common import DTYPE_ALIASES, point_key
 
@@ -22,6 +25,10 @@ PRESETS = {
                  d=[64, 128], heads=["8:8", "32:8"], extra=[], reps=5,
                  materialized_max_s=16384, target_max_s=32768),
 }
+
+# --decode (issue 13's decode targets): one new token per sequence against N cached ones.
+DECODE_PRESET = dict(dtypes=["bfloat16", "float32"], cached=[4096, 32768], batch=[1, 8], d=[128],
+                     heads=["32:8"], reps=5)
 
 # The target points of each dtype and mask, in the order the table lists them.
 TARGET_DTYPE_TAGS = (("fp32-nc", "fp32 non-causal"), ("fp32-c", "fp32 causal"),
@@ -94,3 +101,17 @@ def point_inputs(p: dict) -> tuple:
     dt = np_dtype(p["dtype"])
     return tuple(rng.standard_normal(shape, dtype=np.float32).astype(dt)
                  for shape in ((H, S, d), (Hkv, S, d), (Hkv, S, d)))
+
+
+def plan_decode_points(args) -> list[dict]:
+    """--decode's points: every dtype, d, heads:kv_heads, N and batch asked for (the preset's
+    where not), one new token each, on --threads threads."""
+    pr = DECODE_PRESET
+    points = []
+    for dtype, d, hc, n, b in itertools.product(
+            [DTYPE_ALIASES[x] for x in (args.dtypes or pr["dtypes"])], args.d or pr["d"],
+            args.heads or pr["heads"], args.cached or pr["cached"], args.batch or pr["batch"]):
+        h, kvh = (int(x) for x in hc.split(":"))
+        points.append(dict(dtype=dtype, batch=b, cached=n, new=1, d=d, heads=h, kv_heads=kvh,
+                           threads=args.threads, causal=False))
+    return points

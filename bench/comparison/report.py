@@ -71,7 +71,32 @@ def write_csv(path: Path, meta: dict, records: list[dict]) -> None:
 
 def md_header(meta: dict) -> list[str]:
     """results.md's title and the bullets: date, commit, command, machine, versions, peers."""
-    md = [f"# flashcte vs peers: {meta['mode']} run\n", f"* Date: {meta['date']}"]
+    md = [f"# flashcte vs peers: {meta['mode']} run\n"] + run_bullets(meta)
+    m = meta["machine"]
+    sg = meta.get("openblas_sgemm", {})
+    md.append(f"* flashcte SIMD target: {meta['versions'].get('flashcte_simd', '?')}; OpenBLAS core "
+              f"of the SGEMM roofline: {sg.get('openblas_core', '?')} "
+              f"({'OPENBLAS_CORETYPE set by the sgemm command: ' if sg.get('openblas_core_overridden') else ''}"
+              f"{sg.get('openblas_core_reason', 'not reported')}); of the materialized peer: "
+              f"{meta.get('openblas_materialized_core', '?')} (the environment as it is); "
+              f"OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE in the environment: {m['openblas_env']}")
+    md.extend(load_version_bullets(meta))
+    md.append(f"* Reps: {meta['reps']} interleaved rounds per point (order rotated each round), "
+              f"medians; one warm-up per implementation, which is also the cross-check.")
+    md.append("* Peers: " + "; ".join(f"{k}: {v}" for k, v in meta["peer_install"].items()))
+    md.append("")
+    md.append("GFLOP/s = 4·d·heads·(unmasked query-key pairs) / median time (sgemm: 2·n³ for the "
+              "square sgemm `flashcte bench` sizes to about the attention's FLOPs). "
+              "Ratios: `ours/X` = flashcte GFLOP/s ÷ X's GFLOP/s (= X's time ÷ ours for "
+              "attention peers; > 1 means flashcte is faster); `ours/peak` = flashcte GFLOP/s ÷ "
+              "the arithmetic limit below for the point's dtype and threads. `—` = not run: see "
+              "the notes below the table and results.csv's reason column.\n")
+    return md
+
+
+def run_bullets(meta: dict) -> list[str]:
+    """The bullets of every results.md: date, commit, command, machine, CPU flags."""
+    md = [f"* Date: {meta['date']}"]
     src = meta["source"]
     how = ("a `git archive` snapshot of that commit" if src.get("source") == "head"
            else "the work tree as it was")
@@ -89,29 +114,16 @@ def md_header(meta: dict) -> list[str]:
               f"hypervisor {m['hypervisor']}, Linux {m['kernel']}; caches: {m['caches']}")
     md.append(f"* CPU flags (+ present, - absent): {m['flags_summary']}")
     md.append(f"* `grep -o 'avx512[a-z_]*' /proc/cpuinfo | sort -u`: {m['avx512_grep']}")
-    sg = meta.get("openblas_sgemm", {})
-    md.append(f"* flashcte SIMD target: {meta['versions'].get('flashcte_simd', '?')}; OpenBLAS core "
-              f"of the SGEMM roofline: {sg.get('openblas_core', '?')} "
-              f"({'OPENBLAS_CORETYPE set by the sgemm command: ' if sg.get('openblas_core_overridden') else ''}"
-              f"{sg.get('openblas_core_reason', 'not reported')}); of the materialized peer: "
-              f"{meta.get('openblas_materialized_core', '?')} (the environment as it is); "
-              f"OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE in the environment: {m['openblas_env']}")
-    md.append(f"* Load average (1 min) at start {meta['load_start']}, at end {meta['load_end']}; "
-              f"per point in results.csv (column load_start). The machine has 2 cores and was "
-              f"shared with other work." )
-    md.append("* Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()
-                                           if k != "flashcte_simd" and v))
-    md.append(f"* Reps: {meta['reps']} interleaved rounds per point (order rotated each round), "
-              f"medians; one warm-up per implementation, which is also the cross-check.")
-    md.append("* Peers: " + "; ".join(f"{k}: {v}" for k, v in meta["peer_install"].items()))
-    md.append("")
-    md.append("GFLOP/s = 4·d·heads·(unmasked query-key pairs) / median time (sgemm: 2·n³ for the "
-              "square sgemm `flashcte bench` sizes to about the attention's FLOPs). "
-              "Ratios: `ours/X` = flashcte GFLOP/s ÷ X's GFLOP/s (= X's time ÷ ours for "
-              "attention peers; > 1 means flashcte is faster); `ours/peak` = flashcte GFLOP/s ÷ "
-              "the arithmetic limit below for the point's dtype and threads. `—` = not run: see "
-              "the notes below the table and results.csv's reason column.\n")
     return md
+
+
+def load_version_bullets(meta: dict) -> list[str]:
+    """The load average at the start and end of the run, and the versions in the venv."""
+    return [f"* Load average (1 min) at start {meta['load_start']}, at end {meta['load_end']}; "
+            f"per point in results.csv (column load_start). The machine has 2 cores and was "
+            f"shared with other work.",
+            "* Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()
+                                       if k != "flashcte_simd" and v)]
 
 
 def peak_section(peak: dict | None) -> list[str]:

@@ -92,9 +92,13 @@ class Yardstick:
         self.rows = np.array(sample_rows(S, S if cost <= ALL_ROWS_MAX_COST else SAMPLED_ROWS,
                                          1234))
         self.causal_rows = self.rows if p["causal"] else None
+        self.measure()
+
+    def measure(self) -> None:
+        """The float64 result on the rows checked of every head (heads())."""
         f64 = lambda a: a.astype(np.float64)
         self.exact = np.stack([
-            softmax_pv(f64(q) @ f64(k).T * p["scale"], f64(v), self.causal_rows)
+            softmax_pv(f64(q) @ f64(k).T * self.p["scale"], f64(v), self.causal_rows)
             for q, k, v in self.heads()])
         self.max_abs = float(np.abs(self.exact).max()) if self.exact.size else 0.0
         self.bounds = {}
@@ -142,3 +146,26 @@ class Yardstick:
         if rounds_inputs_to:
             own = max(own, self.bound(rounds_inputs_to))
         return self.bound(dtype) + own
+
+
+class DecodeYardstick(Yardstick):
+    """The same rule at a decode point (decode.py): q (B, heads, 1, d), k and v (B, kv_heads,
+    N + 1, d), torch tensors. Each (sequence, query head) is a head of the rule above with its one
+    row checked and no mask (the new token attends every slot of its sequence); the output is
+    compared as (B * heads, 1, d)."""
+
+    def __init__(self, p: dict, data: tuple):
+        self.p, self.data = p, data
+        self.group = p["heads"] // p["kv_heads"]
+        self.rows = np.arange(p["new"])
+        self.causal_rows = None  # one new token: nothing to mask
+        self.measure()
+
+    def heads(self):
+        q, k, v = self.data
+        f32 = lambda t: t.float().numpy()
+        for b in range(q.shape[0]):
+            for g in range(k.shape[1]):
+                kb, vb = f32(k[b, g]), f32(v[b, g])
+                for h in range(g * self.group, (g + 1) * self.group):
+                    yield f32(q[b, h]), kb, vb

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from .common import CLI_IMPLS, OPENBLAS_FIELDS, attention_flops
+from .common import CLI_IMPLS, OPENBLAS_FIELDS, attention_flops, median
 from .memory import reset_peak_rss, vm_kib
 from .peers import PY_IMPLS, Skipped, Unsupported
 from .peers.cli import cli_run
@@ -110,9 +110,10 @@ def time_once(p: dict, name: str, res: dict, py: dict) -> None:
         del out
 
 
-def timed_rounds(p: dict, order: list, results: dict, py: dict) -> None:
-    """Every implementation once per round, the order rotated round by round."""
-    for r in range(p["reps"]):
+def rotated_rounds(reps: int, order: list, results: dict, time_one) -> None:
+    """time_one(name, results[name]) for every implementation in `order` once per round, the
+    order rotated round by round; one that raises is marked an error and not run again."""
+    for r in range(reps):
         k = r % len(order) if order else 0
         for name in order[k:] + order[:k]:
             res = results[name]
@@ -120,18 +121,21 @@ def timed_rounds(p: dict, order: list, results: dict, py: dict) -> None:
                 continue
             time.sleep(0.15)  # let the previous one's spinning workers go idle
             try:
-                time_once(p, name, res, py)
+                time_one(name, res)
             except Exception as e:  # noqa: BLE001
                 res.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def timed_rounds(p: dict, order: list, results: dict, py: dict) -> None:
+    """Every implementation once per round, the order rotated round by round."""
+    rotated_rounds(p["reps"], order, results, lambda name, res: time_once(p, name, res, py))
 
 
 def finish(name: str, res: dict, flops: float) -> None:
     """Medians and GFLOP/s of what was timed."""
     if res["status"] == "ok" and res.get("times_ms"):
-        t = sorted(res["times_ms"])
-        n = len(t)
-        res["median_ms"] = t[n // 2] if n % 2 else 0.5 * (t[n // 2 - 1] + t[n // 2])
-        res["min_ms"] = t[0]
+        res["median_ms"] = median(res["times_ms"])
+        res["min_ms"] = min(res["times_ms"])
         f = res.get("cli_flops", flops) if name == "sgemm" else flops
         res["flops"] = f
         res["gflops"] = f / (res["median_ms"] * 1e-3) * 1e-9

@@ -1,5 +1,6 @@
 """The implementations the flashcte CLI times: sgemm (the roofline) and materialized
-(`flashcte bench --impl sgemm|materialized`), each call in a fresh process."""
+(`flashcte bench --impl sgemm|materialized`), and the decode kernel (`flashcte bench --decode`),
+each call in a fresh process."""
 
 from __future__ import annotations
 
@@ -27,11 +28,24 @@ def last_json(stdout: str) -> dict:
     return json.loads([l for l in stdout.splitlines() if l.startswith("{")][-1])
 
 
-def cli_run(p: dict, impl: str) -> dict:
-    """One `flashcte bench --reps 1` call: set-up, warm-up, one timed call."""
-    cmd = bench_command(p["cli"], p, impl)
-    # sgemm picks its OpenBLAS kernels itself (`--openblas-core auto`, the default for sgemm).
-    r = subprocess.run(fresh_process(cmd), text=True, capture_output=True, timeout=p["timeout"])
+def decode_command(cli: str, p: dict, reps: int) -> list[str]:
+    """`flashcte bench --decode --json` of decode point p (decode.py), --reps calls, each after a
+    timed streaming pass that evicts the caches (--cold, the default)."""
+    return [cli, "bench", "--decode", "--batch", str(p["batch"]), "--heads", str(p["heads"]),
+            "--kv-heads", str(p["kv_heads"]), "--d", str(p["d"]), "--cached", str(p["cached"]),
+            "--new", str(p["new"]), "--dtype", p["dtype"], "--threads", str(p["threads"]),
+            "--reps", str(reps), "--json"]
+
+
+def cli_json(cmd: list[str], timeout: float) -> dict:
+    """The last JSON line of cmd, run in a fresh process; raises if it fails."""
+    r = subprocess.run(fresh_process(cmd), text=True, capture_output=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}: exit {r.returncode}: {r.stderr.strip()[-300:]}")
     return last_json(r.stdout)
+
+
+def cli_run(p: dict, impl: str) -> dict:
+    """One `flashcte bench --reps 1` call: set-up, warm-up, one timed call."""
+    # sgemm picks its OpenBLAS kernels itself (`--openblas-core auto`, the default for sgemm).
+    return cli_json(bench_command(p["cli"], p, impl), p["timeout"])

@@ -1,8 +1,23 @@
-"""PyTorch's scaled_dot_product_attention on the CPU."""
+"""PyTorch's scaled_dot_product_attention on the CPU: on a prefill point (TorchImpl) and on a
+decode step against a KV cache (TorchDecodeImpl, bench/compare --decode)."""
 
 from __future__ import annotations
 
 from .base import PyImpl, check_budget
+
+
+def torch_dtype(torch, name: str):
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def has_enable_gqa(torch, F) -> bool:
+    """Whether this torch's SDPA takes enable_gqa (2.5 and later)."""
+    q, kv = torch.zeros(1, 2, 1, 4), torch.zeros(1, 1, 1, 4)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        return True
+    except TypeError:
+        return False
 
 
 class TorchImpl(PyImpl):
@@ -11,8 +26,7 @@ class TorchImpl(PyImpl):
         import torch.nn.functional as F
         self.torch, self.F = torch, F
         torch.set_num_threads(self.p["threads"])
-        tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-               "float16": torch.float16}[self.p["dtype"]]
+        tdt = torch_dtype(torch, self.p["dtype"])
         q, k, v = self.data
         # numpy has no bfloat16 torch understands: go through float32 (exact: values are bf16).
         conv = lambda a: torch.from_numpy(a.astype("float32"))[None].to(tdt).contiguous()
@@ -44,3 +58,37 @@ class TorchImpl(PyImpl):
 
     def as_numpy(self, out):
         return out[0].float().numpy()
+
+
+class TorchDecodeImpl(TorchImpl):
+    """SDPA on a decode step: data = q (B, heads, 1, d) and the cache's k, v (B, kv_heads, N + 1,
+    d), torch tensors of the point's dtype; no mask (the new token attends every slot). GQA
+    through enable_gqa=True; a torch without it gets K/V repeated to the query heads once, in
+    setup (extra["gqa"] says which, and then torch reads heads/kv_heads times the bytes)."""
+
+    def setup(self):
+        import torch
+        import torch.nn.functional as F
+        self.torch, self.F = torch, F
+        torch.set_num_threads(self.p["threads"])
+        self.q, self.k, self.v = self.data
+        heads, kv_heads = self.p["heads"], self.p["kv_heads"]
+        self.gqa = heads != kv_heads
+        self.extra.update(torch=torch.__version__, gqa="none (heads == kv_heads)")
+        if self.gqa and has_enable_gqa(torch, F):
+            self.extra["gqa"] = "enable_gqa=True"
+        elif self.gqa:
+            self.k, self.v = (t.repeat_interleave(heads // kv_heads, dim=1).contiguous()
+                              for t in (self.k, self.v))
+            self.gqa = False
+            self.extra["gqa"] = f"K/V repeated to {heads} heads (this torch has no enable_gqa)"
+        self.extra["sdpa_backend"] = self.backend()
+
+    def run(self):
+        kw = {"enable_gqa": True} if self.gqa else {}
+        with self.torch.inference_mode():
+            return self.F.scaled_dot_product_attention(self.q, self.k, self.v,
+                                                       scale=self.p["scale"], **kw)
+
+    def as_numpy(self, out):
+        return out.float().numpy().reshape(-1, out.shape[2], out.shape[3])
