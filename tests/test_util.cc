@@ -82,17 +82,6 @@ std::vector<int64_t> layout_strides(const std::vector<int64_t>& shape, Layout la
   return strides;
 }
 
-double unit_roundoff(DType dtype) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return std::ldexp(1.0, -8);
-    case DType::kFloat16:
-      return std::ldexp(1.0, -11);
-    default:
-      return std::ldexp(1.0, -24);
-  }
-}
-
 // Collects mismatches for one AssertionResult, reporting the first few in full.
 class Mismatches {
  public:
@@ -137,6 +126,17 @@ double max_err(const std::vector<double>& a, const std::vector<double>& b) {
 }
 
 }  // namespace
+
+double unit_roundoff(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return std::ldexp(1.0, -8);
+    case DType::kFloat16:
+      return std::ldexp(1.0, -11);
+    default:
+      return std::ldexp(1.0, -24);
+  }
+}
 
 const char* layout_name(Layout layout) {
   switch (layout) {

@@ -60,6 +60,9 @@ class HostTensor {
   std::vector<uint8_t> in_view_;  // per storage element: 1 when some index maps to it
 };
 
+// The unit roundoff of dtype: 2^-8 (bfloat16), 2^-11 (float16), 2^-24 (float32).
+double unit_roundoff(DType dtype);
+
 // One attention_cte call, described by its shape and options; run_case() builds the tensors.
 struct Case {
   DType dtype = DType::kFloat32;

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "flashcte/merge.h"
-#include "src/core/half.h"
+#include "src/core/convert.h"
 #include "src/dispatch/views.h"
 #include "src/kernel/softmax_state.h"
 
@@ -20,37 +20,12 @@ namespace {
 using internal::Extent;
 
 // Row `offset` (elements) of a side's out as dv floats: the memory itself when it is float32
-// with unit column stride, else widened into `buf` (one dtype switch per row, not per element).
+// with unit column stride, else converted into `buf`.
 const float* widen(const void* data, DType dtype, int64_t offset, int64_t stride, int64_t dv,
                    float* buf) {
-  if (dtype == DType::kFloat32) {
-    const float* p = static_cast<const float*>(data) + offset;
-    if (stride == 1) return p;
-    for (int64_t c = 0; c < dv; ++c) buf[c] = p[c * stride];
-    return buf;
-  }
-  const uint16_t* p = static_cast<const uint16_t*>(data) + offset;
-  if (dtype == DType::kBFloat16) {
-    for (int64_t c = 0; c < dv; ++c) buf[c] = half::bf16_to_float(p[c * stride]);
-  } else {
-    for (int64_t c = 0; c < dv; ++c) buf[c] = half::f16_to_float(p[c * stride]);
-  }
+  if (dtype == DType::kFloat32 && stride == 1) return static_cast<const float*>(data) + offset;
+  internal::load_row_as_float(data, offset, stride, dtype, buf, dv);
   return buf;
-}
-
-// Stores dv floats as row `offset` of out, rounded to its dtype (nearest even).
-void narrow(const float* src, int64_t dv, void* data, DType dtype, int64_t offset, int64_t stride) {
-  if (dtype == DType::kFloat32) {
-    float* p = static_cast<float*>(data) + offset;
-    for (int64_t c = 0; c < dv; ++c) p[c * stride] = src[c];
-    return;
-  }
-  uint16_t* p = static_cast<uint16_t*>(data) + offset;
-  if (dtype == DType::kBFloat16) {
-    for (int64_t c = 0; c < dv; ++c) p[c * stride] = half::float_to_bf16(src[c]);
-  } else {
-    for (int64_t c = 0; c < dv; ++c) p[c * stride] = half::float_to_f16(src[c]);
-  }
 }
 
 // The same memory seen the same way: an output that is exactly one of the inputs.
@@ -199,7 +174,8 @@ Status merge_attn_states(const TensorView& out_a, const TensorView& lse_a, const
         state.merge_normalized(0, ra, lse_a_r);
         state.merge_normalized(0, rb, lse_b_r);
         const internal::SoftmaxState::Stats stats = state.finish(0);
-        narrow(acc.data(), dv, out.data, out.dtype, bi * o.ob + r * o.orow, o.oc);
+        internal::store_row_from_float(out.data, bi * o.ob + r * o.orow, o.oc, out.dtype,
+                                       acc.data(), dv);
         if (lse.present()) static_cast<float*>(lse.data)[bi * o.lb + r * o.lrow] = stats.lse;
       }
     }

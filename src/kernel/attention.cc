@@ -25,8 +25,8 @@
 #include <limits>
 #include <vector>
 
+#include "src/core/convert.h"
 #include "src/core/math.h"
-#include "src/kernel/convert.h"
 #include "src/kernel/pack.h"
 #include "src/kernel/plan.h"
 #include "src/kernel/scratch.h"

@@ -25,8 +25,8 @@
 #include <cstring>
 #include <limits>
 
+#include "src/core/convert.h"
 #include "src/core/math.h"
-#include "src/kernel/convert.h"
 #include "src/kernel/scratch.h"
 #include "src/kernel/softmax_state.h"
 #include "src/simd/bf16_dot.h"
@@ -123,7 +123,7 @@ void pack_q(const DecodeProblem& p, const simd::Ops& ops, const PairShape& ps, f
     if (st[3] == 1) {
       ops.to_float(static_cast<const unsigned char*>(p.q) + offset * elem, p.dtype, d, dst);
     } else {
-      for (int64_t x = 0; x < d; ++x) dst[x] = load_as_float(p.q, offset + x * st[3], p.dtype);
+      load_row_as_float(p.q, offset, st[3], p.dtype, dst, d);
     }
     std::fill(dst + d, dst + ps.ldq, 0.0f);
     if (!ps.native) continue;

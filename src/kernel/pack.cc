@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "src/kernel/convert.h"
+#include "src/core/convert.h"
 
 namespace flashcte::internal {
 namespace {
@@ -32,7 +32,7 @@ void pack_matrix(const simd::Ops& ops, const void* base, DType dtype, int64_t ro
         if (col_stride == 1) {
           ops.to_float(src, dtype, cols, row);
         } else {
-          for (int64_t c = 0; c < cols; ++c) row[c] = load_as_float(src, c * col_stride, dtype);
+          load_row_as_float(src, 0, col_stride, dtype, row, cols);
         }
       }
       if (dst_col == 1) continue;

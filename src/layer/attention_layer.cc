@@ -21,7 +21,7 @@
 
 #include "flashcte/decode.h"
 #include "flashcte/layer.h"
-#include "src/core/half.h"
+#include "src/core/convert.h"
 #include "src/layer/blas.h"
 #include "src/layer/config.h"
 #include "src/layer/gqa.h"
@@ -32,34 +32,9 @@ namespace {
 
 std::string Str(int64_t x) { return std::to_string(x); }
 
-float load_float(const void* data, DType dtype, int64_t offset) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return half::bf16_to_float(static_cast<const uint16_t*>(data)[offset]);
-    case DType::kFloat16:
-      return half::f16_to_float(static_cast<const uint16_t*>(data)[offset]);
-    default:
-      return static_cast<const float*>(data)[offset];
-  }
-}
-
-// Stores x (already a value of dtype) at data[offset].
-void store_float(void* data, DType dtype, int64_t offset, float x) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      static_cast<uint16_t*>(data)[offset] = half::float_to_bf16(x);
-      return;
-    case DType::kFloat16:
-      static_cast<uint16_t*>(data)[offset] = half::float_to_f16(x);
-      return;
-    default:
-      static_cast<float*>(data)[offset] = x;
-  }
-}
-
 std::vector<float> rounded(const std::vector<float>& w, DType dtype) {
   std::vector<float> r(w.size());
-  for (size_t i = 0; i < w.size(); ++i) r[i] = layer::round_to(dtype, w[i]);
+  for (size_t i = 0; i < w.size(); ++i) r[i] = internal::round_to(dtype, w[i]);
   return r;
 }
 
@@ -68,7 +43,7 @@ void rms_norm(float* x, const float* weight, int64_t n, double eps, DType dtype)
   double squares = 0;
   for (int64_t i = 0; i < n; ++i) squares += static_cast<double>(x[i]) * x[i];
   const float inv = static_cast<float>(1.0 / std::sqrt(squares / static_cast<double>(n) + eps));
-  for (int64_t i = 0; i < n; ++i) x[i] = layer::round_to(dtype, x[i] * inv * weight[i]);
+  for (int64_t i = 0; i < n; ++i) x[i] = internal::round_to(dtype, x[i] * inv * weight[i]);
 }
 
 }  // namespace
@@ -200,13 +175,11 @@ void AttentionLayer::Impl::project_qkv(const std::vector<float>& qkv,
         rope.rotate(cos.data(), sin.data(), q, heads);
         rope.rotate(cos.data(), sin.data(), k, kv_heads);
       }
-      for (int64_t c = 0; c < heads * d; ++c) store_float(q_act, t, token * heads * d + c, q[c]);
+      internal::store_row_from_float(q_act, token * heads * d, 1, t, q, heads * d);
       for (int64_t h = 0; h < kv_heads; ++h) {
         const int64_t slot = ((b * kv_heads + h) * max_len + at) * d;
-        for (int64_t c = 0; c < d; ++c) {
-          store_float(cache->k_data(), t, slot + c, k[h * d + c]);
-          store_float(cache->v_data(), t, slot + c, v[h * d + c]);
-        }
+        internal::store_row_from_float(cache->k_data(), slot, 1, t, k + h * d, d);
+        internal::store_row_from_float(cache->v_data(), slot, 1, t, v + h * d, d);
       }
     }
   }
@@ -366,11 +339,10 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& positions,
     std::vector<float> xf(static_cast<size_t>(rows * m.hidden));
     for (int64_t b = 0; b < batch; ++b) {
       for (int64_t i = 0; i < tokens; ++i) {
-        for (int64_t c = 0; c < m.hidden; ++c) {
-          const float value =
-              load_float(x.data, x.dtype, b * x.strides[0] + i * x.strides[1] + c * x.strides[2]);
-          xf[static_cast<size_t>((b * tokens + i) * m.hidden + c)] = layer::round_to(t, value);
-        }
+        float* x_row = xf.data() + (b * tokens + i) * m.hidden;
+        internal::load_row_as_float(x.data, b * x.strides[0] + i * x.strides[1], x.strides[2],
+                                    x.dtype, x_row, m.hidden);
+        for (int64_t c = 0; c < m.hidden; ++c) x_row[c] = internal::round_to(t, x_row[c]);
       }
     }
     std::vector<float> qkv(static_cast<size_t>(rows * m.qkv_width()));
@@ -382,7 +354,8 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& positions,
     for (int64_t r = 0; r < rows; ++r) {  // + bias, rounded (R2)
       float* y = qkv.data() + r * m.qkv_width();
       for (int64_t c = 0; c < m.qkv_width(); ++c) {
-        y[c] = layer::round_to(t, m.b_qkv.empty() ? y[c] : y[c] + m.b_qkv[static_cast<size_t>(c)]);
+        y[c] =
+            internal::round_to(t, m.b_qkv.empty() ? y[c] : y[c] + m.b_qkv[static_cast<size_t>(c)]);
       }
     }
     const int64_t element = dtype_size(t), row = m.heads * m.d;
@@ -401,21 +374,22 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& positions,
     // O projection (R6: attn holds activation-dtype values), rounded, + bias, rounded (R7).
     std::vector<float> attn_f(static_cast<size_t>(rows * row)),
         y(static_cast<size_t>(rows * m.hidden));
-    for (size_t i = 0; i < attn_f.size(); ++i)
-      attn_f[i] = load_float(attn.data(), t, static_cast<int64_t>(i));
+    internal::load_row_as_float(attn.data(), 0, 1, t, attn_f.data(), rows * row);
     if (Status s = layer::gemm_nt(rows, m.hidden, row, attn_f.data(), row, m.w_o.data(), row,
                                   y.data(), m.hidden, num_threads);
         !s.ok) {
       return s;
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t b = r / tokens, i = r % tokens;
+      float* y_row = y.data() + r * m.hidden;
       for (int64_t c = 0; c < m.hidden; ++c) {
-        float value = layer::round_to(t, y[static_cast<size_t>(r * m.hidden + c)]);
-        if (!m.b_o.empty()) value = layer::round_to(t, value + m.b_o[static_cast<size_t>(c)]);
-        store_float(out.data, t, b * out.strides[0] + i * out.strides[1] + c * out.strides[2],
-                    value);
+        y_row[c] = internal::round_to(t, y_row[c]);
+        if (!m.b_o.empty())
+          y_row[c] = internal::round_to(t, y_row[c] + m.b_o[static_cast<size_t>(c)]);
       }
+      internal::store_row_from_float(out.data,
+                                     r / tokens * out.strides[0] + r % tokens * out.strides[1],
+                                     out.strides[2], t, y_row, m.hidden);
     }
   } catch (const std::bad_alloc&) {
     return Status::Error("memory: allocation of the layer's activations failed");

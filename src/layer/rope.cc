@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "src/core/half.h"
+#include "src/core/convert.h"
 
 namespace flashcte::layer {
 namespace {
@@ -21,17 +21,6 @@ float llama3_remap(float frequency, const Llama3RopeScaling& s) {
 }
 
 }  // namespace
-
-float round_to(DType dtype, float x) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return half::bf16_to_float(half::float_to_bf16(x));
-    case DType::kFloat16:
-      return half::f16_to_float(half::float_to_f16(x));
-    default:
-      return x;
-  }
-}
 
 Rope::Rope(const LayerConfig& config, int64_t head_dim)
     : head_dim_(head_dim),
@@ -54,8 +43,8 @@ void Rope::cos_sin(int64_t position, float* cos, float* sin) const {
   const float pos = static_cast<float>(position);
   for (size_t i = 0; i < inv_freq_.size(); ++i) {
     const float theta = pos * inv_freq_[i];  // a float32 product, as the module's matmul
-    cos[i] = round_to(dtype_, static_cast<float>(std::cos(static_cast<double>(theta))));
-    sin[i] = round_to(dtype_, static_cast<float>(std::sin(static_cast<double>(theta))));
+    cos[i] = internal::round_to(dtype_, static_cast<float>(std::cos(static_cast<double>(theta))));
+    sin[i] = internal::round_to(dtype_, static_cast<float>(std::sin(static_cast<double>(theta))));
   }
 }
 
@@ -65,8 +54,8 @@ void Rope::rotate(const float* cos, const float* sin, float* x, int64_t heads) c
     float* head = x + h * head_dim_;
     for (int64_t i = 0; i < half; ++i) {
       const float lo = head[i], hi = head[i + half];
-      head[i] = round_to(dtype_, lo * cos[i] - hi * sin[i]);
-      head[i + half] = round_to(dtype_, hi * cos[i] + lo * sin[i]);
+      head[i] = internal::round_to(dtype_, lo * cos[i] - hi * sin[i]);
+      head[i + half] = internal::round_to(dtype_, hi * cos[i] + lo * sin[i]);
     }
   }
 }

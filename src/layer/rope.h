@@ -32,9 +32,6 @@ class Rope {
   DType dtype_;
 };
 
-// Rounds x to the nearest value of `dtype` (float32: unchanged), ties to even.
-float round_to(DType dtype, float x);
-
 }  // namespace flashcte::layer
 
 #endif  // FLASHCTE_SRC_LAYER_ROPE_H_

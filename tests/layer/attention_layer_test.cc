@@ -24,19 +24,15 @@
 #include "src/core/half.h"
 #include "src/reference/layer_reference.h"
 #include "tests/layer/layer_test_util.h"
+#include "tests/test_util.h"
 
 namespace flashcte::reference::test {
 namespace {
 
+// The tolerance unit (see the file comment): the dtype's ulp, and in float32 the GEMMs' own
+// summation error instead.
 double ulp_of(DType dtype) {
-  switch (dtype) {
-    case DType::kBFloat16:
-      return std::ldexp(1.0, -8);
-    case DType::kFloat16:
-      return std::ldexp(1.0, -11);
-    default:
-      return 1e-5 * 64;
-  }
+  return dtype == DType::kFloat32 ? 1e-5 * 64 : flashcte::test::unit_roundoff(dtype);
 }
 
 double read(const std::vector<uint16_t>& bits, const std::vector<float>& floats, DType dtype,
