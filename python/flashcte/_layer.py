@@ -27,6 +27,7 @@ from ._tensors import (
     Tensor,
     _torch,
     dtype_name,
+    float32_array,
     give_back,
     is_bf16_numpy,
     native,
@@ -113,20 +114,11 @@ def _rope_scaling(rope_scaling: Any, rope_theta: float) -> Any:
 
 def _float32(name: str, x: Any) -> np.ndarray:
     """Any real array (numpy, torch, DLPack, sequence) as a C-contiguous float32 numpy array."""
+    a = float32_array(name, x)
     torch = _torch()
-    if torch is not None and isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
-        if not x.dtype.is_floating_point:
-            raise TypeError(f"{name}: dtype must be a float type, got {dtype_name(x.dtype)}")
-        return x.detach().to(torch.float32).contiguous().numpy()
-    if not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
-        x = np.from_dlpack(x)
-    a = np.asarray(x)
-    real = np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)
-    if not (real or (BFLOAT16 is not None and a.dtype == BFLOAT16)) or a.dtype == np.bool_:
-        raise TypeError(f"{name}: dtype must be a float type, got {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.float32)
+    if torch is not None and isinstance(a, torch.Tensor):
+        return a.contiguous().numpy()
+    return np.ascontiguousarray(a)
 
 
 def _weight(name: str, x: Any, shape: tuple, layout: str) -> np.ndarray:
