@@ -10,13 +10,16 @@
 #include <cstring>
 #include <new>
 
+#include "src/core/pages.h"
+
 namespace flashcte::tools {
 
 void ReadBandwidth::Free::operator()(uint64_t* p) const { std::free(p); }
 
 ReadBandwidth::ReadBandwidth(size_t bytes) : words_(bytes / 64 * 8) {
-  data_.reset(static_cast<uint64_t*>(std::aligned_alloc(64, words_ * sizeof(uint64_t))));
-  if (!data_ && words_ > 0) throw std::bad_alloc();
+  // On the pages the KV cache and the tools' tensors use (huge, src/core/pages.h): the
+  // bandwidth a decode call is held to is that of the same kind of memory.
+  data_.reset(static_cast<uint64_t*>(internal::allocate_pages(words_ * sizeof(uint64_t))));
   // Touch every page (and give the sums something to chew on).
   for (size_t i = 0; i < words_; ++i) data_.get()[i] = i * 0x9E3779B97F4A7C15ull;
 }

@@ -6,6 +6,7 @@
 #include <new>
 
 #include "src/core/half.h"
+#include "src/core/pages.h"
 
 namespace flashcte::tools {
 namespace {
@@ -62,13 +63,9 @@ HostTensor::HostTensor(DType dtype, std::vector<int64_t> shape)
       throw std::bad_alloc();
     }
   }
-  // Round up to whole cache lines: aligned_alloc wants a multiple of the alignment, and 64-byte
-  // rows keep the kernel's vector loads from splitting lines at the start of a tensor.
-  const size_t bytes = static_cast<size_t>(elements_) * dtype_size(dtype_);
-  const size_t padded = (bytes + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, padded == 0 ? 64 : padded);
-  if (p == nullptr) throw std::bad_alloc();
-  std::memset(p, 0, padded == 0 ? 64 : padded);
+  // Zeroed, on whole cache lines (rows of 64 bytes keep the kernel's vector loads from splitting
+  // lines at the start of a tensor), on huge pages when large (src/core/pages.h).
+  void* p = internal::allocate_pages(static_cast<size_t>(elements_) * dtype_size(dtype_));
   storage_.reset(p);
 }
 

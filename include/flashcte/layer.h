@@ -91,16 +91,20 @@ class KvCache {
   void reset(int64_t b) { lengths_[static_cast<size_t>(b)] = 0; }
 
   // Element views of the storage: (batch, kv_heads, max_len, head_dim), dense.
-  const void* k_data() const { return k_.data(); }
-  const void* v_data() const { return v_.data(); }
-  void* k_data() { return k_.data(); }
-  void* v_data() { return v_.data(); }
+  const void* k_data() const { return k_.get(); }
+  const void* v_data() const { return v_.get(); }
+  void* k_data() { return k_.get(); }
+  void* v_data() { return v_.get(); }
 
  private:
   friend class AttentionLayer;
   int64_t batch_ = 0, kv_heads_ = 0, max_len_ = 0, head_dim_ = 0;
   DType dtype_ = DType::kFloat32;
-  std::vector<uint8_t> k_, v_;
+  // Large caches sit on transparent huge pages: a decode step streams all of them.
+  struct Free {
+    void operator()(uint8_t* p) const;
+  };
+  std::unique_ptr<uint8_t, Free> k_, v_;
   std::vector<int64_t> lengths_;
 };
 

@@ -1,12 +1,16 @@
 // KvCache (include/flashcte/layer.h): one layer's K and V, (batch, kv_heads, max_len, head_dim)
 // in the activation dtype, zero-initialized as the module's (LAYER.md section 7).
+#include <cstdlib>
 #include <limits>
 #include <new>
 #include <string>
 
 #include "flashcte/layer.h"
+#include "src/core/pages.h"
 
 namespace flashcte {
+
+void KvCache::Free::operator()(uint8_t* p) const { std::free(p); }
 
 Status KvCache::create(int64_t batch, int64_t kv_heads, int64_t max_len, int64_t head_dim,
                        DType dtype, KvCache* cache) {
@@ -37,8 +41,8 @@ Status KvCache::create(int64_t batch, int64_t kv_heads, int64_t max_len, int64_t
     fresh.max_len_ = max_len;
     fresh.head_dim_ = head_dim;
     fresh.dtype_ = dtype;
-    fresh.k_.assign(bytes, 0);
-    fresh.v_.assign(bytes, 0);
+    fresh.k_.reset(static_cast<uint8_t*>(internal::allocate_pages(bytes)));
+    fresh.v_.reset(static_cast<uint8_t*>(internal::allocate_pages(bytes)));
     fresh.lengths_.assign(static_cast<size_t>(batch), 0);
     *cache = std::move(fresh);
   } catch (const std::bad_alloc&) {
