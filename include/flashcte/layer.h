@@ -47,13 +47,22 @@ struct LayerConfig {
   bool sinks = false;  // one learned, value-less, unscaled logit per query head (section 8)
   DType dtype = DType::kFloat32;  // activation dtype: float32, bfloat16 or float16
   // Tensor parallelism (LAYER.md section 4): the layer built as rank tp_rank of tp_degree holds
-  // that rank's heads of the GQA-sharded weights (REPLICATE_TO_TP_DEGREE when tp_degree is a
-  // multiple of num_kv_heads, else CONVERT_TO_MHA, with ON's padding) and its forward() returns
-  // the rank's partial o_proj output without o_bias: the caller sums the ranks' outputs and adds
-  // o_bias once (the all-reduce). tp_degree 1: the whole layer, o_bias included.
+  // that rank's heads of the GQA-sharded weights (gqa_strategy, with ON's padding) and its
+  // forward() returns the rank's partial o_proj output without o_bias: the caller sums the ranks'
+  // outputs and adds o_bias once (the all-reduce). tp_degree 1: the whole layer, o_bias included.
   int64_t tp_degree = 1;
   int64_t tp_rank = 0;
+  // ON's GQA enum; kAuto is ON's choice: REPLICATE_TO_TP_DEGREE when tp_degree is a multiple of
+  // num_kv_heads, else CONVERT_TO_MHA. REPLICATE_TO_TP_DEGREE cannot shard every layout (it needs
+  // tp_degree % num_kv_heads == 0 when it replicates); CONVERT_TO_MHA can.
+  enum class GqaStrategy { kAuto, kReplicateToTpDegree, kConvertToMha };
+  GqaStrategy gqa_strategy = GqaStrategy::kAuto;
 };
+
+// The config rank config.tp_rank of config.tp_degree runs (what AttentionLayer::config() returns
+// for it): its query and KV heads after GQA sharding, head_dim resolved, o_bias off, tp_degree 1.
+// The config itself when tp_degree is 1. Checks the config as AttentionLayer::create does.
+Status rank_config(const LayerConfig& config, LayerConfig* rank);
 
 // torch.nn.Linear layout (out_features, in_features), float32 row-major. Optional parts are empty
 // exactly when the config turns them off.

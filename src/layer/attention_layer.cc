@@ -252,9 +252,8 @@ Status AttentionLayer::Impl::attend(const void* q_act, const std::vector<int64_t
 
 namespace {
 
-// The config and weights of rank tp_rank of tp_degree (LAYER.md section 4, src/layer/gqa.h).
-Status rank_layer(const LayerConfig& config, const LayerWeights& weights, LayerConfig* rank_config,
-                  LayerWeights* rank_weights) {
+// The GQA sharding of the config's tensor-parallel rank (LAYER.md section 4, src/layer/gqa.h).
+Status plan_sharding(const LayerConfig& config, layer::GqaSharding* sharding) {
   if (config.tp_degree < 1) {
     return Status::Error("tp_degree: must be >= 1, got " + Str(config.tp_degree));
   }
@@ -262,12 +261,39 @@ Status rank_layer(const LayerConfig& config, const LayerWeights& weights, LayerC
     return Status::Error("tp_rank: must be in [0, tp_degree = " + Str(config.tp_degree) +
                          "), got " + Str(config.tp_rank));
   }
-  layer::GqaSharding sharding;
-  if (Status s = layer::plan_gqa_sharding(config.tp_degree, config.num_heads, config.num_kv_heads,
-                                          &sharding);
-      !s.ok) {
-    return s;
+  using Strategy = LayerConfig::GqaStrategy;
+  switch (config.gqa_strategy) {
+    case Strategy::kAuto:
+      return layer::plan_gqa_sharding(config.tp_degree, config.num_heads, config.num_kv_heads,
+                                      sharding);
+    case Strategy::kReplicateToTpDegree:
+    case Strategy::kConvertToMha:
+      return layer::plan_gqa_sharding(config.tp_degree, config.num_heads, config.num_kv_heads,
+                                      config.gqa_strategy == Strategy::kConvertToMha
+                                          ? layer::GqaStrategy::kConvertToMha
+                                          : layer::GqaStrategy::kReplicateToTpDegree,
+                                      sharding);
   }
+  return Status::Error("gqa_strategy: not one of kAuto, kReplicateToTpDegree, kConvertToMha");
+}
+
+LayerConfig rank_config_of(const LayerConfig& config, const layer::GqaSharding& sharding) {
+  LayerConfig rank = config;
+  rank.num_heads = sharding.heads_per_rank;
+  rank.num_kv_heads = sharding.kv_heads_per_rank;
+  rank.head_dim = layer::head_dim_of(config);
+  rank.o_bias = false;  // added once, after the ranks' outputs are summed
+  rank.tp_degree = 1;
+  rank.tp_rank = 0;
+  rank.gqa_strategy = LayerConfig::GqaStrategy::kAuto;
+  return rank;
+}
+
+// The config and weights of rank tp_rank of tp_degree.
+Status rank_layer(const LayerConfig& config, const LayerWeights& weights, LayerConfig* rank_config,
+                  LayerWeights* rank_weights) {
+  layer::GqaSharding sharding;
+  if (Status s = plan_sharding(config, &sharding); !s.ok) return s;
   const int64_t d = layer::head_dim_of(config);
   layer::ProjectionWeights full{weights.q_proj, weights.k_proj, weights.v_proj, weights.o_proj,
                                 weights.q_bias, weights.k_bias, weights.v_bias, {},
@@ -278,13 +304,7 @@ Status rank_layer(const LayerConfig& config, const LayerWeights& weights, LayerC
       !s.ok) {
     return s;
   }
-  *rank_config = config;
-  rank_config->num_heads = sharding.heads_per_rank;
-  rank_config->num_kv_heads = sharding.kv_heads_per_rank;
-  rank_config->head_dim = d;
-  rank_config->o_bias = false;  // added once, after the ranks' outputs are summed
-  rank_config->tp_degree = 1;
-  rank_config->tp_rank = 0;
+  *rank_config = rank_config_of(config, sharding);
   *rank_weights = LayerWeights{std::move(local.q_proj), std::move(local.k_proj),
                                std::move(local.v_proj), std::move(local.o_proj),
                                std::move(local.q_bias), std::move(local.k_bias),
@@ -295,6 +315,19 @@ Status rank_layer(const LayerConfig& config, const LayerWeights& weights, LayerC
 }
 
 }  // namespace
+
+Status rank_config(const LayerConfig& config, LayerConfig* rank) {
+  if (rank == nullptr) return Status::Error("rank: must not be null");
+  if (Status s = layer::check_config(config); !s.ok) return s;
+  if (config.tp_degree == 1 && config.tp_rank == 0) {  // the whole layer
+    *rank = config;
+    return Status::Ok();
+  }
+  layer::GqaSharding sharding;
+  if (Status s = plan_sharding(config, &sharding); !s.ok) return s;
+  *rank = rank_config_of(config, sharding);
+  return Status::Ok();
+}
 
 AttentionLayer::AttentionLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 AttentionLayer::~AttentionLayer() = default;

@@ -49,7 +49,9 @@ Outputs run_calls(const LayerConfig& config, const LayerWeights& weights) {
   return result;
 }
 
-void expect_ranks_sum_to_layer(int64_t heads, int64_t kv_heads, int64_t tp) {
+void expect_ranks_sum_to_layer(
+    int64_t heads, int64_t kv_heads, int64_t tp,
+    LayerConfig::GqaStrategy strategy = LayerConfig::GqaStrategy::kAuto) {
   LayerConfig c = small_config(24, heads, kv_heads, 8);
   c.qkv_bias = c.o_bias = c.sinks = true;
   std::mt19937 rng(9);
@@ -60,6 +62,7 @@ void expect_ranks_sum_to_layer(int64_t heads, int64_t kv_heads, int64_t tp) {
     LayerConfig rank = c;
     rank.tp_degree = tp;
     rank.tp_rank = r;
+    rank.gqa_strategy = strategy;
     ranks.push_back(run_calls(rank, w));
   }
   for (size_t step = 0; step < whole.steps.size(); ++step) {
@@ -79,6 +82,47 @@ void expect_ranks_sum_to_layer(int64_t heads, int64_t kv_heads, int64_t tp) {
 TEST(AttentionLayerTensorParallel, ReplicateToTpDegree) { expect_ranks_sum_to_layer(8, 2, 4); }
 TEST(AttentionLayerTensorParallel, ConvertToMhaWithPadHeads) { expect_ranks_sum_to_layer(6, 3, 4); }
 TEST(AttentionLayerTensorParallel, MhaSplitEvenly) { expect_ranks_sum_to_layer(4, 4, 2); }
+
+// 8/2 at tp 4: ON picks REPLICATE (one KV head per rank); asked for CONVERT, each rank holds two
+// KV heads, one per query head.
+TEST(AttentionLayerTensorParallel, ConvertToMhaWhenAskedFor) {
+  expect_ranks_sum_to_layer(8, 2, 4, LayerConfig::GqaStrategy::kConvertToMha);
+}
+
+TEST(AttentionLayerTensorParallel, RankConfigHoldsTheRanksHeads) {
+  LayerConfig c = small_config(24, 8, 2, 8);
+  c.o_bias = true;
+  c.tp_degree = 4;
+  c.tp_rank = 3;
+  LayerConfig rank;
+  ASSERT_TRUE(rank_config(c, &rank).ok);
+  EXPECT_EQ(rank.num_heads, 2);
+  EXPECT_EQ(rank.num_kv_heads, 1);
+  EXPECT_FALSE(rank.o_bias);
+  EXPECT_EQ(rank.tp_degree, 1);
+  c.gqa_strategy = LayerConfig::GqaStrategy::kConvertToMha;
+  ASSERT_TRUE(rank_config(c, &rank).ok);
+  EXPECT_EQ(rank.num_heads, 2);
+  EXPECT_EQ(rank.num_kv_heads, 2);
+  c.tp_degree = 1;
+  c.tp_rank = 0;
+  ASSERT_TRUE(rank_config(c, &rank).ok);
+  EXPECT_EQ(rank.num_heads, 8);
+  EXPECT_TRUE(rank.o_bias);
+}
+
+TEST(AttentionLayerTensorParallel, ReplicateThatCannotShardIsRefused) {
+  LayerConfig c = small_config(24, 6, 3, 8);
+  c.tp_degree = 4;
+  c.tp_rank = 1;
+  c.gqa_strategy = LayerConfig::GqaStrategy::kReplicateToTpDegree;
+  LayerConfig rank;
+  expect_error(rank_config(c, &rank), "num_kv_heads: REPLICATE_TO_TP_DEGREE replicates");
+  std::mt19937 rng(1);
+  std::unique_ptr<AttentionLayer> layer;
+  expect_error(AttentionLayer::create(c, random_weights(c, &rng), &layer),
+               "num_kv_heads: REPLICATE_TO_TP_DEGREE replicates");
+}
 
 TEST(AttentionLayerTensorParallel, RankOutsideTheGroupIsRefused) {
   LayerConfig c = small_config(16, 2, 1, 8);
