@@ -153,10 +153,27 @@ class LayerConfig:
     def dtype(self) -> str: ...
     @dtype.setter
     def dtype(self, arg: str, /) -> None: ...
+    @property
+    def tp_degree(self) -> int: ...
+    @tp_degree.setter
+    def tp_degree(self, arg: int, /) -> None: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @tp_rank.setter
+    def tp_rank(self, arg: int, /) -> None: ...
+    @property
+    def gqa_strategy(self) -> str: ...
+    @gqa_strategy.setter
+    def gqa_strategy(self, arg: str, /) -> None: ...
 
 def layer_check_config(config: LayerConfig) -> None:
     """
     Raises ValueError/TypeError with the library's message when the config is invalid.
+    """
+
+def layer_rank_config(config: LayerConfig) -> LayerConfig:
+    """
+    flashcte::rank_config: the config a tensor-parallel rank runs (its heads, no o_bias).
     """
 
 class Layer:

@@ -260,6 +260,18 @@ class AttentionLayer:
         dtype: the activation dtype: "float32", "bfloat16" or "float16" (or a numpy / torch
             dtype). Weights, inputs, the cache and the outputs are rounded to it where the
             module materializes them (the C++ oracle's R1-R7).
+        tp_degree, tp_rank: build the layer as rank ``tp_rank`` of a tensor-parallel group of
+            ``tp_degree`` (LAYER.md section 4): :meth:`set_weights` still takes the full weights
+            and keeps this rank's heads after GQA sharding, :meth:`new_cache` holds this rank's
+            KV heads, and forward returns the rank's *partial* output without ``o_bias``: the
+            ranks' outputs summed plus ``o_bias`` are the whole layer's
+            (:class:`flashcte.distributed.TensorParallelAttention` does the sum).
+        gqa_strategy: how a tensor-parallel layer shards its heads, ON's ``GQA`` enum values:
+            ``"replicate-to-tp-degree"`` (K/V replicated to one KV head per rank, Q padded
+            after each KV group; needs ``tp_degree % num_kv_heads == 0`` when it replicates),
+            ``"convert-to-mha"`` (K/V replicated to one KV head per query head, Q/K/V padded at
+            the tail; shards every layout), or ``"auto"`` (ON's choice: replicate when
+            ``tp_degree % num_kv_heads == 0``, else convert).
 
     The config is checked here; the weights come with :meth:`set_weights`. Errors raise
     TypeError (dtypes) or ValueError with the library's ``"<argument>: <rule>"`` message.
@@ -284,6 +296,9 @@ class AttentionLayer:
         qk_norm_eps: float = 1e-6,
         rope: bool = True,
         dtype: Any = "float32",
+        tp_degree: int = 1,
+        tp_rank: int = 0,
+        gqa_strategy: str = "auto",
     ):
         c = _flashcte.LayerConfig()
         c.hidden_size = _int("hidden_size", hidden_size)
@@ -310,8 +325,17 @@ class AttentionLayer:
         c.qk_norm_eps = _float("qk_norm_eps", qk_norm_eps)
         c.sinks = sinks is not None
         c.dtype = _activation_dtype(dtype)
+        c.tp_degree = _int("tp_degree", tp_degree)
+        c.tp_rank = _int("tp_rank", tp_rank)
+        if not isinstance(gqa_strategy, str):
+            raise TypeError(
+                "gqa_strategy: must be 'auto', 'replicate-to-tp-degree' or 'convert-to-mha', "
+                f"got {type(gqa_strategy).__name__}"
+            )
+        c.gqa_strategy = gqa_strategy
         _flashcte.layer_check_config(c)
         self._config = c
+        self._rank_config = _flashcte.layer_rank_config(c)
         self._head_dim = c.head_dim if c.head_dim else c.hidden_size // c.num_heads
         self._sinks = None
         if sinks is not None:
@@ -346,6 +370,29 @@ class AttentionLayer:
         return self._config.dtype
 
     @property
+    def tp_degree(self) -> int:
+        return self._config.tp_degree
+
+    @property
+    def tp_rank(self) -> int:
+        return self._config.tp_rank
+
+    @property
+    def gqa_strategy(self) -> str:
+        """The strategy asked for: "auto", "replicate-to-tp-degree" or "convert-to-mha"."""
+        return self._config.gqa_strategy
+
+    @property
+    def local_num_heads(self) -> int:
+        """Query heads this rank computes, pad heads included (num_heads at tp_degree 1)."""
+        return self._rank_config.num_heads
+
+    @property
+    def local_num_kv_heads(self) -> int:
+        """KV heads this rank holds in its cache, replicas and pad heads included."""
+        return self._rank_config.num_kv_heads
+
+    @property
     def has_weights(self) -> bool:
         return self._native is not None
 
@@ -373,6 +420,12 @@ class AttentionLayer:
             parts.append(f"sliding_window={c.sliding_window}")
         if c.sinks:
             parts.append("sinks=...")
+        if c.tp_degree != 1:
+            parts.append(f"tp_degree={c.tp_degree}, tp_rank={c.tp_rank}")
+            parts.append(
+                f"gqa_strategy={c.gqa_strategy!r} (local heads {self.local_num_heads}/"
+                f"{self.local_num_kv_heads})"
+            )
         if not self.has_weights:
             parts.append("no weights yet")
         return f"AttentionLayer({', '.join(parts)})"
@@ -435,8 +488,9 @@ class AttentionLayer:
         self._native = _flashcte.Layer(self._config, sinks=self._sinks, **w)
 
     def new_cache(self, batch: int, max_len: int) -> KvCache:
-        """An empty cache for ``batch`` sequences of up to ``max_len`` tokens."""
-        c = self._config
+        """An empty cache for ``batch`` sequences of up to ``max_len`` tokens (this rank's KV
+        heads for a tensor-parallel rank)."""
+        c = self._rank_config
         return KvCache(batch, max_len, c.num_kv_heads, self._head_dim, c.dtype)
 
     def __call__(
@@ -460,7 +514,8 @@ class AttentionLayer:
 
         Returns:
             ``(batch, T, hidden_size)`` in the layer's dtype, in the kind of ``x`` (numpy in,
-            numpy out, bfloat16 as ``ml_dtypes.bfloat16``; torch in, torch out). Each token's
+            numpy out, bfloat16 as ``ml_dtypes.bfloat16``; torch in, torch out); for a
+            tensor-parallel rank, its partial output (no ``o_bias``). Each token's
             K/V is written into the cache at its position, then every token attends to every
             cached slot at a position <= its own (within the window), and the cache's lengths
             grow to cover the call. The GIL is released while the layer runs.

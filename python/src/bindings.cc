@@ -303,6 +303,26 @@ void layer_check_config(const flashcte::LayerConfig& config) {
   if (!s.ok && s.message.rfind("q_proj:", 0) != 0) raise_status(s);
 }
 
+flashcte::LayerConfig layer_rank_config(const flashcte::LayerConfig& config) {
+  flashcte::LayerConfig rank;
+  const flashcte::Status s = flashcte::rank_config(config, &rank);
+  if (!s.ok) raise_status(s);
+  return rank;
+}
+
+// LayerConfig::GqaStrategy by ON's enum values ("auto": ON's own choice).
+const char* const kGqaStrategies[] = {"auto", "replicate-to-tp-degree", "convert-to-mha"};
+
+flashcte::LayerConfig::GqaStrategy gqa_strategy(const std::string& name) {
+  for (int i = 0; i < 3; ++i) {
+    if (name == kGqaStrategies[i]) return static_cast<flashcte::LayerConfig::GqaStrategy>(i);
+  }
+  const std::string message =
+      "gqa_strategy: must be 'auto', 'replicate-to-tp-degree' or 'convert-to-mha', got '" + name +
+      "'";
+  throw nb::value_error(message.c_str());
+}
+
 void layer_init(PyLayer* self, const flashcte::LayerConfig& config, nb::handle q_proj,
                 nb::handle k_proj, nb::handle v_proj, nb::handle o_proj, nb::handle q_bias,
                 nb::handle k_bias, nb::handle v_bias, nb::handle o_bias, nb::handle q_norm,
@@ -422,10 +442,20 @@ void bind_layer(nb::module_& m) {
       .def_rw("sinks", &LayerConfig::sinks)
       .def_prop_rw(
           "dtype", [](const LayerConfig& c) { return std::string(flashcte::dtype_name(c.dtype)); },
-          [](LayerConfig& c, const std::string& name) { c.dtype = activation_dtype(name); });
+          [](LayerConfig& c, const std::string& name) { c.dtype = activation_dtype(name); })
+      .def_rw("tp_degree", &LayerConfig::tp_degree)
+      .def_rw("tp_rank", &LayerConfig::tp_rank)
+      .def_prop_rw(
+          "gqa_strategy",
+          [](const LayerConfig& c) {
+            return std::string(kGqaStrategies[static_cast<int>(c.gqa_strategy)]);
+          },
+          [](LayerConfig& c, const std::string& name) { c.gqa_strategy = gqa_strategy(name); });
 
   m.def("layer_check_config", &layer_check_config, nb::arg("config"),
         "Raises ValueError/TypeError with the library's message when the config is invalid.");
+  m.def("layer_rank_config", &layer_rank_config, nb::arg("config"),
+        "flashcte::rank_config: the config a tensor-parallel rank runs (its heads, no o_bias).");
 
   nb::class_<PyLayer>(m, "Layer", "flashcte::AttentionLayer with its weights.")
       .def("__init__", &layer_init, nb::arg("config"), nb::arg("q_proj"), nb::arg("k_proj"),

@@ -1,7 +1,8 @@
 """flashcte.distributed: context-parallel prefill over torch.distributed (gloo on CPUs).
 
 A prompt too long for one process is split over the ranks of a process group along the sequence;
-each rank computes its own queries' rows of the attention of the whole sequence.
+each rank computes its own queries' rows of the attention of the whole sequence. A layer too big
+or too slow for one process is split over the ranks by heads (tensor parallelism).
 
 Functions:
     merge_attn_states: two attention results over disjoint key sets into the result over their
@@ -14,6 +15,8 @@ Functions:
         ``(batch, local_seqlen, heads, head_dim)``: K/V blocks rotate with isend/irecv while each
         rank computes on the block it holds (contiguous, zigzag and strided shards).
     allgather_flash_attn_func: the all-gather strategy in FlashAttention's layout.
+    TensorParallelAttention: flashcte.AttentionLayer with its heads split over the ranks (the
+        GQA sharding of LAYER.md section 4), the O projection's partial outputs all-reduced.
     shard, unshard, split_lengths, positions: the three splits of a sequence over the ranks.
 
 Every collective function must be called by every rank of the group with matching arguments.
@@ -30,6 +33,7 @@ from ._merge import merge_attn_states
 from ._shard import positions, shard, split_lengths, unshard
 
 _COLLECTIVE = {
+    "TensorParallelAttention": "._tp",
     "cp_attention_cte": "._allgather",
     "allgather_flash_attn_func": "._ring",
     "ring_flash_attn_func": "._ring",
@@ -49,6 +53,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "TensorParallelAttention",
     "allgather_flash_attn_func",
     "cp_attention_cte",
     "merge_attn_states",
