@@ -108,6 +108,47 @@ void PvNative(benchmark::State& state, const Bf16DotOps* dot) {
                          benchmark::Counter::kIs1000);
 }
 
+// The decode kernels on one block of kDecodeSlots cache slots in L1 (decode.cc's kBlockSlots),
+// for the rows of one KV head (32/8 heads, one new token: 4 rows), d = dv = 128: ns per slot.
+constexpr int64_t kDecodeSlots = 64, kDecodeD = 128;
+
+void set_ns_per_slot(benchmark::State& state) {
+  state.counters["ns/slot"] = benchmark::Counter(
+      static_cast<double>(kDecodeSlots) * static_cast<double>(state.iterations()),
+      benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
+void DecodeQkBf16(benchmark::State& state) {
+  const Ops& ops = flashcte::simd::ops();
+  const int64_t rows = state.range(0), d = kDecodeD, ld = flashcte::simd::leading_dim(kDecodeSlots);
+  const std::vector<uint16_t> q = random_bf16(rows * d, 9), k = random_bf16(kDecodeSlots * d, 10);
+  std::vector<float> s(rows * ld);
+  for (auto _ : state) {
+    ops.decode_qk_bf16(q.data(), d, rows, k.data(), d, kDecodeSlots, d, 0.1f, s.data(), ld);
+    benchmark::DoNotOptimize(s.data());
+  }
+  set_ns_per_slot(state);
+}
+
+void DecodePvBf16(benchmark::State& state) {
+  const Ops& ops = flashcte::simd::ops();
+  const int64_t rows = state.range(0), d = kDecodeD, ldp = kDecodeSlots;
+  std::vector<float> p(rows * ldp);
+  const std::vector<uint16_t> pb = random_bf16(rows * ldp, 11);
+  for (size_t i = 0; i < p.size(); ++i) {
+    const uint32_t bits = static_cast<uint32_t>(pb[i]) << 16;
+    std::memcpy(&p[i], &bits, sizeof bits);
+  }
+  const std::vector<uint16_t> v = random_bf16(kDecodeSlots * d, 12);
+  std::vector<float> o(rows * d, 0.0f), alpha(rows, 0.5f);
+  for (auto _ : state) {
+    ops.decode_pv_bf16(p.data(), ldp, rows, kDecodeSlots, v.data(), d, d, alpha.data(), o.data(),
+                       d);
+    benchmark::DoNotOptimize(o.data());
+  }
+  set_ns_per_slot(state);
+}
+
 void Register() {
   for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
     if (target == HWY_SCALAR || target == HWY_EMU128) continue;  // not worth timing
@@ -121,6 +162,11 @@ void Register() {
   if (dot) {
     benchmark::RegisterBenchmark("qk_bf16_native", QkNative, dot)->Arg(64)->Arg(128);
     benchmark::RegisterBenchmark("pv_bf16_native", PvNative, dot)->Arg(64)->Arg(128);
+  }
+  if (dot &&
+      flashcte::simd::ops().decode_qk_bf16 != nullptr) {  // rows: 32/8 heads x 1, 2, 4 tokens
+    benchmark::RegisterBenchmark("decode_qk_bf16", DecodeQkBf16)->Arg(4)->Arg(8)->Arg(16);
+    benchmark::RegisterBenchmark("decode_pv_bf16", DecodePvBf16)->Arg(4)->Arg(8)->Arg(16);
   }
 }
 

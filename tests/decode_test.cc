@@ -317,6 +317,10 @@ std::vector<DecodeCase> accuracy_cases() {
   add(shape("mha2_2_T1_d257_len1", 1, 2, 2, 1, 257, 0, 1, {0}));
   add(shape("gqa4_2_T3_d257_len17", 1, 4, 2, 3, 257, 0, 17, {16}));
   add(shape("gqa4_2_T1_d64_dv80_len40", 1, 4, 2, 1, 64, 80, 40, {39}));
+  // Value widths whose last 32-column group is partial past 16 (the native bfloat16 PV's in-lane
+  // interleave) and odd attended lengths, at 2 and 3 rows per KV head.
+  add(shape("gqa4_2_T1_d64_dv120_len45", 1, 4, 2, 1, 64, 120, 45, {44}));
+  add(shape("gqa12_4_T1_d120_len77", 2, 12, 4, 1, 120, 0, 77, {76, 32}));
   // A batch whose sequences sit at different positions, down to the first slot.
   add(shape("batch3_T1_len17", 3, 8, 2, 1, 64, 0, 17, {16, 5, 0}));
   add(shape("batch2_T3_len4096", 2, 8, 2, 3, 128, 0, 4096, {4095, 2050}));

@@ -98,57 +98,75 @@ FLASHCTE_DECODE_BF16 inline __m512 sum_ladder(__m512* v) {
                        _mm512_maskz_shuffle_f32x4(kAll, v[0], v[1], 0xDD));
 }
 
+// Rows [r0, r0 + R) of S (the last ones clamped to rows - 1 and not stored) against every key,
+// kLanes / R keys per step: R x K accumulators, one ladder, and each row's K sums stored from
+// their lanes (compressed to the front of a register, then one masked store: no call to memcpy).
+// One loop over the keys, so the per-step setup is only the K row pointers and their prefetch.
+// Zen 4, one thread, 4 rows, d = 128, K in L1 (bench/micro_kernels decode_qk_bf16/4): 10.4 ns
+// per key as one call per step with a memcpy of the sums, 7.7 ns as this loop (medians of 5).
 template <int64_t R>
-FLASHCTE_DECODE_BF16 inline void qk_tile(const uint16_t* q, int64_t ldq, int64_t rows, int64_t r0,
-                                         const uint16_t* k, int64_t ldk, int64_t n, int64_t j0,
-                                         int64_t d, float scale, float* s, int64_t lds,
-                                         int64_t ahead) {
+FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t rows, int64_t r0,
+                                         const uint16_t* k, int64_t ldk, int64_t n, int64_t d,
+                                         float scale, float* s, int64_t lds, int64_t ahead) {
   constexpr int64_t K = kLanes / R;
   const uint16_t* qr[R];
 #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) qr[r] = q + std::min(r0 + r, rows - 1) * ldq;
-  __m512 acc[kLanes];
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < kLanes; ++i) acc[i] = _mm512_setzero_ps();
-  const int64_t full = d / 32 * 32;
+  const int64_t full = d / 32 * 32, row_bytes = 2 * d;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (d - full)) - 1);
-  const uint16_t* kr[K];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += K) {
+    __m512 acc[kLanes];
 #pragma GCC unroll 16
-  for (int64_t c = 0; c < K; ++c) {
-    kr[c] = k + std::min(j0 + c, n - 1) * ldk;
-    prefetch_row(
-        reinterpret_cast<uintptr_t>(k) + static_cast<uintptr_t>((j0 + c + ahead) * ldk) * 2, 2 * d);
-  }
-  // Step by step along d, all K keys at once: R * K independent accumulator chains hide the
-  // vdpbf16ps latency that key by key (R chains) left exposed (4 rows, d = 128, K in L1, Zen 4:
-  // 14.8 -> 12.9 ns per key, both before the in-lane ladder).
-  for (int64_t x = 0; x < full; x += 32) {
-    __m512bh kv[K];
+    for (int64_t i = 0; i < kLanes; ++i) acc[i] = _mm512_setzero_ps();
+    const uint16_t* kr[K];
 #pragma GCC unroll 16
-    for (int64_t c = 0; c < K; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kr[c] + x);
+    for (int64_t c = 0; c < K; ++c) {
+      kr[c] = k + std::min(j0 + c, n - 1) * ldk;
+      prefetch_row(
+          reinterpret_cast<uintptr_t>(k) + static_cast<uintptr_t>((j0 + c + ahead) * ldk) * 2,
+          row_bytes);
+    }
+    // Step by step along d, all K keys at once: R * K independent accumulator chains hide the
+    // vdpbf16ps latency that key by key (R chains) left exposed (4 rows, d = 128, K in L1, Zen 4:
+    // 14.8 -> 12.9 ns per key, both before the in-lane ladder).
+    for (int64_t x = 0; x < full; x += 32) {
+      __m512bh kv[K];
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < K; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kr[c] + x);
+#pragma GCC unroll 16
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr[r] + x);
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < K; ++c) {
+          acc[r * K + c] = _mm512_dpbf16_ps(acc[r * K + c], qv, kv[c]);
+        }
+      }
+    }
+    if (tail) {
+      __m512bh kv[K];
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < K; ++c) {
+        kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(tail, kr[c] + full);
+      }
+#pragma GCC unroll 16
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr[r] + full);
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < K; ++c) {
+          acc[r * K + c] = _mm512_dpbf16_ps(acc[r * K + c], qv, kv[c]);
+        }
+      }
+    }
+    // Lane r * K + c holds row r0 + r's score of key j0 + c.
+    const __m512 sums = _mm512_mul_ps(sum_ladder(acc), vscale);
+    const __mmask16 keys = static_cast<__mmask16>((1u << std::min(K, n - j0)) - 1);
 #pragma GCC unroll 16
     for (int64_t r = 0; r < R; ++r) {
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr[r] + x);
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < K; ++c) acc[r * K + c] = _mm512_dpbf16_ps(acc[r * K + c], qv, kv[c]);
+      if (r0 + r >= rows) break;
+      const __mmask16 lanes = static_cast<__mmask16>(((1u << K) - 1) << (r * K));
+      _mm512_mask_storeu_ps(s + (r0 + r) * lds + j0, keys, _mm512_maskz_compress_ps(lanes, sums));
     }
-  }
-  if (tail) {
-    __m512bh kv[K];
-#pragma GCC unroll 16
-    for (int64_t c = 0; c < K; ++c) kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(tail, kr[c] + full);
-#pragma GCC unroll 16
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr[r] + full);
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < K; ++c) acc[r * K + c] = _mm512_dpbf16_ps(acc[r * K + c], qv, kv[c]);
-    }
-  }
-  alignas(64) float sums[kLanes];
-  _mm512_store_ps(sums, _mm512_mul_ps(sum_ladder(acc), _mm512_set1_ps(scale)));
-  const int64_t keys = std::min(K, n - j0);
-  for (int64_t r = 0; r < R && r0 + r < rows; ++r) {
-    std::memcpy(s + (r0 + r) * lds + j0, sums + r * K, sizeof(float) * keys);
   }
 }
 
@@ -160,88 +178,127 @@ FLASHCTE_DECODE_BF16 inline void Qk(const uint16_t* q, int64_t ldq, int64_t rows
   const int64_t ahead = (decode_prefetch_bytes() + stride - 1) / stride;
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
     const int64_t left = rows - r0;  // 3 rows take a 4-row tile, as in decode-inl.h
-    for (int64_t j0 = 0; j0 < n;) {
-      if (left >= 3) {
-        qk_tile<4>(q, ldq, rows, r0, k, ldk, n, j0, d, scale, s, lds, ahead);
-        j0 += 4;
-      } else if (left == 2) {
-        qk_tile<2>(q, ldq, rows, r0, k, ldk, n, j0, d, scale, s, lds, ahead);
-        j0 += 8;
-      } else {
-        qk_tile<1>(q, ldq, rows, r0, k, ldk, n, j0, d, scale, s, lds, ahead);
-        j0 += 16;
-      }
+    if (left >= 3) {
+      qk_rows<4>(q, ldq, rows, r0, k, ldk, n, d, scale, s, lds, ahead);
+    } else if (left == 2) {
+      qk_rows<2>(q, ldq, rows, r0, k, ldk, n, d, scale, s, lds, ahead);
+    } else {
+      qk_rows<1>(q, ldq, rows, r0, k, ldk, n, d, scale, s, lds, ahead);
     }
   }
 }
 
-// The pair (P[j], P[j + 1]) of bfloat16 bits as one 32-bit lane: P holds bfloat16 values.
-inline uint32_t p_pair(const float* p, bool second) {
-  uint32_t lo, hi = 0;
-  std::memcpy(&lo, p, 4);
-  if (second) std::memcpy(&hi, p + 1, 4);
-  return (lo >> 16) | (hi & 0xFFFF0000u);
+// Keys per pass of pv_tile: the P pairs of its rows for this many keys are packed first.
+constexpr int64_t kPvKeys = 64;
+
+// P rows [R][n <= kPvKeys] (float32 holding bfloat16 values) as pairs (P[j], P[j + 1]) of
+// bfloat16 bits in one 32-bit lane, pairs[r][j / 2], the second of an odd n zero: vcvtneps2bf16
+// of 16 floats is exactly 8 such pairs (the values are bfloat16 already, so nothing rounds).
+template <int64_t R>
+FLASHCTE_DECODE_BF16 inline void pack_p_pairs(const float* p, int64_t ldp, int64_t n,
+                                              uint32_t (*pairs)[kPvKeys / 2]) {
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const __mmask16 m = static_cast<__mmask16>(n - j >= kLanes ? 0xFFFF : (1u << (n - j)) - 1);
+      const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + r * ldp + j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&pairs[r][j / 2]), (__m256i)h);
+    }
+  }
 }
 
 // R rows x G groups of 32 columns (the last one holding `last_cols` <= 32 columns; with kHalf its
-// upper 16 are past round_up(dv, 16) and are neither computed nor stored).
+// upper 16 are past round_up(dv, 16) and are neither computed nor stored). Per pair of keys, V
+// rows j and j + 1 are interleaved into pairs with in-lane vpunpcklwd / vpunpckhwd, which leave
+// the columns of a 32-column group permuted within it: the accumulators hold O in that order
+// (`lo` the 4-column pieces 0, 2, 4, 6 of the group, `hi` 1, 3, 5, 7), put there from O's order
+// with one vpermt2ps each on entry and back on exit, 4 per row and group and call instead of 2
+// cross-lane vpermt2w per pair of keys. A kHalf group (16 columns, no `hi`) interleaves with
+// vpermt2w into O's order. P's pair is broadcast from packed pairs (a load, not a general
+// register). Zen 4, one thread, 4 rows, d = 128, V in L1 (bench/micro_kernels decode_pv_bf16/4):
+// 6.5 ns per key with vpermt2w and pairs built in scalar code, 5.8 ns so (medians of 5; the
+// packed pairs alone gave 6.5). A key past n (odd n) has P = 0 and V = 0, never its row.
 template <int64_t R, int64_t G, bool kHalf>
 FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n, const uint16_t* v,
                                          int64_t ldv, int64_t last_cols, const float* alpha,
                                          float* o, int64_t ldo, int64_t prefetch_bytes,
                                          int64_t ahead) {
+  constexpr int64_t C = 2 * G - (kHalf ? 1 : 0);    // accumulators per row
+  constexpr int64_t kUnpacked = kHalf ? G - 1 : G;  // groups interleaved in-lane
+  // O's order -> the accumulators' (lanes of O's 16-column halves x, y; >= 16 selects y) and back.
+  const __m512i to_lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+  const __m512i to_hi =
+      _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+  const __m512i from_x = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i from_y =
+      _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   __m512 acc[R][2 * G];
 #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) {
     const __m512 al = _mm512_set1_ps(alpha ? alpha[r] : 1.0f);
 #pragma GCC unroll 16
-    for (int64_t c = 0; c < 2 * G - (kHalf ? 1 : 0); ++c) {
+    for (int64_t c = 0; c < C; ++c) {
       acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldo + c * kLanes), al);
+    }
+#pragma GCC unroll 16
+    for (int64_t g = 0; g < kUnpacked; ++g) {
+      const __m512 x = acc[r][2 * g], y = acc[r][2 * g + 1];
+      acc[r][2 * g] = _mm512_permutex2var_ps(x, to_lo, y);
+      acc[r][2 * g + 1] = _mm512_permutex2var_ps(x, to_hi, y);
     }
   }
   const __m512i lo_idx =
       _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx =
-      _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54,
-                       22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
   const __mmask32 last = static_cast<__mmask32>((uint64_t{1} << last_cols) - 1);
-  for (int64_t j = 0; j < n; j += 2) {
-    const bool second = j + 1 < n;
-    const uint16_t* a = v + j * ldv;
-    const uint16_t* b = a + ldv;
+  alignas(64) uint32_t pairs[R][kPvKeys / 2];
+  // One pair of keys: V rows a and b (b absent: zero) against P pairs[r][i].
+  const auto step = [&](const uint16_t* a, const uint16_t* b, int64_t i) FLASHCTE_DECODE_BF16 {
     if (prefetch_bytes) {
       const uintptr_t next =
           reinterpret_cast<uintptr_t>(a) + static_cast<uintptr_t>(ahead * ldv) * 2;
       prefetch_row(next, prefetch_bytes);
       prefetch_row(next + static_cast<uintptr_t>(ldv) * 2, prefetch_bytes);
     }
-    __m512bh pairs[2 * G];
+    __m512bh vp[2 * G];
 #pragma GCC unroll 16
     for (int64_t g = 0; g < G; ++g) {
       const __mmask32 m = g == G - 1 ? last : ~__mmask32{0};
       const __m512i va = _mm512_maskz_loadu_epi16(m, a + 32 * g);
-      const __m512i vb = second ? _mm512_maskz_loadu_epi16(m, b + 32 * g) : _mm512_setzero_si512();
-      pairs[2 * g] = (__m512bh)_mm512_permutex2var_epi16(va, lo_idx, vb);
-      if (!kHalf || g < G - 1)
-        pairs[2 * g + 1] = (__m512bh)_mm512_permutex2var_epi16(va, hi_idx, vb);
+      const __m512i vb = b ? _mm512_maskz_loadu_epi16(m, b + 32 * g) : _mm512_setzero_si512();
+      if (g < kUnpacked) {
+        vp[2 * g] = (__m512bh)_mm512_unpacklo_epi16(va, vb);
+        vp[2 * g + 1] = (__m512bh)_mm512_unpackhi_epi16(va, vb);
+      } else {
+        vp[2 * g] = (__m512bh)_mm512_permutex2var_epi16(va, lo_idx, vb);
+      }
     }
 #pragma GCC unroll 16
     for (int64_t r = 0; r < R; ++r) {
-      const __m512bh pr =
-          (__m512bh)_mm512_set1_epi32(static_cast<int>(p_pair(p + r * ldp + j, second)));
+      const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][i]));
 #pragma GCC unroll 16
-      for (int64_t c = 0; c < 2 * G - (kHalf ? 1 : 0); ++c) {
-        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pr, pairs[c]);
-      }
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pr, vp[c]);
     }
+  };
+  for (int64_t j0 = 0; j0 < n; j0 += kPvKeys) {
+    const int64_t keys = std::min(kPvKeys, n - j0), even = keys / 2 * 2;
+    pack_p_pairs<R>(p + j0, ldp, keys, pairs);
+    for (int64_t j = 0; j < even; j += 2) {
+      const uint16_t* a = v + (j0 + j) * ldv;
+      step(a, a + ldv, j / 2);
+    }
+    if (even < keys) step(v + (j0 + even) * ldv, nullptr, even / 2);
   }
 #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) {
 #pragma GCC unroll 16
-    for (int64_t c = 0; c < 2 * G - (kHalf ? 1 : 0); ++c) {
-      _mm512_storeu_ps(o + r * ldo + c * kLanes, acc[r][c]);
+    for (int64_t g = 0; g < kUnpacked; ++g) {
+      const __m512 lo = acc[r][2 * g], hi = acc[r][2 * g + 1];
+      acc[r][2 * g] = _mm512_permutex2var_ps(lo, from_x, hi);
+      acc[r][2 * g + 1] = _mm512_permutex2var_ps(lo, from_y, hi);
     }
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + r * ldo + c * kLanes, acc[r][c]);
   }
 }
 
