@@ -15,6 +15,10 @@ Functions:
         ``(batch, local_seqlen, heads, head_dim)``: K/V blocks rotate with isend/irecv while each
         rank computes on the block it holds (contiguous, zigzag and strided shards).
     allgather_flash_attn_func: the all-gather strategy in FlashAttention's layout.
+    ulysses_flash_attn_func: Ulysses-style (DeepSpeed-Ulysses) context parallelism in
+        FlashAttention's layout: an all-to-all from sequence shards to head shards of the whole
+        sequence, one local call per rank on its heads, an all-to-all back (any split, uneven
+        lengths; heads divisible by the group, KV heads divisible or replicated).
     TensorParallelAttention: flashcte.AttentionLayer with its heads split over the ranks (the
         GQA sharding of LAYER.md section 4), the O projection's partial outputs all-reduced.
     shard, unshard, split_lengths, positions: the three splits of a sequence over the ranks.
@@ -38,6 +42,7 @@ _COLLECTIVE = {
     "allgather_flash_attn_func": "._ring",
     "ring_flash_attn_func": "._ring",
     "stripe_flash_attn_func": "._ring",
+    "ulysses_flash_attn_func": "._ulysses",
     "zigzag_ring_flash_attn_func": "._ring",
 }
 
@@ -62,6 +67,7 @@ __all__ = [
     "shard",
     "split_lengths",
     "stripe_flash_attn_func",
+    "ulysses_flash_attn_func",
     "unshard",
     "zigzag_ring_flash_attn_func",
 ]

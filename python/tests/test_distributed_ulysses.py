@@ -1,0 +1,426 @@
+"""flashcte.distributed.ulysses_flash_attn_func with real processes, as test_distributed.py:
+torch.multiprocessing spawns 4 ranks once for the module (gloo over loopback), which build
+process groups of 2, 3 and 4 ranks and run every case on each group size it names; each rank
+checks its rows of out and lse against single-process flashcte.flash_attn_func on the whole
+sequence (the same seeded tensors on every rank) and reports to a JSON file the parent reads.
+
+Tolerances: test_distributed.py's rule (float32 within ``(1e-5 + P * 4e-7) * max|ref|``, lse on
+``max(|lse|, 1)``; 16-bit outputs 2e-2). Ulysses computes each head in one call on the whole
+sequence, as the single-process call does, so it has no merges and no extra rounding; the rule
+is the same so that the strategies are held to one standard.
+
+Failures: heads the group cannot split, arguments that differ between ranks, bad arguments on one
+rank, lengths a split does not produce and a failure while computing must raise on every rank
+with the failing rank's message; a rank that never calls must make the others raise after the
+timeout instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+mp = pytest.importorskip("torch.multiprocessing")
+
+import flashcte
+from flashcte import distributed as fd
+
+WORLD = 4
+WAIT = 30.0  # seconds: every collective's timeout in the cases
+SPAWN_DEADLINE = 300.0  # seconds for the whole module's processes
+
+# ---- the cases ---------------------------------------------------------------------------------
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(g, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def _uneven(seqlen: int, n: int, seed: int) -> list[int]:
+    """Deterministic uneven positive lengths summing to seqlen."""
+    rng = np.random.default_rng(seed + n)
+    cuts = np.sort(rng.choice(np.arange(1, seqlen), n - 1, replace=False))
+    return list(np.diff(np.concatenate([[0], cuts, [seqlen]])).astype(int))
+
+
+def _assert_close(got, ref, p: int, what: str, dtype=torch.float32) -> float:
+    got = got.detach().to(torch.float64)
+    ref = ref.detach().to(torch.float64)
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    rtol = 1e-5 if dtype == torch.float32 else 2e-2
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(got), finite), f"{what}: non-finite entries differ"
+    assert torch.equal(got[~finite], ref[~finite]), f"{what}: infinite entries differ"
+    if not finite.any():
+        return 0.0
+    scale = max(ref[finite].abs().max().item(), 1.0 if what == "lse" else 0.0)
+    tol = (rtol + p * 4e-7) * scale
+    err = (got[finite] - ref[finite]).abs().max().item()
+    assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (scale {scale:.3g}, P={p})"
+    return err
+
+
+def case(heads, seqlen, layout="contiguous", uneven=False, dtype=torch.float32, **kw):
+    """ulysses_flash_attn_func against flashcte.flash_attn_func on the whole sequence.
+    ``heads(p)`` gives (heads, heads_k) for the group size, ``seqlen`` an int or ``seqlen(p)``."""
+
+    def run(rank, p, group):
+        h, hk = heads(p)
+        n = seqlen(p) if callable(seqlen) else seqlen
+        g = _gen(1000 * h + 10 * hk + n)
+        b, d = 2, 16
+        q = _randn(g, b, n, h, d, dtype=dtype)
+        k = _randn(g, b, n, hk, d, dtype=dtype)
+        v = _randn(g, b, n, hk, d, dtype=dtype)
+        ref, ref_lse = flashcte.flash_attn_func(
+            q, k, v, return_softmax_lse=True, num_threads=1, **kw
+        )
+        lengths = _uneven(n, p, n) if uneven else fd.split_lengths(n, p, layout)
+        rows = torch.from_numpy(fd.positions(lengths, rank, layout))
+        args = (q[:, rows], k[:, rows], v[:, rows])
+        opts = dict(group=group, layout=layout, timeout=WAIT, num_threads=1, **kw)
+        out, lse, none = fd.ulysses_flash_attn_func(*args, return_attn_probs=True, **opts)
+        # return_attn_probs=False: out alone (no lse on the way back), the same values. Every
+        # collective call of a case comes before its first assertion, so a failed check cannot
+        # leave the ranks out of step.
+        alone = fd.ulysses_flash_attn_func(*args, **opts)
+        assert none is None
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        assert alone.dtype == dtype and torch.equal(alone, out)
+        return max(
+            _assert_close(out, ref[:, rows], p, "out", dtype=dtype),
+            _assert_close(lse, ref_lse[:, :, rows], p, "lse"),
+        )
+
+    return run
+
+
+def _raises_everywhere(exc_type, call, *needles):
+    with pytest.raises(exc_type) as info:
+        call()
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+
+
+def heads_not_divisible(rank, p, group):
+    # 8 heads over 3 ranks: every rank refuses the same way.
+    q = _randn(_gen(1), 1, 5, 8, 8)
+    _raises_everywhere(
+        ValueError,
+        lambda: fd.ulysses_flash_attn_func(q, q, q, causal=True, group=group, timeout=WAIT),
+        f"{p} of {p} ranks failed",
+        "q: 8 heads are not divisible by the group size 3",
+    )
+
+
+def kv_heads_not_splittable(rank, p, group):
+    # 12 query heads, 6 KV heads over 4 ranks: 6 % 4 and 4 % 6 are both nonzero.
+    g = _gen(2)
+    q, kv = _randn(g, 1, 5, 12, 8), _randn(g, 1, 5, 6, 8)
+    _raises_everywhere(
+        ValueError,
+        lambda: fd.ulysses_flash_attn_func(q, kv, kv, group=group, timeout=WAIT),
+        "k: 6 KV heads cannot be split over 4 ranks",
+    )
+
+
+def heads_differ_across_ranks(rank, p, group):
+    g = _gen(3)
+    h = 8 if rank == p - 1 else 4
+    q = _randn(g, 1, 6, h, 8)
+    _raises_everywhere(
+        ValueError,
+        lambda: fd.ulysses_flash_attn_func(q, q, q, group=group, timeout=WAIT),
+        "every rank must pass the same heads",
+        f"rank 0 has 4, rank {p - 1} has 8",
+    )
+
+
+def head_dim_differs_across_ranks(rank, p, group):
+    g = _gen(4)
+    q = _randn(g, 2, 6, 12, 16 if rank == 1 else 8)
+    _raises_everywhere(
+        ValueError,
+        lambda: fd.ulysses_flash_attn_func(q, q, q, causal=True, group=group, timeout=WAIT),
+        "every rank must pass the same head_dim",
+        "rank 0 has 8, rank 1 has 16",
+    )
+
+
+def bad_kv_on_one_rank(rank, p, group):
+    g = _gen(5)
+    q = _randn(g, 1, 6, 12, 8)
+    k = _randn(g, 1, 6 if rank != 1 else 5, 6, 8)
+    _raises_everywhere(
+        ValueError,
+        lambda: fd.ulysses_flash_attn_func(q, k, k, group=group, timeout=WAIT),
+        "rank 1: ValueError: k: shape (1, 5, 6, 8) must hold q's batch 1 and local_seqlen 6",
+    )
+
+
+def numpy_on_one_rank(rank, p, group):
+    q = _randn(_gen(6), 1, 6, 4, 8)
+    qq = q.numpy() if rank == 0 else q
+    _raises_everywhere(
+        TypeError,
+        lambda: fd.ulysses_flash_attn_func(qq, q, q, group=group, timeout=WAIT),
+        "rank 0: TypeError: q: flashcte.distributed takes torch tensors",
+    )
+
+
+def strided_lengths_that_are_not_strided(rank, p, group):
+    q = _randn(_gen(7), 1, 3 if rank == 0 else 5, 6, 8)
+    _raises_everywhere(
+        ValueError,
+        lambda: fd.ulysses_flash_attn_func(q, q, q, layout="strided", group=group, timeout=WAIT),
+        "a strided split of",
+    )
+
+
+def failure_while_computing(rank, p, group):
+    # A bad num_threads passes every check before the kernel, which rejects it on the last rank
+    # only, between the two all-to-alls: every rank raises after both.
+    q = _randn(_gen(8), 1, 6, 6, 8)
+    _raises_everywhere(
+        ValueError,
+        lambda: fd.ulysses_flash_attn_func(
+            q, q, q, group=group, timeout=WAIT, num_threads=-1 if rank == p - 1 else 1
+        ),
+        f"1 of {p} ranks failed",
+        f"rank {p - 1}: ValueError: num_threads: must be >= 0",
+    )
+
+
+def _by_p(table):
+    return lambda p: table[p]
+
+
+CASES = {
+    # heads chosen divisible by every group size; (heads, heads_k) per group size
+    "mha_noncausal_uneven": (case(lambda p: (12, 12), 45, uneven=True), (2, 3, 4)),
+    "gqa_causal_uneven": (
+        case(_by_p({2: (12, 6), 3: (12, 6), 4: (12, 4)}), 45, uneven=True, causal=True),
+        (2, 3, 4),
+    ),
+    # P a multiple of heads_k: each KV head replicated to P / heads_k ranks (MQA at 2 and 3)
+    "gqa_replicated_kv_causal": (
+        case(_by_p({2: (6, 1), 3: (6, 1), 4: (8, 2)}), 38, uneven=True, causal=True),
+        (2, 3, 4),
+    ),
+    "window_noncausal_uneven": (
+        case(lambda p: (12, 4 if p != 3 else 6), 45, uneven=True, window_size=(5, 3)),
+        (2, 3, 4),
+    ),
+    "causal_window_scale": (
+        case(
+            lambda p: (12, 12),
+            40,
+            causal=True,
+            window_size=(6, -1),
+            softmax_scale=0.3,
+        ),
+        (2, 3, 4),
+    ),
+    "strided_causal_gqa": (
+        case(_by_p({2: (8, 2), 3: (6, 3), 4: (8, 4)}), 43, layout="strided", causal=True),
+        (2, 3, 4),
+    ),
+    "zigzag_causal_window": (
+        case(
+            lambda p: (12, 12),
+            lambda p: 10 * p,
+            layout="zigzag",
+            causal=True,
+            window_size=(7, 0),
+        ),
+        (2, 3, 4),
+    ),
+    "bf16_causal_gqa": (
+        case(
+            _by_p({2: (8, 2), 3: (6, 3), 4: (8, 2)}),
+            37,
+            uneven=True,
+            dtype=torch.bfloat16,
+            causal=True,
+        ),
+        (2, 3, 4),
+    ),
+    "fp16_noncausal": (case(lambda p: (4, 2), 21, dtype=torch.float16), (2,)),
+    # failures raise on every rank
+    "error_heads_not_divisible": (heads_not_divisible, (3,)),
+    "error_kv_heads_not_splittable": (kv_heads_not_splittable, (4,)),
+    "error_heads_differ_across_ranks": (heads_differ_across_ranks, (2, 4)),
+    "error_head_dim_differs_across_ranks": (head_dim_differs_across_ranks, (2, 3)),
+    "error_bad_kv_on_one_rank": (bad_kv_on_one_rank, (2, 3)),
+    "error_numpy_on_one_rank": (numpy_on_one_rank, (2,)),
+    "error_strided_lengths": (strided_lengths_that_are_not_strided, (2, 3)),
+    "error_failure_while_computing": (failure_while_computing, (2, 3)),
+}
+TIMEOUT_CASE = "error_absent_rank_times_out"
+
+
+def _absent_rank(rank, group):
+    """Rank 1 never calls: rank 0 raises after its 2 s timeout."""
+    if rank != 0:
+        return
+    q = torch.ones(1, 4, 2, 8)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        fd.ulysses_flash_attn_func(q, q, q, group=group, timeout=2.0)
+    elapsed = time.monotonic() - t0
+    message = str(info.value)
+    assert "did not complete within 2 s" in message, message
+    assert "a peer did not take part" in message, message
+    assert elapsed < 15, f"took {elapsed:.1f} s"
+
+
+# ---- the processes -----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    import datetime
+
+    torch.set_num_threads(1)
+    results: dict = {}
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        groups = {n: dist.new_group(list(range(n))) for n in (2, 3)}
+        groups[world] = None
+        absent = dist.new_group([0, 1])
+        for name, (run, sizes) in CASES.items():
+            for n in sizes:
+                if rank >= n:
+                    continue
+                key = f"{name}[{n}]"
+                t0 = time.monotonic()
+                try:
+                    err = run(rank, n, groups[n])
+                    results[key] = {"error": None, "seconds": time.monotonic() - t0, "err": err}
+                except BaseException:  # noqa: BLE001 - reported to the parent
+                    results[key] = {"error": traceback.format_exc(), "seconds": 0}
+        if rank < 2:
+            try:
+                _absent_rank(rank, absent)
+                results[TIMEOUT_CASE] = {"error": None}
+            except BaseException:  # noqa: BLE001
+                results[TIMEOUT_CASE] = {"error": traceback.format_exc()}
+    except BaseException:  # noqa: BLE001
+        results["setup"] = {"error": traceback.format_exc()}
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    sys.stdout.flush()
+    # Skip the process group's teardown: the timed-out operation of the absent-rank case may
+    # still be pending inside gloo.
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def results():
+    outdir = tempfile.mkdtemp(prefix="flashcte-ulysses-")
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        ctx = mp.start_processes(
+            _worker,
+            args=(WORLD, _free_port(), outdir),
+            nprocs=WORLD,
+            join=False,
+            start_method="spawn",
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    deadline = time.monotonic() + SPAWN_DEADLINE
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail(f"the {WORLD} ranks did not finish within {SPAWN_DEADLINE:.0f} s")
+    merged: dict = {}
+    for rank in range(WORLD):
+        path = os.path.join(outdir, f"rank{rank}.json")
+        if not os.path.exists(path):
+            pytest.fail(f"rank {rank} wrote no results")
+        with open(path) as f:
+            for key, value in json.load(f).items():
+                merged.setdefault(key, {})[rank] = value
+    if os.environ.get("FLASHCTE_DIST_TIMES"):
+        for key, ranks in merged.items():
+            secs = max(v.get("seconds", 0) for v in ranks.values())
+            errs = [v.get("err") for v in ranks.values() if v.get("err") is not None]
+            err = f", largest error {max(errs):.3g}" if errs else ""
+            print(f"{key}: {secs:.2f} s{err}", file=sys.stderr)
+    return merged
+
+
+def _keys():
+    for name, (_, sizes) in CASES.items():
+        for n in sizes:
+            yield f"{name}[{n}]"
+    yield TIMEOUT_CASE
+
+
+@pytest.mark.parametrize("key", list(_keys()))
+def test_ulysses(results, key):
+    assert "setup" not in results, results["setup"]
+    assert key in results, f"no rank ran {key}"
+    failed = {r: v["error"] for r, v in results[key].items() if v["error"]}
+    assert not failed, "\n".join(f"--- rank {r}:\n{e}" for r, e in failed.items())
+    if TIMEOUT_CASE != key:
+        n = int(key[-2])
+        assert sorted(results[key]) == list(range(n)), (
+            f"ranks that ran {key}: {sorted(results[key])}"
+        )
+
+
+# ---- single process ----------------------------------------------------------------------------
+
+
+def test_head_split_rule():
+    from flashcte.distributed._ulysses import head_split
+
+    assert head_split(32, 8, 2) == (16, 4)  # KV heads split
+    assert head_split(32, 8, 8) == (4, 1)
+    assert head_split(32, 8, 16) == (2, 1)  # each KV head on 2 ranks
+    assert head_split(6, 1, 3) == (2, 1)  # MQA
+    with pytest.raises(ValueError, match="q: 32 heads are not divisible by the group size 64"):
+        head_split(32, 8, 64)
+    with pytest.raises(ValueError, match="k: 6 KV heads cannot be split over 4 ranks"):
+        head_split(12, 6, 4)
+
+
+def test_needs_an_initialized_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    q = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fd.ulysses_flash_attn_func(q, q, q)
