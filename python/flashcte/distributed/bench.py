@@ -4,10 +4,11 @@
 
 Spawns ``--world`` ranks (gloo on loopback), each on ``--threads`` OpenMP threads, and times each
 strategy on a Llama-3-8B-shaped attention (32 query heads, 8 KV heads, d = 128, bfloat16 by
-default), the best of ``--reps`` calls. Per strategy it prints the slowest rank's wall time, the
-bytes each rank handed to gloo (counted by wrapping ``torch.distributed.isend`` and
-``all_gather``), the loopback interface's transmitted bytes around the call (``/proc/net/dev``,
-which also counts any other loopback traffic on the machine) and the model's prediction
+default), the best of ``--reps`` calls (``--only`` picks strategies by name). Per strategy it
+prints the slowest rank's wall time, the bytes each rank handed to gloo for other ranks (counted
+by wrapping ``torch.distributed.isend``, ``all_gather`` and ``all_to_all_single``), the loopback
+interface's transmitted bytes around the call (``/proc/net/dev``, which also counts any other
+loopback traffic on the machine) and the model's prediction
 
     predicted = compute time + (bytes not overlapped with compute) / B
 
@@ -18,9 +19,9 @@ single-process ``flash_attn_func`` (same threads, heads and dtype, non-causal, i
 queries against the whole sequence) and R is the slowest rank's rate, so the prediction accounts
 for the ranks, and any other load on the machine, sharing the cores; R_alone is rank 0 running
 it with the other ranks idle. B is the loopback bandwidth of one gloo send of 64 MiB. The
-all-gather strategies communicate before they compute, so their bytes count in full; the ring
-sends the next block while it computes on the current one, and on loopback a block's transfer is
-far shorter than its computation, so none of it counts.
+all-gather and Ulysses strategies communicate before (Ulysses: and after) they compute, so their
+bytes count in full; the ring sends the next block while it computes on the current one, and on
+loopback a block's transfer is far shorter than its computation, so none of it counts.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def _worker(rank, args, port, outdir):
     )
     p = args.world
     sent = {"bytes": 0}
-    isend, all_gather = dist.isend, dist.all_gather
+    isend, all_gather, all_to_all_single = dist.isend, dist.all_gather, dist.all_to_all_single
 
     def counting_isend(tensor, *a, **kw):
         sent["bytes"] += tensor.numel() * tensor.element_size()
@@ -99,7 +100,20 @@ def _worker(rank, args, port, outdir):
         sent["bytes"] += (p - 1) * tensor.numel() * tensor.element_size()
         return all_gather(outputs, tensor, *a, **kw)
 
+    def counting_all_to_all_single(
+        output, tensor, output_split_sizes=None, input_split_sizes=None, *a, **kw
+    ):
+        # Every split but this rank's own goes to another rank.
+        row = tensor.element_size() * (tensor.numel() // max(1, tensor.shape[0]))
+        if input_split_sizes is None:
+            own = tensor.shape[0] // p
+        else:
+            own = input_split_sizes[rank]
+        sent["bytes"] += (tensor.shape[0] - own) * row
+        return all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, *a, **kw)
+
     dist.isend, dist.all_gather = counting_isend, counting_all_gather
+    dist.all_to_all_single = counting_all_to_all_single
     dtype = getattr(torch, args.dtype)
     s, h, hk, d = args.seqlen, args.heads, args.kv_heads, args.dim
     g = torch.Generator().manual_seed(0)
@@ -164,14 +178,26 @@ def _worker(rank, args, port, outdir):
                 a, b, c, causal=args.causal, num_threads=args.threads
             ),
         ),
+        "Ulysses, contiguous (ulysses_flash_attn_func)": (
+            "contiguous",
+            False,
+            lambda a, b, c: fd.ulysses_flash_attn_func(
+                a, b, c, causal=args.causal, num_threads=args.threads
+            ),
+        ),
     }
+    if args.only:
+        strategies = {n: v for n, v in strategies.items() if args.only.lower() in n.lower()}
     results = []
     for name, (layout, overlapped, fn) in strategies.items():
         ql, kl, vl = x(q, layout), x(k, layout), x(v, layout)
         lengths = fd.split_lengths(s, p, layout)
         pos = [fd.positions(lengths, r, layout) for r in range(p)]
         whole = np.arange(s, dtype=np.int64)
-        flops = [_flops(pos[r], whole, left, right, h, d) for r in range(p)]
+        if name.startswith("Ulysses"):  # every rank: heads / P heads of the whole sequence
+            flops = [_flops(whole, whole, left, right, h // p, d) for r in range(p)]
+        else:
+            flops = [_flops(pos[r], whole, left, right, h, d) for r in range(p)]
         best = None
         for _ in range(args.reps):
             dist.barrier()
@@ -207,6 +233,9 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per rank")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument(
+        "--only", default="", help="run only the strategies whose name contains this (e.g. ulysses)"
+    )
     args = ap.parse_args(argv)
     if args.world < 2:
         ap.error("--world must be >= 2")
