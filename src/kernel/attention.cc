@@ -170,7 +170,10 @@ void attend_packed_section(const Problem& problem, const simd::Ops& ops, const I
 }  // namespace
 
 AttentionKernel::AttentionKernel(const Problem& problem)
-    : problem_(problem), tiles_(resolve_tiles(problem)), ops_(simd::ops()) {}
+    : problem_(problem),
+      tiles_(resolve_tiles(problem, problem.dtype == DType::kBFloat16 &&
+                                        simd::bf16_dot_for(simd::ops()) != nullptr)),
+      ops_(simd::ops()) {}
 
 int64_t AttentionKernel::num_items() const {
   return problem_.kv_batch * num_q_blocks(problem_, tiles_);

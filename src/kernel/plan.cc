@@ -19,8 +19,21 @@ namespace {
 // Hence 768 query rows per packed tile: 384-row blocks for MHA, 192 from a group of 4 up.
 // (Earlier: 48-row blocks spent ~50% of the matmul instructions on packing, callgrind, and 96
 // rows measured slower than 192.)
+//
+// The native bfloat16 kernels (AVX512_BF16 on Zen 4/5, 1 MiB of L2 per core) do twice the
+// arithmetic per cycle, so the same packing costs twice the share; MHA's block may grow to 768.
+// Zen 4 EPYC, 2 threads, d=128, bf16 native (AVX3), GFLOP/s, medians of 5 interleaved rounds
+// (kv_tile 256), q_block per head:
+//                                 q_block  192    384    768
+//   MHA 8 heads, S=4096, non-causal               342    350
+//   MHA 8 heads, S=4096, causal                   334    337
+//   GQA 32:8,    S=2048, causal            331    324
+//   GQA 32:8,    S=4096, causal            344    345
+// So a GQA group keeps 768 rows per packed tile; only the cap moves. float32 on the same CPU
+// moved by at most 3% between 384 and 1536 (one grid of 3 rounds), within its noise, so it
+// keeps the Zen 3 choice.
 constexpr int64_t kRowsPerPackedTile = 768;
-constexpr int64_t kMaxQBlock = 384;
+constexpr int64_t kMaxQBlock = 384, kMaxQBlockNative = 768;
 constexpr int64_t kMinQBlock = 192;
 // The work item's Q and O scratch, group x q_block x (d + dv) floats, stays within 8 MiB per
 // thread (issue 3 bounds the extra memory at 16 MiB per thread): large head dims and groups
@@ -28,8 +41,9 @@ constexpr int64_t kMinQBlock = 192;
 constexpr int64_t kQoScratchFloats = int64_t{2} << 20;
 constexpr int64_t kSmallestQBlock = 48;
 
-int64_t default_q_block(int64_t group, int64_t d, int64_t dv) {
-  int64_t rows = std::clamp(kRowsPerPackedTile / group, kMinQBlock, kMaxQBlock);
+int64_t default_q_block(bool native_bf16, int64_t group, int64_t d, int64_t dv) {
+  const int64_t max_block = native_bf16 ? kMaxQBlockNative : kMaxQBlock;
+  int64_t rows = std::clamp(kRowsPerPackedTile / group, kMinQBlock, max_block);
   while (rows > kSmallestQBlock && group * rows * (d + dv) > kQoScratchFloats) rows /= 2;
   return rows;
 }
@@ -50,10 +64,10 @@ int64_t default_kv_tile(int64_t d, int64_t dv) {
 
 }  // namespace
 
-TileConfig resolve_tiles(const Problem& problem) {
+TileConfig resolve_tiles(const Problem& problem, bool native_bf16) {
   TileConfig t = problem.tile_request;
   if (t.q_block == 0)
-    t.q_block = default_q_block(problem.group, problem.head_dim, problem.value_dim);
+    t.q_block = default_q_block(native_bf16, problem.group, problem.head_dim, problem.value_dim);
   if (t.kv_tile == 0) {
     t.kv_tile = default_kv_tile(problem.head_dim, problem.value_dim);
     if (t.section > 0 && t.section % t.kv_tile != 0) t.kv_tile = t.section;
