@@ -19,21 +19,15 @@ a rank that never calls must make the others raise after the timeout instead of 
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import sys
-import tempfile
 import time
-import traceback
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
-mp = pytest.importorskip("torch.multiprocessing")
 
+import _ranks  # python/tests/_ranks.py: the spawned ranks
 import flashcte
 from flashcte import distributed as fd
 
@@ -332,7 +326,6 @@ CASES = {
     "error_failure_while_computing": (failure_while_computing, (2, 3)),
     "error_not_a_torch_tensor": (not_a_torch_tensor_on_one_rank, (2,)),
 }
-TIMEOUT_CASE = "error_absent_rank_times_out"
 
 
 def _absent_rank(rank, group):
@@ -353,113 +346,14 @@ def _absent_rank(rank, group):
 # ---- the processes -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    import datetime
-
-    torch.set_num_threads(1)
-    results: dict = {}
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        groups = {n: dist.new_group(list(range(n))) for n in (2, 3)}
-        groups[world] = None
-        absent = dist.new_group([0, 1])
-        for name, (case, sizes) in CASES.items():
-            for n in sizes:
-                if rank >= n:
-                    continue
-                key = f"{name}[{n}]"
-                t0 = time.monotonic()
-                try:
-                    case(rank, n, groups[n])
-                    results[key] = {"error": None, "seconds": time.monotonic() - t0}
-                except BaseException:  # noqa: BLE001 - reported to the parent
-                    results[key] = {"error": traceback.format_exc(), "seconds": 0}
-        if rank < 2:
-            try:
-                _absent_rank(rank, absent)
-                results[TIMEOUT_CASE] = {"error": None}
-            except BaseException:  # noqa: BLE001
-                results[TIMEOUT_CASE] = {"error": traceback.format_exc()}
-    except BaseException:  # noqa: BLE001
-        results["setup"] = {"error": traceback.format_exc()}
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    sys.stdout.flush()
-    # Skip the process group's teardown: the timed-out operation of the absent-rank case may
-    # still be pending inside gloo.
-    os._exit(0)
-
-
 @pytest.fixture(scope="module")
 def results():
-    outdir = tempfile.mkdtemp(prefix="flashcte-dist-")
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        ctx = mp.start_processes(
-            _worker,
-            args=(WORLD, _free_port(), outdir),
-            nprocs=WORLD,
-            join=False,
-            start_method="spawn",
-        )
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    deadline = time.monotonic() + SPAWN_DEADLINE
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"the {WORLD} ranks did not finish within {SPAWN_DEADLINE:.0f} s")
-    merged: dict = {}
-    for rank in range(WORLD):
-        path = os.path.join(outdir, f"rank{rank}.json")
-        if not os.path.exists(path):
-            pytest.fail(f"rank {rank} wrote no results")
-        with open(path) as f:
-            for key, value in json.load(f).items():
-                merged.setdefault(key, {})[rank] = value
-    if os.environ.get("FLASHCTE_DIST_TIMES"):
-        for key, ranks in merged.items():
-            print(
-                f"{key}: {max(v.get('seconds', 0) for v in ranks.values()):.2f} s", file=sys.stderr
-            )
-    return merged
+    return _ranks.spawn(__name__, WORLD, SPAWN_DEADLINE)
 
 
-def _keys():
-    for name, (_, sizes) in CASES.items():
-        for n in sizes:
-            yield f"{name}[{n}]"
-    yield TIMEOUT_CASE
-
-
-@pytest.mark.parametrize("key", list(_keys()))
+@pytest.mark.parametrize("key", _ranks.case_keys(CASES, absent_rank=True))
 def test_distributed(results, key):
-    assert "setup" not in results, results["setup"]
-    assert key in results, f"no rank ran {key}"
-    failed = {r: v["error"] for r, v in results[key].items() if v["error"]}
-    assert not failed, "\n".join(f"--- rank {r}:\n{e}" for r, e in failed.items())
-    if TIMEOUT_CASE != key:
-        n = int(key[-2])
-        assert sorted(results[key]) == list(range(n)), (
-            f"ranks that ran {key}: {sorted(results[key])}"
-        )
+    _ranks.check(results, key)
 
 
 # ---- single process ----------------------------------------------------------------------------

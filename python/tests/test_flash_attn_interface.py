@@ -18,13 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import json
-import os
-import socket
 import sys
-import tempfile
-import time
-import traceback
 import types
 
 import numpy as np
@@ -32,6 +26,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import _ranks  # python/tests/_ranks.py: the spawned ranks
 import flashcte
 import flashcte.integrations.flash_attn as fa
 
@@ -256,78 +251,19 @@ def _check(got, ref, p, what, lse=False):
     assert err <= (1e-5 + p * 4e-7) * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    results: dict = {}
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        groups = {2: dist.new_group([0, 1]), 3: None}
-        for p in (2, 3):
-            if rank >= p:
-                continue
-            try:
-                _ring_cases(rank, p, groups[p])
-                results[str(p)] = None
-            except BaseException:  # noqa: BLE001 - reported to the parent
-                results[str(p)] = traceback.format_exc()
-    except BaseException:  # noqa: BLE001
-        results["setup"] = traceback.format_exc()
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    os._exit(0)
+CASES = {"ring": (_ring_cases, (2, 3))}
 
 
 @pytest.fixture(scope="module")
 def ring_results():
     if not HAVE_RING:
         pytest.skip("ring-flash-attn is not installed (pip install --no-deps ring-flash-attn)")
-    mp = pytest.importorskip("torch.multiprocessing")
-    outdir = tempfile.mkdtemp(prefix="flashcte-rfa-")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        ctx = mp.start_processes(
-            _worker, args=(WORLD, port, outdir), nprocs=WORLD, join=False, start_method="spawn"
-        )
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-    deadline = time.monotonic() + 240
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail("the ranks did not finish within 240 s")
-    merged: dict = {}
-    for rank in range(WORLD):
-        with open(os.path.join(outdir, f"rank{rank}.json")) as f:
-            for key, value in json.load(f).items():
-                merged.setdefault(key, {})[rank] = value
-    return merged
+    return _ranks.spawn(__name__, WORLD, 240.0)
 
 
-@pytest.mark.parametrize("p", [2, 3])
-def test_ring_flash_attention_runs_unchanged_on_flashcte(ring_results, p):
-    assert "setup" not in ring_results, ring_results["setup"]
-    ranks = ring_results.get(str(p), {})
-    assert sorted(ranks) == list(range(p)), f"ranks that ran: {sorted(ranks)}"
-    failed = {r: e for r, e in ranks.items() if e}
-    assert not failed, "\n".join(f"--- rank {r}:\n{e}" for r, e in failed.items())
+@pytest.mark.parametrize("key", _ranks.case_keys(CASES, absent_rank=False))
+def test_ring_flash_attention_runs_unchanged_on_flashcte(ring_results, key):
+    _ranks.check(ring_results, key)
 
 
 def test_shim_values_are_numpy_friendly():
