@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "src/simd/bf16_dot.h"
+#include "src/simd/ops.h"
 #include "tests/test_util.h"
 
 namespace flashcte::test {
@@ -282,6 +284,32 @@ TEST(Plan, AutomaticTilesFollowTheGroupAndHeadDims) {
     EXPECT_EQ(s.tiles.kv_tile, w.kv_tile);
     const int64_t group = w.bs / w.bs_kv;
     EXPECT_LE(group * s.tiles.q_block * 2 * w.d, int64_t{2} << 20) << "Q+O scratch bound";
+  }
+}
+
+// bfloat16 where it runs on the native vdpbf16ps kernels (simd::bf16_dot_for: AVX512_BF16 on
+// AMD): MHA blocks up to 768 rows, and KV tiles of up to 512 keys (the pairs take half the bytes);
+// elsewhere (widened to float32, e.g. capped at AVX2) the float32 tiles.
+TEST(Plan, AutomaticTilesOfTheNativeBf16Path) {
+  const bool native = simd::bf16_dot_for(simd::ops()) != nullptr;
+  struct Want {
+    int64_t bs, bs_kv, d, q_block, kv_tile, widened_q_block, widened_kv_tile;
+  };
+  for (const Want& w : {Want{8, 8, 128, 768, 512, 384, 256}, Want{8, 4, 128, 384, 512, 384, 256},
+                        Want{32, 8, 128, 192, 512, 192, 256}, Want{8, 8, 256, 768, 256, 384, 128},
+                        Want{16, 2, 512, 192, 128, 192, 64}}) {
+    const auto shape_only = [](int64_t a, int64_t b, int64_t c) {
+      return TensorView{nullptr, DType::kBFloat16, 3, {a, b, c}, {b * c, c, 1}};
+    };
+    const int64_t s_len = 1024;
+    PlanSummary s;
+    const Status st = plan_attention(shape_only(w.bs, s_len, w.d), shape_only(w.bs_kv, w.d, s_len),
+                                     shape_only(w.bs_kv, s_len, w.d), Options{}, &s);
+    ASSERT_TRUE(st.ok) << st.message;
+    SCOPED_TRACE("bs " + std::to_string(w.bs) + ", bs_kv " + std::to_string(w.bs_kv) + ", d " +
+                 std::to_string(w.d) + (native ? ", native" : ", widened"));
+    EXPECT_EQ(s.tiles.q_block, native ? w.q_block : w.widened_q_block);
+    EXPECT_EQ(s.tiles.kv_tile, native ? w.kv_tile : w.widened_kv_tile);
   }
 }
 
