@@ -126,6 +126,23 @@ def spawn(module_name: str, world: int, deadline_s: float) -> dict:
     return merged
 
 
+def raises(exc_type, call, *needles) -> None:
+    """call() raises exc_type with every needle in its message (the same on every rank)."""
+    with pytest.raises(exc_type) as info:
+        call()
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+
+
+def raises_in_time(call, *needles, limit_s: float = 15.0) -> None:
+    """The absent-rank case: call() gives up with a RuntimeError naming needles, in limit_s."""
+    t0 = time.monotonic()
+    raises(RuntimeError, call, *needles)
+    elapsed = time.monotonic() - t0
+    assert elapsed < limit_s, f"took {elapsed:.1f} s"
+
+
 def check(results: dict, key: str) -> None:
     """One case's test: no rank failed, and every rank it was meant for ran it."""
     assert "setup" not in results, results["setup"]
