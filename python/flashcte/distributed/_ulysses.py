@@ -24,8 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._attention import _call
-from .._tensors import Tensor, transpose
+from .._flash_attn import flash_attn_func
 from . import _comm
 from ._ring import _agree, _Problem
 from ._shard import positions
@@ -185,23 +184,17 @@ def ulysses_flash_attn_func(
                     offset += _comm.nbytes(shape, dtype)
             del recv
             qf, kf, vf = full
-            out_h = torch.empty((b, total, hq, dv), dtype=dtype)
-            lse_h = torch.empty((b, hq, total), dtype=torch.float32)
-            for i in range(b):
-                _call(
-                    Tensor("q", transpose(qf[i], 0, 1)),
-                    Tensor("k", transpose(kf[i], 0, 1)),
-                    Tensor("v", transpose(vf[i], 0, 1)),
-                    transpose(out_h[i], 0, 1),
-                    lse=lse_h[i],
-                    scale=p.scale,
-                    causal_mask=False,
-                    tp_k=True,
-                    num_threads=num_threads,
-                    window_left=p.left,
-                    window_right=p.right,
-                    bottom_right=True,
-                )
+            # The whole sequence of this rank's heads: flashcte's FlashAttention call, with the
+            # window (causal included) already resolved by _Problem.
+            out_h, lse_h = flash_attn_func(
+                qf,
+                kf,
+                vf,
+                softmax_scale=p.scale,
+                window_size=(p.left, p.right),
+                return_softmax_lse=True,
+                num_threads=num_threads,
+            )
             del full, qf, kf, vf
         except Exception as e:  # noqa: BLE001 - reported to every rank by settle()
             error = e
