@@ -1,10 +1,10 @@
 // The native bfloat16 matmuls (bf16_dot.h) on vdpbf16ps, and the policy that decides where they
 // run.
 //
-// Register tile: kRows x 2 zmm accumulators (32 float32 lanes of S or O per row), two loads of
-// K2 or V2 pairs and one 32-bit broadcast of a Q2 or P2 pair per step of the contraction, which
-// covers two of its indices: 2 loads + kRows broadcasts for 2 kRows vdpbf16ps, 64 FLOPs each.
-// Bytes moved per FLOP from L1 at kRows = 8: (2 x 64 + 8 x 4) / (16 x 64) = 0.16 B/FLOP.
+// Register tiles: R rows x W zmm accumulators (16 W float32 lanes of S or O per row); per step
+// of the contraction, which covers two of its indices, W loads of K2 or V2 pairs and one 32-bit
+// broadcast of a Q2 or P2 pair per row feed R W vdpbf16ps of 64 FLOPs each. MM1 runs 4 x 4
+// (bytes from L1 per FLOP: (4 x 64 + 4 x 4) / (16 x 64) = 0.27), MM2 8 x 2 (0.16).
 // The loop order is the float32 kernels' (mm1-inl.h, mm2-inl.h): column panel outer, row blocks
 // inner, so a panel of K2 or V2 stays in L1 while the rows stream past it.
 //
@@ -19,6 +19,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "hwy/detect_targets.h"
 #include "src/simd/exp_common.h"
@@ -35,18 +36,27 @@ namespace {
 #if HWY_ARCH_X86
 
 #define FLASHCTE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+// The register tiles and the lambdas of their unrolled loops (`unrolled`) are always inlined: a
+// lambda left out of line makes every step of the contraction a call.
+#define FLASHCTE_LAMBDA_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline))
+#define FLASHCTE_INLINE_BF16 FLASHCTE_LAMBDA_BF16 inline
 
 constexpr int64_t kLanes = 16;  // float32 lanes of a zmm register
 // W1 of ops.h for this file's vectors: the padding unit holds whole zmm vectors of float32.
 static_assert(kPadFloats % kLanes == 0, "W1: the padding unit must hold whole zmm vectors");
 
-// Rows per register block: 8 x 2 accumulators take 16 of the 32 zmm registers. 6 to 14 rows
-// measured the same within 3% (bench/micro_kernels, AMD EPYC Zen 4, one thread: qk 204-206,
-// pv 209-217 GFLOP/s at d = 128), so the block is the one that leaves registers to spare.
-constexpr int64_t kRows = 8;
+// The register tiles, rows x zmm columns. Both used to be 8 x 2 (6 to 14 rows measured the same
+// within 3% at 2 columns, bench/micro_kernels). With the accumulators in registers (`unrolled`),
+// MM1 on 4 x 4 ran 2.3-3.8% faster than 8 x 2 over the whole kernel, 4 x 6 the same as 4 x 4, 5 x 4
+// and 2 x 8 2% slower (in one process, calls alternating, 14-20 pairs; bf16 MHA S=4096 d=128, 2
+// threads, AMD EPYC Zen 4); 4 x 4 also won causal (+3.2%), GQA 32:8 S=2048 (+3.7%), d=64 (+2.7%)
+// and d=256 (+2.6%). MM2 on 6 x 4, 8 x 3 and 4 x 4 measured within 0.4% of 8 x 2, which stays.
+constexpr int64_t kQkRows = 4, kQkVectors = 4, kQkCols = kQkVectors * kLanes;
+constexpr int64_t kPvRows = 8, kPvVectors = 2, kPvCols = kPvVectors * kLanes;
 // Rows of S whose max vectors one group keeps on the stack (as mm1-inl.h).
 constexpr int64_t kMaxGroupRows = 48;
-// Pairs of the contraction per K2 panel pass: 64 pairs x 32 columns x 4 bytes = 8 KiB stays in
+// Pairs of the contraction per K2 panel pass: 64 pairs x 64 columns x 4 bytes = 16 KiB stays in
 // L1 whatever the head dim (the d-tiling of mm1-inl.h, 128 head-dim entries).
 constexpr int64_t kPairTile = 64;
 
@@ -61,6 +71,19 @@ FLASHCTE_AVX512_BF16 inline __m512 min_ps(__m512 a, __m512 b) {
   return _mm512_maskz_min_ps(kAll, a, b);
 }
 
+// body(std::integral_constant<int64_t, i>()) for i = 0, ..., N - 1, unrolled at compile time.
+// The register tiles index their accumulator arrays only this way. Over runtime loops GCC 12 kept
+// `__m512 acc[8][2]` on the stack around the contraction (16 stores and 16 loads on each side of
+// it per panel); with constant indices it stays in registers.
+template <class Body, int64_t... I>
+FLASHCTE_INLINE_BF16 void unrolled(const Body& body, std::integer_sequence<int64_t, I...>) {
+  (body(std::integral_constant<int64_t, I>()), ...);
+}
+template <int64_t N, class Body>
+FLASHCTE_INLINE_BF16 void unrolled(const Body& body) {
+  unrolled(body, std::make_integer_sequence<int64_t, N>());
+}
+
 inline uint32_t load_pair(const uint16_t* p) {
   uint32_t pair;
   std::memcpy(&pair, p, sizeof pair);
@@ -68,7 +91,7 @@ inline uint32_t load_pair(const uint16_t* p) {
 }
 
 // body(std::integral_constant<int64_t, R>(), r) over row blocks covering [0, rows): full blocks
-// of kRows, then one of the rest (as shared-inl.h's ForEachRowBlock).
+// of kR, then one of the rest (as shared-inl.h's ForEachRowBlock).
 template <int64_t R, class Body>
 inline void remainder_block(int64_t left, int64_t r, const Body& body) {
   if constexpr (R > 0) {
@@ -79,57 +102,74 @@ inline void remainder_block(int64_t left, int64_t r, const Body& body) {
     }
   }
 }
-template <class Body>
+template <int64_t kR, class Body>
 inline void for_each_row_block(int64_t rows, const Body& body) {
   int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) body(std::integral_constant<int64_t, kRows>(), r);
-  remainder_block<kRows - 1>(rows - r, r, body);
+  for (; r + kR <= rows; r += kR) body(std::integral_constant<int64_t, kR>(), r);
+  remainder_block<kR - 1>(rows - r, r, body);
+}
+
+// body(std::integral_constant<int64_t, W>()) with W = min(vectors, kW), vectors >= 1: the panel
+// width for the columns that are left (W2/W3: never past the last vector that holds one).
+template <int64_t kW, class Body>
+inline void with_panel_width(int64_t vectors, const Body& body) {
+  if constexpr (kW > 1) {
+    if (vectors < kW) return with_panel_width<kW - 1>(vectors, body);
+  }
+  body(std::integral_constant<int64_t, kW>());
 }
 
 // MM1 panel of kCols zmm columns for R rows over pairs [0, pairs): acc (+)= Q2 . K2; on the last
 // pair tile the scores are scaled, stored and (max_vecs non-null) folded into the max vectors.
 template <int64_t R, int64_t kCols>
-FLASHCTE_AVX512_BF16 inline void qk_panel(const uint16_t* q, int64_t ldq, const uint32_t* k,
-                                          int64_t ldk, int64_t pairs, bool accumulate, bool last,
-                                          float scale, float* s, int64_t lds, int64_t valid,
-                                          float* max_vecs) {
+FLASHCTE_INLINE_BF16 void qk_panel(const uint16_t* q, int64_t ldq, const uint32_t* k, int64_t ldk,
+                                   int64_t pairs, bool accumulate, bool last, float scale, float* s,
+                                   int64_t lds, int64_t valid, float* max_vecs) {
   __m512 acc[R][kCols];
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t c = 0; c < kCols; ++c) {
+  unrolled<R>([&](auto r) FLASHCTE_LAMBDA_BF16 {
+    unrolled<kCols>([&](auto c) FLASHCTE_LAMBDA_BF16 {
       acc[r][c] = accumulate ? _mm512_loadu_ps(s + r * lds + c * kLanes) : _mm512_setzero_ps();
-    }
-  }
+    });
+  });
   for (int64_t x = 0; x < pairs; ++x) {
     __m512i b[kCols];
-    for (int64_t c = 0; c < kCols; ++c) b[c] = _mm512_loadu_si512(k + x * ldk + c * kLanes);
-    for (int64_t r = 0; r < R; ++r) {
+    unrolled<kCols>(
+        [&](auto c) FLASHCTE_LAMBDA_BF16 { b[c] = _mm512_loadu_si512(k + x * ldk + c * kLanes); });
+    unrolled<R>([&](auto r) FLASHCTE_LAMBDA_BF16 {
       const __m512i a = _mm512_set1_epi32(static_cast<int>(load_pair(q + r * ldq + 2 * x)));
-      for (int64_t c = 0; c < kCols; ++c) {
+      unrolled<kCols>([&](auto c) FLASHCTE_LAMBDA_BF16 {
         acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)b[c]);
-      }
-    }
+      });
+    });
+  }
+  if (!last) {
+    unrolled<R>([&](auto r) FLASHCTE_LAMBDA_BF16 {
+      unrolled<kCols>([&](auto c) FLASHCTE_LAMBDA_BF16 {
+        _mm512_storeu_ps(s + r * lds + c * kLanes, acc[r][c]);
+      });
+    });
+    return;
   }
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t r = 0; r < R; ++r) {
+  __mmask16 valid_lanes[kCols];
+  unrolled<kCols>([&](auto c) FLASHCTE_LAMBDA_BF16 {
+    const int64_t lanes = std::clamp<int64_t>(valid - c * kLanes, 0, kLanes);
+    valid_lanes[c] = static_cast<__mmask16>((uint32_t{1} << lanes) - 1u);
+  });
+  unrolled<R>([&](auto r) FLASHCTE_LAMBDA_BF16 {
     __m512 m = neg_inf;
-    for (int64_t c = 0; c < kCols; ++c) {
-      if (!last) {
-        _mm512_storeu_ps(s + r * lds + c * kLanes, acc[r][c]);
-        continue;
-      }
+    unrolled<kCols>([&](auto c) FLASHCTE_LAMBDA_BF16 {
       const __m512 v = _mm512_mul_ps(acc[r][c], vscale);
       _mm512_storeu_ps(s + r * lds + c * kLanes, v);
-      const int64_t lanes = std::clamp<int64_t>(valid - c * kLanes, 0, kLanes);
-      const __mmask16 mask = static_cast<__mmask16>((uint32_t{1} << lanes) - 1u);
       // Argument order as Highway's Max (mm1-inl.h), so NaN scores meet the max as they do there.
-      m = max_ps(m, _mm512_mask_blend_ps(mask, neg_inf, v));
-    }
-    if (last && max_vecs) {
+      m = max_ps(m, _mm512_mask_blend_ps(valid_lanes[c], neg_inf, v));
+    });
+    if (max_vecs) {
       float* mv = max_vecs + r * kLanes;
       _mm512_storeu_ps(mv, max_ps(_mm512_loadu_ps(mv), m));
     }
-  }
+  });
 }
 
 FLASHCTE_AVX512_BF16 void qk(const uint16_t* q, int64_t ldq, int64_t rows, const uint32_t* k,
@@ -144,18 +184,14 @@ FLASHCTE_AVX512_BF16 void qk(const uint16_t* q, int64_t ldq, int64_t rows, const
     for (int64_t x0 = 0; x0 < pairs; x0 += kPairTile) {
       const int64_t xn = std::min(kPairTile, pairs - x0);
       const bool accumulate = x0 > 0, last = x0 + xn == pairs;
-      for (int64_t c = 0; c < cols; c += 2 * kLanes) {
-        for_each_row_block(group_rows, [&](auto block_rows, int64_t r) FLASHCTE_AVX512_BF16 {
-          constexpr int64_t R = decltype(block_rows)::value;
-          const uint16_t* qr = q + (g + r) * ldq + 2 * x0;
-          const uint32_t* kx = k + x0 * ldk + c;
-          float* sr = s + (g + r) * lds + c;
-          float* mr = mv ? mv + r * kLanes : nullptr;
-          if (c + kLanes < cols) {
-            qk_panel<R, 2>(qr, ldq, kx, ldk, xn, accumulate, last, scale, sr, lds, cols - c, mr);
-          } else {
-            qk_panel<R, 1>(qr, ldq, kx, ldk, xn, accumulate, last, scale, sr, lds, cols - c, mr);
-          }
+      for (int64_t c = 0; c < cols; c += kQkCols) {
+        const int64_t vectors = (cols - c + kLanes - 1) / kLanes;
+        with_panel_width<kQkVectors>(vectors, [&](auto width) FLASHCTE_AVX512_BF16 {
+          for_each_row_block<kQkRows>(group_rows, [&](auto block, int64_t r) FLASHCTE_AVX512_BF16 {
+            qk_panel<decltype(block)::value, decltype(width)::value>(
+                q + (g + r) * ldq + 2 * x0, ldq, k + x0 * ldk + c, ldk, xn, accumulate, last, scale,
+                s + (g + r) * lds + c, lds, cols - c, mv ? mv + r * kLanes : nullptr);
+          });
         });
       }
     }
@@ -170,46 +206,44 @@ FLASHCTE_AVX512_BF16 void qk(const uint16_t* q, int64_t ldq, int64_t rows, const
 
 // MM2 panel of kCols zmm columns for R rows: O = alpha O + P2 . V2 over pairs [0, pairs).
 template <int64_t R, int64_t kCols>
-FLASHCTE_AVX512_BF16 inline void pv_panel(const uint16_t* p, int64_t ldp, int64_t pairs,
-                                          const uint32_t* v, int64_t ldv, const float* alpha,
-                                          float* o, int64_t ldo) {
+FLASHCTE_INLINE_BF16 void pv_panel(const uint16_t* p, int64_t ldp, int64_t pairs, const uint32_t* v,
+                                   int64_t ldv, const float* alpha, float* o, int64_t ldo) {
   __m512 acc[R][kCols];
-  for (int64_t r = 0; r < R; ++r) {
+  unrolled<R>([&](auto r) FLASHCTE_LAMBDA_BF16 {
     const __m512 al = _mm512_set1_ps(alpha ? alpha[r] : 1.0f);
-    for (int64_t c = 0; c < kCols; ++c) {
+    unrolled<kCols>([&](auto c) FLASHCTE_LAMBDA_BF16 {
       acc[r][c] = _mm512_loadu_ps(o + r * ldo + c * kLanes);
       if (alpha) acc[r][c] = _mm512_mul_ps(acc[r][c], al);
-    }
-  }
+    });
+  });
   for (int64_t j = 0; j < pairs; ++j) {
     __m512i b[kCols];
-    for (int64_t c = 0; c < kCols; ++c) b[c] = _mm512_loadu_si512(v + j * ldv + c * kLanes);
-    for (int64_t r = 0; r < R; ++r) {
+    unrolled<kCols>(
+        [&](auto c) FLASHCTE_LAMBDA_BF16 { b[c] = _mm512_loadu_si512(v + j * ldv + c * kLanes); });
+    unrolled<R>([&](auto r) FLASHCTE_LAMBDA_BF16 {
       const __m512i a = _mm512_set1_epi32(static_cast<int>(load_pair(p + r * ldp + 2 * j)));
-      for (int64_t c = 0; c < kCols; ++c) {
+      unrolled<kCols>([&](auto c) FLASHCTE_LAMBDA_BF16 {
         acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)a, (__m512bh)b[c]);
-      }
-    }
+      });
+    });
   }
-  for (int64_t r = 0; r < R; ++r) {
-    for (int64_t c = 0; c < kCols; ++c) _mm512_storeu_ps(o + r * ldo + c * kLanes, acc[r][c]);
-  }
+  unrolled<R>([&](auto r) FLASHCTE_LAMBDA_BF16 {
+    unrolled<kCols>([&](auto c) FLASHCTE_LAMBDA_BF16 {
+      _mm512_storeu_ps(o + r * ldo + c * kLanes, acc[r][c]);
+    });
+  });
 }
 
 FLASHCTE_AVX512_BF16 void pv(const uint16_t* p, int64_t ldp, int64_t rows, int64_t n2,
                              const uint32_t* v, int64_t ldv, int64_t dv_pad, const float* alpha,
                              float* o, int64_t ldo) {
   const int64_t pairs = n2 / 2;
-  for (int64_t c = 0; c < dv_pad; c += 2 * kLanes) {
-    const bool two = c + 2 * kLanes <= dv_pad;  // else one vector is left (W3)
-    for_each_row_block(rows, [&](auto block_rows, int64_t r) FLASHCTE_AVX512_BF16 {
-      constexpr int64_t R = decltype(block_rows)::value;
-      const float* ar = alpha ? alpha + r : nullptr;
-      if (two) {
-        pv_panel<R, 2>(p + r * ldp, ldp, pairs, v + c, ldv, ar, o + r * ldo + c, ldo);
-      } else {
-        pv_panel<R, 1>(p + r * ldp, ldp, pairs, v + c, ldv, ar, o + r * ldo + c, ldo);
-      }
+  for (int64_t c = 0; c < dv_pad; c += kPvCols) {
+    with_panel_width<kPvVectors>((dv_pad - c) / kLanes, [&](auto width) FLASHCTE_AVX512_BF16 {
+      for_each_row_block<kPvRows>(rows, [&](auto block, int64_t r) FLASHCTE_AVX512_BF16 {
+        pv_panel<decltype(block)::value, decltype(width)::value>(
+            p + r * ldp, ldp, pairs, v + c, ldv, alpha ? alpha + r : nullptr, o + r * ldo + c, ldo);
+      });
     });
   }
 }
@@ -299,7 +333,7 @@ bool native_pays() {
   return std::string(vendor) == "AuthenticAMD";
 }
 
-constexpr Bf16DotOps kNativeOps = {kLanes, kRows, &qk, &pv, &exp_sum};
+constexpr Bf16DotOps kNativeOps = {kLanes, kQkRows, kQkCols, kPvRows, kPvCols, &qk, &pv, &exp_sum};
 
 #endif  // HWY_ARCH_X86
 

@@ -24,8 +24,9 @@
 namespace flashcte::simd {
 
 struct Bf16DotOps {
-  int64_t lanes;    // float32 lanes per vector: 16
-  int64_t mm_rows;  // rows of the register block
+  int64_t lanes;  // float32 lanes per vector: 16
+  // The register tiles (bf16_dot.cc): rows per block and columns per panel of qk and of pv.
+  int64_t qk_rows, qk_cols, pv_rows, pv_cols;
 
   // S[r][c] = scale * sum_{x < d2} Q2[r][x] K[x][c] for r < rows, c < cols, with the row max fused
   // as in Ops::qk (row_max may be null). d2 is even.

@@ -45,12 +45,26 @@ double bf16_value(uint16_t h) { return reference::load_element(&h, DType::kBFloa
 uint16_t* halves(GuardedBuffer& b) { return reinterpret_cast<uint16_t*>(b.data()); }
 uint32_t* pairs(GuardedBuffer& b) { return reinterpret_cast<uint32_t*>(b.data()); }
 
-std::vector<int64_t> row_counts(const simd::Bf16DotOps& dot) {
+// Every remainder block of a register tile of `block_rows` rows, and past the 48-row max group.
+std::vector<int64_t> row_counts(int64_t block_rows) {
   std::vector<int64_t> rows;
-  for (int64_t r = 1; r <= dot.mm_rows + 1; ++r) rows.push_back(r);
-  rows.push_back(2 * dot.mm_rows + 1);
-  rows.push_back(49);  // past the 48-row max group
+  for (int64_t r = 1; r <= block_rows + 1; ++r) rows.push_back(r);
+  rows.push_back(2 * block_rows + 1);
+  rows.push_back(49);
   return rows;
+}
+
+// Column counts at every vector edge of the first panel, across the panel of `panel_cols`
+// columns into the next, and into a third.
+std::vector<int64_t> column_counts(int64_t lanes, int64_t panel_cols) {
+  std::vector<int64_t> cols = edge_lengths(lanes);
+  for (int64_t c : {panel_cols - 1, panel_cols, panel_cols + 1, panel_cols + lanes + 1,
+                    2 * panel_cols + 2 * lanes + 3}) {
+    cols.push_back(c);
+  }
+  std::sort(cols.begin(), cols.end());
+  cols.erase(std::unique(cols.begin(), cols.end()), cols.end());
+  return cols;
 }
 
 void run_qk(const simd::Bf16DotOps& dot, int64_t rows, int64_t cols, int64_t d, bool fused_max,
@@ -163,8 +177,8 @@ TEST(SimdBf16DotQk, EveryHeadDimAndColumnEdge) {
   for (int64_t d = 1; d <= 2 * dot->lanes + 1; ++d) dims.push_back(d);
   for (int64_t d : {127, 128, 129, 257}) dims.push_back(d);  // across the 64-pair tiling
   for (int64_t d : dims) {
-    for (int64_t cols : edge_lengths(dot->lanes)) {
-      for (int64_t rows : {int64_t{1}, dot->mm_rows, dot->mm_rows + 1}) {
+    for (int64_t cols : column_counts(dot->lanes, dot->qk_cols)) {
+      for (int64_t rows : {int64_t{1}, dot->qk_rows, dot->qk_rows + 1}) {
         run_qk(*dot, rows, cols, d, true, rng);
       }
     }
@@ -175,8 +189,8 @@ TEST(SimdBf16DotQk, EveryRowCountAndMaxMode) {
   const simd::Bf16DotOps* dot = native();
   SKIP_WITHOUT_NATIVE(dot);
   std::mt19937 rng(12);
-  for (int64_t rows : row_counts(*dot)) {
-    for (int64_t cols : edge_lengths(dot->lanes)) {
+  for (int64_t rows : row_counts(dot->qk_rows)) {
+    for (int64_t cols : column_counts(dot->lanes, dot->qk_cols)) {
       for (int64_t d : {int64_t{1}, int64_t{17}, int64_t{129}}) {
         for (bool fused : {true, false}) run_qk(*dot, rows, cols, d, fused, rng);
       }
@@ -195,7 +209,7 @@ TEST(SimdBf16DotPv, EveryValueDimAndKeyEdge) {
   keys.insert(keys.begin(), 0);
   for (int64_t dv : dims) {
     for (int64_t n : keys) {
-      for (int64_t rows : {int64_t{1}, dot->mm_rows, dot->mm_rows + 1}) {
+      for (int64_t rows : {int64_t{1}, dot->pv_rows, dot->pv_rows + 1}) {
         run_pv(*dot, rows, n, dv, true, rng);
       }
     }
@@ -206,7 +220,7 @@ TEST(SimdBf16DotPv, EveryRowCountAndAlphaMode) {
   const simd::Bf16DotOps* dot = native();
   SKIP_WITHOUT_NATIVE(dot);
   std::mt19937 rng(14);
-  for (int64_t rows : row_counts(*dot)) {
+  for (int64_t rows : row_counts(dot->pv_rows)) {
     for (int64_t n : edge_lengths(dot->lanes)) {
       for (int64_t dv : {int64_t{1}, int64_t{17}, int64_t{33}}) {
         for (bool alpha : {true, false}) run_pv(*dot, rows, n, dv, alpha, rng);
