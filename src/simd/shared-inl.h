@@ -34,7 +34,11 @@ static_assert(kPadFloats >= kMaxLanes, "W2: qk's overrun past cols must fit in t
 
 // Rows per register block of MM1 and MM2. 6 fills AVX2's 16 registers (the classic 6x16 SGEMM
 // shape: 12 accumulators, 2 streamed vectors, 1 broadcast); wider targets keep the same shape so
-// that every target computes the same sums in the same order per lane.
+// that every target computes the same sums in the same order per lane. AVX3's 32 registers hold
+// wider MM1 tiles, which did not pay: on the 2-core AMD EPYC Zen 4, fp32 MHA S=4096 d=128, 2
+// threads, separate builds in interleaved process pairs against 6 x 2 vectors, 4 x 4 measured
+// 0.997 (8 pairs), 6 x 4 1.004 (14 pairs); 8 x 3 0.80 (its 8 rows exceed the unroll pragmas and
+// the accumulators go to the stack). The native bfloat16 MM1 does gain from 4 x 4 (bf16_dot.cc).
 inline constexpr int64_t kRows = 6;
 
 // Calls body(std::integral_constant<int64_t, R>(), r) for consecutive row blocks covering
