@@ -28,15 +28,20 @@ DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
-# Display order; "sgemm" is the roofline.
-IMPLS = ["flashcte", "sgemm", "materialized", "torch", "ort-mha", "ort-gqa", "ort-attention",
-         "openvino", "ggml-f16", "ggml-f32"]
-PEERS = [i for i in IMPLS if i not in ("flashcte", "sgemm")]
-# The implementations the flashcte CLI times (`flashcte bench --impl NAME`); the others run in
-# the worker's Python process (peers/).
-CLI_IMPLS = ("sgemm", "materialized")
+# Display order; "sgemm" is the roofline. "flashcte-cli" is flashcte again, timed by its CLI in a
+# fresh process (uniform [0, 1) inputs of the same shapes) between the worker's own calls: the
+# worker's flashcte figure, which every ours/X ratio uses, checked against the CLI's in the same
+# rounds (ours/flashcte-cli near 1).
+IMPLS = ["flashcte", "flashcte-cli", "sgemm", "materialized", "torch", "ort-mha", "ort-gqa",
+         "ort-attention", "openvino", "ggml-f16", "ggml-f32"]
+PEERS = [i for i in IMPLS if i not in ("flashcte", "flashcte-cli", "sgemm")]
+# The implementations the flashcte CLI times (`flashcte bench --impl CLI_NAMES[name]`); the
+# others run in the worker's Python process (peers/).
+CLI_IMPLS = ("flashcte-cli", "sgemm", "materialized")
+CLI_NAMES = {"flashcte-cli": "flashcte", "sgemm": "sgemm", "materialized": "materialized"}
 IMPL_TITLES = {
     "flashcte": "flashcte",
+    "flashcte-cli": "flashcte timed by its CLI (the same kernel, a fresh process)",
     "sgemm": "OpenBLAS SGEMM (roofline)",
     "materialized": "materialized (OpenBLAS sgemm, softmax, sgemm)",
     "torch": "PyTorch scaled_dot_product_attention",

@@ -108,7 +108,7 @@ def machine_info(cli: str) -> dict:
     wanted = ["sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw",
               "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile"]
     info["flags_summary"] = " ".join(f"{f}{'+' if f in flags else '-'}" for f in wanted)
-    r = subprocess.run("grep -o 'avx512[a-z_]*' /proc/cpuinfo | sort -u", shell=True, text=True,
+    r = subprocess.run("grep -o 'avx512[a-z_0-9]*' /proc/cpuinfo | sort -u", shell=True, text=True,
                        capture_output=True)
     info["avx512_grep"] = " ".join(r.stdout.split()) or "(no output: no AVX-512 feature flags)"
     info["memory"] = next((l.split(None, 1)[1].strip() for l in

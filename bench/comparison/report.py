@@ -113,7 +113,7 @@ def run_bullets(meta: dict) -> list[str]:
               f"socket, {m['threads_per_core']} thread per core), {m['memory']} RAM, "
               f"hypervisor {m['hypervisor']}, Linux {m['kernel']}; caches: {m['caches']}")
     md.append(f"* CPU flags (+ present, - absent): {m['flags_summary']}")
-    md.append(f"* `grep -o 'avx512[a-z_]*' /proc/cpuinfo | sort -u`: {m['avx512_grep']}")
+    md.append(f"* `grep -o 'avx512[a-z_0-9]*' /proc/cpuinfo | sort -u`: {m['avx512_grep']}")
     return md
 
 

@@ -1,11 +1,13 @@
-"""The implementations the flashcte CLI times: sgemm (the roofline) and materialized
-(`flashcte bench --impl sgemm|materialized`), and the decode kernel (`flashcte bench --decode`),
-each call in a fresh process."""
+"""The implementations the flashcte CLI times: sgemm (the roofline), materialized and flashcte
+itself (`flashcte bench --impl sgemm|materialized|flashcte`), and the decode kernel (`flashcte
+bench --decode`), each call in a fresh process."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+
+from ..common import CLI_NAMES
 
 
 def fresh_process(cmd: list[str]) -> list[str]:
@@ -46,6 +48,7 @@ def cli_json(cmd: list[str], timeout: float) -> dict:
 
 
 def cli_run(p: dict, impl: str) -> dict:
-    """One `flashcte bench --reps 1` call: set-up, warm-up, one timed call."""
+    """One `flashcte bench --reps 1` call of implementation `impl` (common.CLI_IMPLS): set-up,
+    warm-up, one timed call."""
     # sgemm picks its OpenBLAS kernels itself (`--openblas-core auto`, the default for sgemm).
-    return cli_json(bench_command(p["cli"], p, impl), p["timeout"])
+    return cli_json(bench_command(p["cli"], p, CLI_NAMES[impl]), p["timeout"])
