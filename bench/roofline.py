@@ -86,7 +86,7 @@ def main() -> None:
         seen.setdefault("simd", set()).add(f"{dtype}{'/capped' if env_extra else ''}: {simd}")
         return row["gflops"]
 
-    def sgemm_on(d: int, core: str) -> float:
+    def sgemm_on(d: int, core: str) -> tuple[float, str]:
         row = run_json(base + ["--dtype", "fp32", "--causal", "false", "--d", str(d), "--impl",
                                "sgemm", "--openblas-core", core])[-1]
         return row["gflops"], row.get("openblas_core", core)
