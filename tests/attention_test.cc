@@ -419,6 +419,27 @@ TEST(Tiles, NeuronSectionsAboveThreshold) {
 
 // ---- memory layouts ----------------------------------------------------------------------------
 
+// float32 V with its channels contiguous and dv a multiple of the padding unit is read in place
+// (src/kernel/pack.cc); every other V is packed. Both, causal over a prior that ends on a section
+// boundary (in place) or inside a section (packed), with sections of two tiles.
+TEST(Layouts, Float32ValuesInPlaceOrPacked) {
+  for (Layout layout :
+       {Layout::kContiguous, Layout::kPadded, Layout::kStrided, Layout::kReversed}) {
+    for (int64_t dv : {16, 32, 24}) {
+      for (int64_t s_prior : {32, 40}) {
+        Case c = base_case(DType::kFloat32, 70, 90, 32);
+        c.bs = 2;
+        c.dv = dv;
+        c.v_layout = layout;
+        c.has_prior = true;
+        c.s_prior = s_prior;
+        c.options.tiles = TileConfig{16, 16, 32, 0};
+        EXPECT_TRUE(check_case(c)) << layout_name(layout) << " dv " << dv << " prior " << s_prior;
+      }
+    }
+  }
+}
+
 TEST(Layouts, EveryLayoutAndTranspose) {
   const Layout layouts[] = {Layout::kContiguous, Layout::kPadded, Layout::kStrided,
                             Layout::kReversed};

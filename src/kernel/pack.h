@@ -1,6 +1,7 @@
 // Packing: a work item's Q rows and K/V tiles from the caller's tensors into the micro-kernels'
 // layouts, once per item (Q) or per section (K, V), against O(rows x tile x d) arithmetic.
 //   float32 (every dtype widened): Q [rows][d] scaled, K [d][ldk] transposed, V [keys][ldv]
+//     (float32 V already in that layout is read in place)
 //   bfloat16 pairs for the native kernels (src/simd/bf16_dot.h): Q2, K2, V2; from the float32
 //     blocks (pack_pairs) or, for bfloat16 tensors in the usual layouts, straight from the
 //     tensors (pack_pairs_directly), which skips the float32 pass
@@ -35,7 +36,7 @@ void for_each_run(const TileWork* tiles, int64_t num_tiles, int64_t origin, cons
 }
 
 // Packs keys [begin, end) of KV batch kv_b's concatenated axis: K transposed into
-// k[c * ldk + (j - base)], V into v[(j - base) * ldv + c], V's padding columns zero.
+// k[c * ldk + (j - base)], V (unless null) into v[(j - base) * ldv + c], V's padding columns zero.
 void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
              int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp);
 

@@ -24,7 +24,7 @@ namespace flashcte::internal {
 // One section of K and V as pack_section left it (pack.h), shared by every head of the group.
 struct PackedSection {
   int64_t begin = 0;  // the section's first concatenated-KV column
-  // float32 blocks: K [d][ldk] transposed, V [keys][ldv].
+  // float32 blocks: K [d][ldk] transposed, V [keys][ldv] (packed, or the caller's tensor).
   const float* k = nullptr;
   const float* v = nullptr;
   int64_t ldk = 0, ldv = 0;

@@ -478,16 +478,19 @@ const Poison kPoisons[] = {
      [](int64_t, int64_t i, int64_t ch) { return ch == 7 && attends(i, 2); }, false},
 };
 
-// (dtype, tiling, value, poison index)
-using NonFiniteParam = std::tuple<DType, int, double, int>;
+// (dtype, tiling, value, poison index, head dim). At d = 16, float32 V is read in place rather
+// than packed (src/kernel/pack.cc); the prior's end falls inside a section in tiling 1 (packed)
+// and on a section boundary in tiling 2 (in place).
+using NonFiniteParam = std::tuple<DType, int, double, int, int64_t>;
 class NonFinite : public ::testing::TestWithParam<NonFiniteParam> {};
 
 // One non-finite input element against the clean run, across tilings that put the poisoned key
 // in full, masked and skipped tiles of different rows.
 TEST_P(NonFinite, PropagatesToTheAffectedOutputsOnly) {
-  const auto [dtype, tiling, value, index] = GetParam();
+  const auto [dtype, tiling, value, index, head_dim] = GetParam();
   const Poison& poison = kPoisons[index];
   Case c = base_case(dtype);
+  c.d = head_dim;
   c.has_prior = true;
   c.s_prior = kPrior;
   c.options.sliding_window = kWindow;
@@ -550,14 +553,15 @@ TEST_P(NonFinite, PropagatesToTheAffectedOutputsOnly) {
 std::string non_finite_name(const ::testing::TestParamInfo<NonFiniteParam>& p) {
   return dtype_label(std::get<0>(p.param)) + "_tiling" + std::to_string(std::get<1>(p.param)) +
          (std::isnan(std::get<2>(p.param)) ? "_nan_" : "_inf_") +
-         kPoisons[std::get<3>(p.param)].name;
+         kPoisons[std::get<3>(p.param)].name + "_d" + std::to_string(std::get<4>(p.param));
 }
 
 // Every poison: NaN or +Inf in a logit (q or a key) or in a value.
 INSTANTIATE_TEST_SUITE_P(Poisons, NonFinite,
                          ::testing::Combine(::testing::ValuesIn(kDtypes),
                                             ::testing::Values(0, 1, 2),
-                                            ::testing::Values(kNaN, kInf), ::testing::Range(0, 7)),
+                                            ::testing::Values(kNaN, kInf), ::testing::Range(0, 7),
+                                            ::testing::Values(int64_t{8}, int64_t{16})),
                          non_finite_name);
 
 // A NaN sink poisons every row of its batch (it enters every row's max and sum), and nothing
