@@ -261,15 +261,17 @@ TEST(Plan, InvalidArgumentsAreAnError) {
 // blocks for MHA and 192 from a GQA group of 4 up; blocks halve (down to 48 rows) while the Q and
 // O scratch, group x q_block x (d + dv) floats, would pass 2^21 floats (8 MiB); the KV tile
 // halves from 256 keys while K + V of a tile pass 65536 floats.
+// float32: MHA blocks of 384 rows on 8-lane targets (AVX2) and 768 on 16-lane ones (AVX-512).
 TEST(Plan, AutomaticTilesFollowTheGroupAndHeadDims) {
+  const bool wide = simd::ops().lanes >= 16;
   struct Want {
-    int64_t bs, bs_kv, d, q_block, kv_tile;
+    int64_t bs, bs_kv, d, q_block, wide_q_block, kv_tile;
   };
-  for (const Want& w :
-       {Want{8, 8, 128, 384, 256}, Want{8, 4, 128, 384, 256}, Want{32, 8, 128, 192, 256},
-        Want{64, 8, 128, 192, 256}, Want{8, 8, 64, 384, 256}, Want{8, 8, 256, 384, 128},
-        Want{8, 8, 1024, 384, 32}, Want{16, 1, 1024, 48, 32}, Want{16, 2, 512, 192, 64},
-        Want{16, 2, 1024, 96, 32}}) {
+  for (const Want& w : {Want{8, 8, 128, 384, 768, 256}, Want{8, 4, 128, 384, 384, 256},
+                        Want{32, 8, 128, 192, 192, 256}, Want{64, 8, 128, 192, 192, 256},
+                        Want{8, 8, 64, 384, 768, 256}, Want{8, 8, 256, 384, 768, 128},
+                        Want{8, 8, 1024, 384, 768, 32}, Want{16, 1, 1024, 48, 48, 32},
+                        Want{16, 2, 512, 192, 192, 64}, Want{16, 2, 1024, 96, 96, 32}}) {
     const auto shape_only = [](int64_t a, int64_t b, int64_t c) {
       return TensorView{nullptr, DType::kFloat32, 3, {a, b, c}, {b * c, c, 1}};
     };
@@ -279,8 +281,8 @@ TEST(Plan, AutomaticTilesFollowTheGroupAndHeadDims) {
                                      shape_only(w.bs_kv, s_len, w.d), Options{}, &s);
     ASSERT_TRUE(st.ok) << st.message;
     SCOPED_TRACE("bs " + std::to_string(w.bs) + ", bs_kv " + std::to_string(w.bs_kv) + ", d " +
-                 std::to_string(w.d));
-    EXPECT_EQ(s.tiles.q_block, w.q_block);
+                 std::to_string(w.d) + (wide ? ", 16 lanes" : ", 8 lanes"));
+    EXPECT_EQ(s.tiles.q_block, wide ? w.wide_q_block : w.q_block);
     EXPECT_EQ(s.tiles.kv_tile, w.kv_tile);
     const int64_t group = w.bs / w.bs_kv;
     EXPECT_LE(group * s.tiles.q_block * 2 * w.d, int64_t{2} << 20) << "Q+O scratch bound";
@@ -289,15 +291,19 @@ TEST(Plan, AutomaticTilesFollowTheGroupAndHeadDims) {
 
 // bfloat16 where it runs on the native vdpbf16ps kernels (simd::bf16_dot_for: AVX512_BF16 on
 // AMD): MHA blocks up to 768 rows, and KV tiles of up to 512 keys (the pairs take half the bytes);
-// elsewhere (widened to float32, e.g. capped at AVX2) the float32 tiles.
+// elsewhere (widened to float32, e.g. capped at AVX2) the float32 tiles: MHA blocks of 768 rows
+// on 16-lane targets, 384 on 8-lane ones.
 TEST(Plan, AutomaticTilesOfTheNativeBf16Path) {
   const bool native = simd::bf16_dot_for(simd::ops()) != nullptr;
+  const bool wide = simd::ops().lanes >= 16;
   struct Want {
     int64_t bs, bs_kv, d, q_block, kv_tile, widened_q_block, widened_kv_tile;
   };
-  for (const Want& w : {Want{8, 8, 128, 768, 512, 384, 256}, Want{8, 4, 128, 384, 512, 384, 256},
-                        Want{32, 8, 128, 192, 512, 192, 256}, Want{8, 8, 256, 768, 256, 384, 128},
-                        Want{16, 2, 512, 192, 128, 192, 64}}) {
+  const int64_t mha_widened = wide ? 768 : 384;
+  for (const Want& w :
+       {Want{8, 8, 128, 768, 512, mha_widened, 256}, Want{8, 4, 128, 384, 512, 384, 256},
+        Want{32, 8, 128, 192, 512, 192, 256}, Want{8, 8, 256, 768, 256, mha_widened, 128},
+        Want{16, 2, 512, 192, 128, 192, 64}}) {
     const auto shape_only = [](int64_t a, int64_t b, int64_t c) {
       return TensorView{nullptr, DType::kBFloat16, 3, {a, b, c}, {b * c, c, 1}};
     };

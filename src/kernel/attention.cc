@@ -171,8 +171,9 @@ void attend_packed_section(const Problem& problem, const simd::Ops& ops, const I
 
 AttentionKernel::AttentionKernel(const Problem& problem)
     : problem_(problem),
-      tiles_(resolve_tiles(problem, problem.dtype == DType::kBFloat16 &&
-                                        simd::bf16_dot_for(simd::ops()) != nullptr)),
+      tiles_(resolve_tiles(
+          problem, problem.dtype == DType::kBFloat16 && simd::bf16_dot_for(simd::ops()) != nullptr,
+          simd::ops().lanes)),
       ops_(simd::ops()) {}
 
 int64_t AttentionKernel::num_items() const {

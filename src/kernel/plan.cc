@@ -29,11 +29,16 @@ namespace {
 //   MHA 8 heads, S=4096, causal                   334    337
 //   GQA 32:8,    S=2048, causal            331    324
 //   GQA 32:8,    S=4096, causal            344    345
-// So a GQA group keeps 768 rows per packed tile; only the cap moves. float32 on the same CPU
-// moved by at most 3% between 384 and 1536 (one grid of 3 rounds), within its noise, so it
-// keeps the Zen 3 choice.
+// So a GQA group keeps 768 rows per packed tile; only the cap moves.
+//
+// float32 on AVX-512 (16 lanes) moves the cap too, once V is read in place (pack.cc) and the K
+// copy is all the packing left. Zen 4 EPYC, AVX3, 2 threads, fp32, MHA 8 heads, 768 against 384
+// rows, medians of interleaved process pairs: S=4096 d=128 non-causal 1.009-1.019 (8 pairs),
+// causal 1.019-1.026 (6); S=2048 causal 0.98-1.00 and S=4096 d=64 1.00 (6 each). The 8-lane
+// targets keep Zen 3's 384.
 constexpr int64_t kRowsPerPackedTile = 768;
-constexpr int64_t kMaxQBlock = 384, kMaxQBlockNative = 768;
+constexpr int64_t kMaxQBlock = 384, kMaxQBlockWide = 768;
+constexpr int64_t kWideLanes = 16;
 constexpr int64_t kMinQBlock = 192;
 // The work item's Q and O scratch, group x q_block x (d + dv) floats, stays within 8 MiB per
 // thread (issue 3 bounds the extra memory at 16 MiB per thread): large head dims and groups
@@ -41,8 +46,8 @@ constexpr int64_t kMinQBlock = 192;
 constexpr int64_t kQoScratchFloats = int64_t{2} << 20;
 constexpr int64_t kSmallestQBlock = 48;
 
-int64_t default_q_block(bool native_bf16, int64_t group, int64_t d, int64_t dv) {
-  const int64_t max_block = native_bf16 ? kMaxQBlockNative : kMaxQBlock;
+int64_t default_q_block(bool native_bf16, int64_t lanes, int64_t group, int64_t d, int64_t dv) {
+  const int64_t max_block = native_bf16 || lanes >= kWideLanes ? kMaxQBlockWide : kMaxQBlock;
   int64_t rows = std::clamp(kRowsPerPackedTile / group, kMinQBlock, max_block);
   while (rows > kSmallestQBlock && group * rows * (d + dv) > kQoScratchFloats) rows /= 2;
   return rows;
@@ -70,10 +75,12 @@ int64_t default_kv_tile(bool native_bf16, int64_t d, int64_t dv) {
 
 }  // namespace
 
-TileConfig resolve_tiles(const Problem& problem, bool native_bf16) {
+TileConfig resolve_tiles(const Problem& problem, bool native_bf16, int64_t lanes) {
   TileConfig t = problem.tile_request;
-  if (t.q_block == 0)
-    t.q_block = default_q_block(native_bf16, problem.group, problem.head_dim, problem.value_dim);
+  if (t.q_block == 0) {
+    t.q_block =
+        default_q_block(native_bf16, lanes, problem.group, problem.head_dim, problem.value_dim);
+  }
   if (t.kv_tile == 0) {
     t.kv_tile = default_kv_tile(native_bf16, problem.head_dim, problem.value_dim);
     if (t.section > 0 && t.section % t.kv_tile != 0) t.kv_tile = t.section;

@@ -20,9 +20,9 @@
 namespace flashcte::internal {
 
 // The problem's tile sizes: the caller's Problem::tile_request where set, this machine's choices
-// for its zero fields (`native_bf16`: the problem runs on the vdpbf16ps kernels). Every field of
-// the result is set.
-TileConfig resolve_tiles(const Problem& problem, bool native_bf16);
+// for its zero fields (`native_bf16`: the problem runs on the vdpbf16ps kernels; `lanes`: floats
+// per vector of the float32 kernels' SIMD target). Every field of the result is set.
+TileConfig resolve_tiles(const Problem& problem, bool native_bf16, int64_t lanes);
 
 // Query rows resident at once in one recurrence (the score buffer's height). A work item's
 // q_block rows share each packed K/V tile; they are computed kSubBlockRows at a time so that the
