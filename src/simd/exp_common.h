@@ -9,7 +9,6 @@
 namespace flashcte::simd::exp_constants {
 
 inline constexpr float kLowest = -87.0f;        // below: exp is 0
-inline constexpr float kHighest = 88.0f;        // the clamp's upper end
 inline constexpr float kShifter = 12582912.0f;  // 1.5 * 2^23: rounds x / ln 2 to an integer
 inline constexpr float kLog2e = 1.44269504088896341f;
 inline constexpr float kLn2Hi = 0.693145751953125f;  // 15 significant bits

@@ -48,15 +48,16 @@ HWY_INLINE V RoundToBf16(D d, V x) {
 
 // exp(x) for the exp-and-sum pass, where x = score - running max <= 0. Highway's Exp serves
 // every input range and cost 0.75 ns per element here (Zen 3, one core: 13% of the matmul time
-// per score at d = 128); this one serves x <= 88 only and costs 0.43-0.56 ns (best of 30 over
-// 48 x 256 scores, hot caches, 3 runs). n = round(x / ln 2) comes from the 1.5 * 2^23 shifter,
-// which also leaves n in the low mantissa bits so that 2^n is a shift; r = x - n ln 2 uses ln 2 in
-// two parts (the high part has 15 significant bits, so n * kLn2Hi is exact for |n| < 2^9); exp(r)
-// on |r| <= ln(2) / 2 is a polynomial of degree kDegree fitted for relative error (Lawson's
-// reweighted least squares): 2.0e-9 at degree 6, below float32's half ulp; 2.8e-6 at degree 4,
-// enough where P is rounded to bfloat16 (half an ulp: 2e-3 to 4e-3). Below -87 the result is 0:
-// exp(-87) = 1.6e-38 is near float32's smallest normal (1.2e-38), and building 2^n in the exponent
-// field needs a normal result. -inf gives 0 and NaN stays NaN.
+// per score at d = 128); this one serves x <= 88 only (unclamped above, as x <= 0 here) and
+// costs 0.43-0.56 ns (best of 30 over 48 x 256 scores, hot caches, 3 runs). n = round(x / ln 2)
+// comes from the 1.5 * 2^23 shifter, which also leaves n in the low mantissa bits so that 2^n is
+// a shift; r = x - n ln 2 uses ln 2 in two parts (the high part has 15 significant bits, so
+// n * kLn2Hi is exact for |n| < 2^9); exp(r) on |r| <= ln(2) / 2 is a polynomial of degree
+// kDegree fitted for relative error (Lawson's reweighted least squares): 2.0e-9 at degree 6,
+// below float32's half ulp; 2.8e-6 at degree 4, enough where P is rounded to bfloat16 (half an
+// ulp: 2e-3 to 4e-3). Below -87 the result is 0: exp(-87) = 1.6e-38 is near float32's smallest
+// normal (1.2e-38), and building 2^n in the exponent field needs a normal result. -inf gives 0
+// and NaN stays NaN.
 template <int kDegree, class D>
 HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
   static_assert(kDegree == 4 || kDegree == 6, "fitted degrees");
@@ -64,7 +65,7 @@ HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
   const hn::RebindToSigned<D> di;
   const auto kLowest = hn::Set(d, k::kLowest);
   const auto kShifter = hn::Set(d, k::kShifter);
-  const auto xc = hn::Min(hn::Max(x, kLowest), hn::Set(d, k::kHighest));
+  const auto xc = hn::Max(x, kLowest);
   const auto f = hn::MulAdd(xc, hn::Set(d, k::kLog2e), kShifter);
   const auto n = hn::Sub(f, kShifter);
   auto r = hn::NegMulAdd(n, hn::Set(d, k::kLn2Hi), xc);

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <sstream>
@@ -243,6 +244,14 @@ TEST(SimdBf16DotExpSum, MatchesThePortablePassBitForBit) {
       SCOPED_TRACE("n " + std::to_string(n) + (poison ? ", -inf and NaN" : ""));
       std::vector<float> s(static_cast<size_t>(n));
       for (float& x : s) x = u(rng);
+      // The edges of exp's range, after the bias of -0.5: -87 (the cut to 0, where 2^n is
+      // smallest) and its neighbours, and 0.
+      const float edges[] = {
+          -86.5f,    std::nextafter(-86.5f, -100.0f), std::nextafter(-86.5f, 0.0f), -86.84f, 0.5f,
+          0.4999999f};
+      for (size_t e = 0; e < std::size(edges) && static_cast<int64_t>(e) + 2 < n; ++e) {
+        s[e + 1] = edges[e];
+      }
       if (poison) {
         s[0] = -std::numeric_limits<float>::infinity();
         s[n - 1] = std::numeric_limits<float>::quiet_NaN();
