@@ -25,8 +25,8 @@
 #include <limits>
 #include <vector>
 
-#include "src/core/convert.h"
 #include "src/core/math.h"
+#include "src/kernel/output.h"
 #include "src/kernel/pack.h"
 #include "src/kernel/plan.h"
 #include "src/kernel/scratch.h"
@@ -57,11 +57,12 @@ float sink_logit(const Problem& problem, int64_t b, bool kv_split) {
 
 // Normalizes row r of `state` and writes it as output row i of query batch b, with its
 // statistics.
-void write_row(const Problem& problem, int64_t b, int64_t i, SoftmaxState& state, int64_t r) {
+void write_row(const Problem& problem, const simd::Ops& ops, int64_t b, int64_t i,
+               SoftmaxState& state, int64_t r) {
   const SoftmaxState::Stats stats = state.finish(r);
   const MutView3& out = problem.out;
-  store_row_from_float(out.data, b * out.batch_stride + i * out.row_stride, out.col_stride,
-                       problem.dtype, state.o(r), problem.value_dim);
+  store_output_row(ops, out.data, b * out.batch_stride + i * out.row_stride, out.col_stride,
+                   problem.dtype, state.o(r), problem.value_dim);
   if (problem.neg_max.data) *problem.neg_max.at(b, i) = stats.neg_max;
   if (problem.sum_recip.data) *problem.sum_recip.at(b, i) = stats.sum_recip;
   if (problem.lse.data) *problem.lse.at(b, i) = stats.lse;
@@ -235,7 +236,7 @@ void AttentionKernel::run(int64_t item_index, int64_t kv_begin, int64_t kv_end,
     SoftmaxState state = head_state(problem, scratch, item, h, 0, item.rows);
     for (int64_t r = 0; r < item.rows; ++r) {
       if (partial == nullptr) {
-        write_row(problem, item.kv_batch * problem.group + h, item.row0 + r, state, r);
+        write_row(problem, ops_, item.kv_batch * problem.group + h, item.row0 + r, state, r);
       } else {
         state.save(r, partial + (h * tiles_.q_block + r) * saved_floats);
       }
@@ -260,7 +261,7 @@ void AttentionKernel::merge(int64_t item, const float* partials, int64_t splits)
         state.merge_saved(
             0, partials + split * partial_floats() + (h * tiles_.q_block + r) * saved_floats);
       }
-      write_row(problem, b, block.row0 + r, state, 0);
+      write_row(problem, ops_, b, block.row0 + r, state, 0);
     }
   }
 }

@@ -27,6 +27,7 @@
 
 #include "src/core/convert.h"
 #include "src/core/math.h"
+#include "src/kernel/output.h"
 #include "src/kernel/scratch.h"
 #include "src/kernel/softmax_state.h"
 #include "src/simd/bf16_dot.h"
@@ -241,12 +242,12 @@ void prefetch_start(const DecodeProblem& p, const PairShape& ps, const SlotRange
 }
 
 // Normalizes row r of `state` and writes it as (b, head, token) of out and lse.
-void write_row(const DecodeProblem& p, int64_t b, int64_t head, int64_t t, SoftmaxState& state,
-               int64_t r) {
+void write_row(const DecodeProblem& p, const simd::Ops& ops, int64_t b, int64_t head, int64_t t,
+               SoftmaxState& state, int64_t r) {
   const SoftmaxState::Stats stats = state.finish(r);
   const auto& st = p.out_strides;
-  store_row_from_float(p.out, b * st[0] + head * st[1] + t * st[2], st[3], p.dtype, state.o(r),
-                       p.value_dim);
+  store_output_row(ops, p.out, b * st[0] + head * st[1] + t * st[2], st[3], p.dtype, state.o(r),
+                   p.value_dim);
   if (p.lse) {
     p.lse[b * p.lse_strides[0] + head * p.lse_strides[1] + t * p.lse_strides[2]] = stats.lse;
   }
@@ -311,7 +312,7 @@ void DecodeKernel::run(int64_t pair, int64_t chunk, float* partial) const {
     if (partial) {
       state.save(r, partial + r * saved);
     } else {
-      write_row(p, ps.b, row_head(p, ps, r), row_token(p, r), state, r);
+      write_row(p, ops_, ps.b, row_head(p, ps, r), row_token(p, r), state, r);
     }
   }
 }
@@ -330,7 +331,7 @@ void DecodeKernel::merge(int64_t pair, const float* partials) const {
     for (int64_t c = 0; c < chunks; ++c) {
       state.merge_saved(0, partials + c * partial_floats() + r * saved);
     }
-    write_row(p, ps.b, head, row_token(p, r), state, 0);
+    write_row(p, ops_, ps.b, head, row_token(p, r), state, 0);
   }
 }
 

@@ -66,6 +66,29 @@ void NarrowBf16(const float* src, int64_t n, uint16_t* dst) {
   for (; i < n; ++i) StoreBf16Halves(d1, hn::LoadU(d1, src + i), dst + i);
 }
 
+// dst[i] = src[i] rounded to bfloat16, to nearest even, a NaN quieted: half::float_to_bf16's
+// bits, for the output rows.
+template <class D>
+HWY_INLINE void RoundBf16Step(D d, const float* src, uint16_t* dst) {
+  const hn::RebindToUnsigned<D> du;
+  const auto v = hn::LoadU(d, src);
+  const auto bits = hn::BitCast(du, v);
+  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+  const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb));
+  const auto quieted = hn::Or(bits, hn::Set(du, 0x00400000u));
+  const auto out = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), quieted, rounded);
+  StoreBf16Halves(d, hn::BitCast(d, out), dst);
+}
+
+void RoundBf16(const float* src, int64_t n, uint16_t* dst) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  for (; i + N <= n; i += N) RoundBf16Step(df, src + i, dst + i);
+  const hn::CappedTag<float, 1> d1;
+  for (; i < n; ++i) RoundBf16Step(d1, src + i, dst + i);
+}
+
 // dst[i] = (bf16(lo[i]), bf16(hi[i])) as one uint32_t, low half first; a null row reads as
 // zeros. Exact for float32 that holds bfloat16 values, as NarrowBf16.
 template <class D>

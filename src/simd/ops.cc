@@ -33,6 +33,7 @@ const Ops* GetOps() {
                             &AddRow,
                             &Classify,
                             &ToFloat,
+                            &RoundBf16,
                             &NarrowBf16,
                             &InterleaveBf16,
                             &PairBf16,

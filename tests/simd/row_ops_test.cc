@@ -8,12 +8,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "src/core/half.h"
 #include "src/reference/reference.h"
 #include "src/simd/ops.h"
 #include "tests/simd/tester.h"
@@ -304,6 +306,37 @@ TEST(SimdNarrowBf16, ExactHighHalves) {
       ops.narrow_bf16(src.data(), n, dst);
       for (int64_t i = 0; i < n; ++i) EXPECT_EQ(dst[i], high_half(src[i])) << "element " << i;
       // The uint16_t at n shares a float with dst[n - 1] when n is odd: it must be unchanged.
+      if (n % 2) {
+        EXPECT_EQ(dst[n], static_cast<uint16_t>(kCanaryBits >> 16)) << "element n";
+      }
+      EXPECT_EQ(out.untouched_outside(1, (n + 1) / 2), "") << "written past n";
+    }
+  });
+}
+
+// round_bf16 rounds to nearest even and quiets NaNs exactly as half::float_to_bf16, over random
+// bit patterns (every class: zeros, subnormals, normals, the ties, overflow to inf, inf, NaN).
+TEST(SimdRoundBf16, AsTheScalarRoundingBitForBit) {
+  std::mt19937 rng(8);
+  std::uniform_int_distribution<uint32_t> any_bits;
+  const uint32_t planted[] = {0x00000000u, 0x80000000u, 0x00000001u, 0x007FFFFFu, 0x3F808000u,
+                              0x3F818000u, 0x3F80FFFFu, 0x7F7FFFFFu, 0xFF7F8000u, 0x7F800000u,
+                              0xFF800000u, 0x7F800001u, 0xFFC00000u, 0x7FFFFFFFu};
+  for_each_target([&](const simd::Ops& ops) {
+    for (int64_t n : edge_lengths(ops.lanes)) {
+      SCOPED_TRACE("n " + std::to_string(n));
+      std::vector<float> src(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        const uint32_t bits =
+            i < static_cast<int64_t>(std::size(planted)) ? planted[i] : any_bits(rng);
+        std::memcpy(&src[i], &bits, sizeof bits);
+      }
+      GuardedBuffer out(1, n / 2 + ops.lanes, 1);
+      auto* dst = reinterpret_cast<uint16_t*>(out.data());
+      ops.round_bf16(src.data(), n, dst);
+      for (int64_t i = 0; i < n; ++i) {
+        EXPECT_EQ(dst[i], half::float_to_bf16(src[i])) << "element " << i;
+      }
       if (n % 2) {
         EXPECT_EQ(dst[n], static_cast<uint16_t>(kCanaryBits >> 16)) << "element n";
       }
