@@ -58,14 +58,42 @@ HWY_INLINE V RoundToBf16(D d, V x) {
 // ulp: 2e-3 to 4e-3). Below -87 the result is 0: exp(-87) = 1.6e-38 is near float32's smallest
 // normal (1.2e-38), and building 2^n in the exponent field needs a normal result. -inf gives 0
 // and NaN stays NaN.
+//
+// On AVX-512, p 2^n is vscalefps, exact wherever the shift is (x >= -87: the result is normal),
+// and defined below it (a subnormal, 0, or NaN from -inf) where the result is zeroed anyway; a NaN
+// x passes through the FMAs and vscalefps as their NaN source and comes out as x. So the clamp
+// and the NaN blend go, and the zeroing is vscalefps's mask: 20 vector instructions become 15,
+// and the result is the same bit for bit. Zen 4 EPYC, fp32 MHA S=4096 d=128 non-causal:
+// ExpSumImpl 5.7% -> 3.9% of the cycles (perf, 1 thread); interleaved process pairs 1.008 on 1
+// thread (8 pairs), 1.003 on 2 (10 pairs), where the time saved mostly went to waiting.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+inline constexpr bool kScalef = true;
+// p 2^n in the lanes of `keep`, 0 elsewhere (zero-masked: GCC 12's unmasked forms trip
+// -Wmaybe-uninitialized).
+template <size_t N>
+HWY_INLINE hn::Vec128<float, N> ScalefOrZero(hn::Mask128<float, N> keep, hn::Vec128<float, N> p,
+                                             hn::Vec128<float, N> n) {
+  return hn::Vec128<float, N>{_mm_maskz_scalef_ps(keep.raw, p.raw, n.raw)};
+}
+HWY_INLINE hn::Vec256<float> ScalefOrZero(hn::Mask256<float> keep, hn::Vec256<float> p,
+                                          hn::Vec256<float> n) {
+  return hn::Vec256<float>{_mm256_maskz_scalef_ps(keep.raw, p.raw, n.raw)};
+}
+HWY_INLINE hn::Vec512<float> ScalefOrZero(hn::Mask512<float> keep, hn::Vec512<float> p,
+                                          hn::Vec512<float> n) {
+  return hn::Vec512<float>{_mm512_maskz_scalef_ps(keep.raw, p.raw, n.raw)};
+}
+#else
+inline constexpr bool kScalef = false;
+#endif
+
 template <int kDegree, class D>
 HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
   static_assert(kDegree == 4 || kDegree == 6, "fitted degrees");
   namespace k = exp_constants;
-  const hn::RebindToSigned<D> di;
   const auto kLowest = hn::Set(d, k::kLowest);
   const auto kShifter = hn::Set(d, k::kShifter);
-  const auto xc = hn::Max(x, kLowest);
+  const auto xc = kScalef ? x : hn::Max(x, kLowest);
   const auto f = hn::MulAdd(xc, hn::Set(d, k::kLog2e), kShifter);
   const auto n = hn::Sub(f, kShifter);
   auto r = hn::NegMulAdd(n, hn::Set(d, k::kLn2Hi), xc);
@@ -74,12 +102,17 @@ HWY_INLINE hn::Vec<D> ExpNonPositive(D d, hn::Vec<D> x) {
   auto p = hn::MulAdd(hn::Set(d, coef[0]), r, hn::Set(d, coef[1]));
   for (int i = 2; i < kDegree; ++i) p = hn::MulAdd(p, r, hn::Set(d, coef[i]));
   p = hn::MulAdd(p, r, hn::Set(d, 1.0f));
-  // 2^n: f's bits are those of 1.5 * 2^23 plus n, whose low 9 bits shifted into the exponent
-  // field give n << 23 (the rest shifts out).
-  const auto scaled =
-      hn::BitCast(d, hn::Add(hn::BitCast(di, p), hn::ShiftLeft<23>(hn::BitCast(di, f))));
-  const auto e = hn::IfThenZeroElse(hn::Lt(x, kLowest), scaled);
-  return hn::IfThenElse(hn::IsNaN(x), x, e);
+  if constexpr (kScalef) {
+    return ScalefOrZero(hn::Not(hn::Lt(x, kLowest)), p, n);
+  } else {
+    // 2^n: f's bits are those of 1.5 * 2^23 plus n, whose low 9 bits shifted into the exponent
+    // field give n << 23 (the rest shifts out).
+    const hn::RebindToSigned<D> di;
+    const auto scaled =
+        hn::BitCast(d, hn::Add(hn::BitCast(di, p), hn::ShiftLeft<23>(hn::BitCast(di, f))));
+    const auto e = hn::IfThenZeroElse(hn::Lt(x, kLowest), scaled);
+    return hn::IfThenElse(hn::IsNaN(x), x, e);
+  }
 }
 
 template <bool kRoundBf16, class D>
