@@ -34,7 +34,9 @@ namespace {
 // float32 on AVX-512 (16 lanes) moves the cap too, once V is read in place (pack.cc) and the K
 // copy is all the packing left. Zen 4 EPYC, AVX3, 2 threads, fp32, MHA 8 heads, 768 against 384
 // rows, medians of interleaved process pairs: S=4096 d=128 non-causal 1.009-1.019 (8 pairs),
-// causal 1.019-1.026 (6); S=2048 causal 0.98-1.00 and S=4096 d=64 1.00 (6 each). The 8-lane
+// causal 1.019-1.026 (6); S=2048 causal 0.98-1.00 and S=4096 d=64 1.00 (6 each). Widened
+// inputs on the same kernels, S=4096 d=128, 5 pairs each: fp16 non-causal 1.008-1.028, causal
+// 1.017-1.025; bf16 widened (FLASHCTE_BF16_DOT=widen, the Intel path) 1.024-1.028. The 8-lane
 // targets keep Zen 3's 384.
 constexpr int64_t kRowsPerPackedTile = 768;
 constexpr int64_t kMaxQBlock = 384, kMaxQBlockWide = 768;

@@ -13,7 +13,8 @@
 //                      use them
 //   ops.cc             the per-target table and the run-time dispatch
 //
-// All buffers are float32 and packed by the kernel layer:
+// All buffers are float32 and packed by the kernel layer (float32 V that has the V tile's layout
+// already is read in place):
 //   Q block  [rows][ldq]      row-major, one query row per row
 //   K tile   [d][ldk]         transposed, key j of the tile in column j (the Neuron k_sb (d, 512))
 //   S / P    [rows][lds]      scores, then probabilities in place
