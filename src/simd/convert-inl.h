@@ -72,12 +72,8 @@ template <class D>
 HWY_INLINE void RoundBf16Step(D d, const float* src, uint16_t* dst) {
   const hn::RebindToUnsigned<D> du;
   const auto v = hn::LoadU(d, src);
-  const auto bits = hn::BitCast(du, v);
-  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
-  const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb));
-  const auto quieted = hn::Or(bits, hn::Set(du, 0x00400000u));
-  const auto out = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), quieted, rounded);
-  StoreBf16Halves(d, hn::BitCast(d, out), dst);
+  const auto quieted = hn::BitCast(d, hn::Or(hn::BitCast(du, v), hn::Set(du, 0x00400000u)));
+  StoreBf16Halves(d, hn::IfThenElse(hn::IsNaN(v), quieted, RoundToBf16(d, v)), dst);
 }
 
 void RoundBf16(const float* src, int64_t n, uint16_t* dst) {

@@ -62,6 +62,18 @@ HWY_INLINE void ForEachRowBlock(int64_t rows, const Body& body) {
   RemainderBlock<kRows - 1>(rows - r, r, body);
 }
 
+// x rounded to bfloat16, to nearest even, as a float32 with the low half zero; finite x only (a
+// NaN may round to infinity). The exp-and-sum's P (softmax-inl.h) and the output rows
+// (convert-inl.h, which handles NaN itself) share it.
+template <class D, class V>
+HWY_INLINE V RoundToBf16(D d, V x) {
+  const hn::RebindToUnsigned<D> du;
+  const auto bits = hn::BitCast(du, x);
+  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
+  const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb));
+  return hn::BitCast(d, hn::And(rounded, hn::Set(du, 0xFFFF0000u)));
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace flashcte::simd
 HWY_AFTER_NAMESPACE();

@@ -36,16 +36,6 @@ float RowMax(const float* s, int64_t n) {
   return result;
 }
 
-template <class D, class V>
-HWY_INLINE V RoundToBf16(D d, V x) {
-  // Round to nearest even on the upper 16 bits. P is finite and >= 0 here.
-  const hn::RebindToUnsigned<D> du;
-  const auto bits = hn::BitCast(du, x);
-  const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
-  const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb));
-  return hn::BitCast(d, hn::And(rounded, hn::Set(du, 0xFFFF0000u)));
-}
-
 // exp(x) for the exp-and-sum pass, where x = score - running max <= 0. Highway's Exp serves
 // every input range and cost 0.75 ns per element here (Zen 3, one core: 13% of the matmul time
 // per score at d = 128); this one serves x <= 88 only (unclamped above, as x <= 0 here) and
@@ -120,7 +110,7 @@ HWY_INLINE hn::Vec<D> ExpStep(D d, float* p, hn::Vec<D> bias) {
   // Degree 4 where P is rounded to bfloat16 anyway (ExpNonPositive).
   constexpr int kDegree = kRoundBf16 ? 4 : 6;
   const auto e = ExpNonPositive<kDegree>(d, hn::Add(hn::LoadU(d, p), bias));
-  hn::StoreU(kRoundBf16 ? RoundToBf16(d, e) : e, d, p);
+  hn::StoreU(kRoundBf16 ? RoundToBf16(d, e) : e, d, p);  // P is finite and >= 0
   return e;
 }
 
