@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "hwy/highway.h"
+#include "src/core/half.h"
 #include "src/simd/shared-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -83,6 +84,23 @@ void RoundBf16(const float* src, int64_t n, uint16_t* dst) {
   for (; i + N <= n; i += N) RoundBf16Step(df, src + i, dst + i);
   const hn::CappedTag<float, 1> d1;
   for (; i < n; ++i) RoundBf16Step(d1, src + i, dst + i);
+}
+
+// dst[i] = src[i] rounded to float16 with half::float_to_f16's bits (nearest even, gradual
+// underflow, overflow to infinity, a NaN quieted with the top of its payload), for the output
+// rows: vcvtps2ph on the x86 targets that have F16C. Highway's DemoteTo to float16 on the others
+// truncates instead of rounding, so they keep the scalar rounding.
+void RoundF16(const float* src, int64_t n, uint16_t* dst) {
+  int64_t i = 0;
+#if (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL) && \
+    !defined(HWY_DISABLE_F16C)
+  const DF df;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  auto* out = reinterpret_cast<hwy::float16_t*>(dst);
+  for (; i + N <= n; i += N) hn::StoreU(hn::DemoteTo(dh, hn::LoadU(df, src + i)), dh, out + i);
+#endif
+  for (; i < n; ++i) dst[i] = half::float_to_f16(src[i]);
 }
 
 // dst[i] = (bf16(lo[i]), bf16(hi[i])) as one uint32_t, low half first; a null row reads as

@@ -34,6 +34,7 @@ const Ops* GetOps() {
                             &Classify,
                             &ToFloat,
                             &RoundBf16,
+                            &RoundF16,
                             &NarrowBf16,
                             &InterleaveBf16,
                             &PairBf16,

@@ -34,9 +34,9 @@
 //       multiple of kPadFloats (hence of N, W1) and at most the leading dimension; it touches
 //       nothing past dv_pad. Columns [dv, dv_pad) of V must be finite (the kernel zeroes them).
 //       P is read at [0, n) of each row.
-//   W4  row_max, exp_sum, softcap, alibi, add, classify, to_float, round_bf16, narrow_bf16,
-//       interleave_bf16 and pair_bf16 touch exactly [0, n):
-//       their tails run one lane at a time.
+//   W4  row_max, exp_sum, softcap, alibi, add, classify, to_float, round_bf16, round_f16,
+//       narrow_bf16, interleave_bf16 and pair_bf16 touch exactly [0, n): their tails run one
+//       lane at a time.
 //   W5  qk's register block is `rows` (Ops::mm_rows) rows; any row count is allowed.
 // tests/simd/ checks each op against these extents with NaN canaries on every target the CPU
 // runs.
@@ -131,6 +131,8 @@ struct Ops {
   // dst[i] = src[i] rounded to bfloat16 (nearest even, NaN quieted: half::float_to_bf16's bits)
   // for i < n: the bfloat16 output rows.
   void (*round_bf16)(const float* src, int64_t n, uint16_t* dst);
+  // The same to float16 (half::float_to_f16's bits): the float16 output rows.
+  void (*round_f16)(const float* src, int64_t n, uint16_t* dst);
 
   // For the native bfloat16 kernels (bf16_dot.h), from float32 that holds bfloat16 values
   // (packed from bfloat16 inputs, or P rounded by exp_sum; then both are exact):

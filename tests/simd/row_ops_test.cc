@@ -345,6 +345,49 @@ TEST(SimdRoundBf16, AsTheScalarRoundingBitForBit) {
   });
 }
 
+// round_f16 rounds exactly as half::float_to_f16: random bit patterns, random values across
+// float16's range (where most random bits overflow or vanish), and planted edges: signed zeros,
+// the ties at 2^-25 (to zero) and between subnormals, the smallest normal and the largest
+// subnormal, 1 + half an ulp (even) and 1 + 3 half ulps (odd), 65504, 65520 (a tie that reaches
+// infinity), infinities and NaNs, signalling ones included.
+TEST(SimdRoundF16, AsTheScalarRoundingBitForBit) {
+  std::mt19937 rng(9);
+  std::uniform_int_distribution<uint32_t> any_bits;
+  std::uniform_int_distribution<uint32_t> exponent(100, 145), mantissa(0, 0x7FFFFFu);
+  const uint32_t planted[] = {0x00000000u, 0x80000000u, 0x00000001u, 0x33000000u, 0x33000001u,
+                              0xB3000000u, 0x33800000u, 0x33C00000u, 0x34200000u, 0x387FC000u,
+                              0x387FE000u, 0x38800000u, 0x3F801000u, 0x3F803000u, 0x3F801001u,
+                              0x477FE000u, 0x477FEFFFu, 0x477FF000u, 0xC77FF000u, 0x7F800000u,
+                              0xFF800000u, 0x7F800001u, 0x7FA00000u, 0xFFC00000u, 0x7FFFFFFFu};
+  for_each_target([&](const simd::Ops& ops) {
+    std::vector<int64_t> lengths = edge_lengths(ops.lanes);
+    lengths.push_back(4099);
+    for (int64_t n : lengths) {
+      SCOPED_TRACE("n " + std::to_string(n));
+      std::vector<float> src(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits = any_bits(rng);
+        if (i < static_cast<int64_t>(std::size(planted))) {
+          bits = planted[i];
+        } else if (i % 2) {
+          bits = (bits & 0x80000000u) | exponent(rng) << 23 | mantissa(rng);
+        }
+        std::memcpy(&src[i], &bits, sizeof bits);
+      }
+      GuardedBuffer out(1, n / 2 + ops.lanes, 1);
+      auto* dst = reinterpret_cast<uint16_t*>(out.data());
+      ops.round_f16(src.data(), n, dst);
+      for (int64_t i = 0; i < n; ++i) {
+        EXPECT_EQ(dst[i], half::float_to_f16(src[i])) << "element " << i << ", " << src[i];
+      }
+      if (n % 2) {
+        EXPECT_EQ(dst[n], static_cast<uint16_t>(kCanaryBits >> 16)) << "element n";
+      }
+      EXPECT_EQ(out.untouched_outside(1, (n + 1) / 2), "") << "written past n";
+    }
+  });
+}
+
 TEST(SimdInterleaveBf16, PairsLowHalfFirst) {
   std::mt19937 rng(8);
   for_each_target([&](const simd::Ops& ops) {
