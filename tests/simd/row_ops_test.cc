@@ -314,28 +314,28 @@ TEST(SimdNarrowBf16, ExactHighHalves) {
   });
 }
 
-// round_bf16 rounds to nearest even and quiets NaNs exactly as half::float_to_bf16, over random
-// bit patterns (every class: zeros, subnormals, normals, the ties, overflow to inf, inf, NaN).
-TEST(SimdRoundBf16, AsTheScalarRoundingBitForBit) {
-  std::mt19937 rng(8);
-  std::uniform_int_distribution<uint32_t> any_bits;
-  const uint32_t planted[] = {0x00000000u, 0x80000000u, 0x00000001u, 0x007FFFFFu, 0x3F808000u,
-                              0x3F818000u, 0x3F80FFFFu, 0x7F7FFFFFu, 0xFF7F8000u, 0x7F800000u,
-                              0xFF800000u, 0x7F800001u, 0xFFC00000u, 0x7FFFFFFFu};
+// Ops::round_bf16 or round_f16 against its scalar rounding, bit for bit, on every target and
+// every edge length (plus a long row): the planted bit patterns first, then draw() for the rest.
+// An odd n must leave the half after the last element alone.
+template <class Draw>
+void ExpectRoundsAsScalar(void (*simd::Ops::*round)(const float*, int64_t, uint16_t*),
+                          uint16_t (*scalar)(float), const std::vector<uint32_t>& planted,
+                          Draw draw) {
   for_each_target([&](const simd::Ops& ops) {
-    for (int64_t n : edge_lengths(ops.lanes)) {
+    std::vector<int64_t> lengths = edge_lengths(ops.lanes);
+    lengths.push_back(4099);
+    for (int64_t n : lengths) {
       SCOPED_TRACE("n " + std::to_string(n));
       std::vector<float> src(static_cast<size_t>(n));
       for (int64_t i = 0; i < n; ++i) {
-        const uint32_t bits =
-            i < static_cast<int64_t>(std::size(planted)) ? planted[i] : any_bits(rng);
+        const uint32_t bits = i < static_cast<int64_t>(planted.size()) ? planted[i] : draw(i);
         std::memcpy(&src[i], &bits, sizeof bits);
       }
       GuardedBuffer out(1, n / 2 + ops.lanes, 1);
       auto* dst = reinterpret_cast<uint16_t*>(out.data());
-      ops.round_bf16(src.data(), n, dst);
+      (ops.*round)(src.data(), n, dst);
       for (int64_t i = 0; i < n; ++i) {
-        EXPECT_EQ(dst[i], half::float_to_bf16(src[i])) << "element " << i;
+        EXPECT_EQ(dst[i], scalar(src[i])) << "element " << i << ", " << src[i];
       }
       if (n % 2) {
         EXPECT_EQ(dst[n], static_cast<uint16_t>(kCanaryBits >> 16)) << "element n";
@@ -343,6 +343,18 @@ TEST(SimdRoundBf16, AsTheScalarRoundingBitForBit) {
       EXPECT_EQ(out.untouched_outside(1, (n + 1) / 2), "") << "written past n";
     }
   });
+}
+
+// round_bf16 rounds to nearest even and quiets NaNs exactly as half::float_to_bf16, over random
+// bit patterns (every class: zeros, subnormals, normals, the ties, overflow to inf, inf, NaN).
+TEST(SimdRoundBf16, AsTheScalarRoundingBitForBit) {
+  std::mt19937 rng(8);
+  std::uniform_int_distribution<uint32_t> any_bits;
+  ExpectRoundsAsScalar(
+      &simd::Ops::round_bf16, &half::float_to_bf16,
+      {0x00000000u, 0x80000000u, 0x00000001u, 0x007FFFFFu, 0x3F808000u, 0x3F818000u, 0x3F80FFFFu,
+       0x7F7FFFFFu, 0xFF7F8000u, 0x7F800000u, 0xFF800000u, 0x7F800001u, 0xFFC00000u, 0x7FFFFFFFu},
+      [&](int64_t) { return any_bits(rng); });
 }
 
 // round_f16 rounds exactly as half::float_to_f16: random bit patterns, random values across
@@ -354,38 +366,16 @@ TEST(SimdRoundF16, AsTheScalarRoundingBitForBit) {
   std::mt19937 rng(9);
   std::uniform_int_distribution<uint32_t> any_bits;
   std::uniform_int_distribution<uint32_t> exponent(100, 145), mantissa(0, 0x7FFFFFu);
-  const uint32_t planted[] = {0x00000000u, 0x80000000u, 0x00000001u, 0x33000000u, 0x33000001u,
-                              0xB3000000u, 0x33800000u, 0x33C00000u, 0x34200000u, 0x387FC000u,
-                              0x387FE000u, 0x38800000u, 0x3F801000u, 0x3F803000u, 0x3F801001u,
-                              0x477FE000u, 0x477FEFFFu, 0x477FF000u, 0xC77FF000u, 0x7F800000u,
-                              0xFF800000u, 0x7F800001u, 0x7FA00000u, 0xFFC00000u, 0x7FFFFFFFu};
-  for_each_target([&](const simd::Ops& ops) {
-    std::vector<int64_t> lengths = edge_lengths(ops.lanes);
-    lengths.push_back(4099);
-    for (int64_t n : lengths) {
-      SCOPED_TRACE("n " + std::to_string(n));
-      std::vector<float> src(static_cast<size_t>(n));
-      for (int64_t i = 0; i < n; ++i) {
-        uint32_t bits = any_bits(rng);
-        if (i < static_cast<int64_t>(std::size(planted))) {
-          bits = planted[i];
-        } else if (i % 2) {
-          bits = (bits & 0x80000000u) | exponent(rng) << 23 | mantissa(rng);
-        }
-        std::memcpy(&src[i], &bits, sizeof bits);
-      }
-      GuardedBuffer out(1, n / 2 + ops.lanes, 1);
-      auto* dst = reinterpret_cast<uint16_t*>(out.data());
-      ops.round_f16(src.data(), n, dst);
-      for (int64_t i = 0; i < n; ++i) {
-        EXPECT_EQ(dst[i], half::float_to_f16(src[i])) << "element " << i << ", " << src[i];
-      }
-      if (n % 2) {
-        EXPECT_EQ(dst[n], static_cast<uint16_t>(kCanaryBits >> 16)) << "element n";
-      }
-      EXPECT_EQ(out.untouched_outside(1, (n + 1) / 2), "") << "written past n";
-    }
-  });
+  ExpectRoundsAsScalar(
+      &simd::Ops::round_f16, &half::float_to_f16,
+      {0x00000000u, 0x80000000u, 0x00000001u, 0x33000000u, 0x33000001u, 0xB3000000u, 0x33800000u,
+       0x33C00000u, 0x34200000u, 0x387FC000u, 0x387FE000u, 0x38800000u, 0x3F801000u, 0x3F803000u,
+       0x3F801001u, 0x477FE000u, 0x477FEFFFu, 0x477FF000u, 0xC77FF000u, 0x7F800000u, 0xFF800000u,
+       0x7F800001u, 0x7FA00000u, 0xFFC00000u, 0x7FFFFFFFu},
+      [&](int64_t i) {
+        const uint32_t bits = any_bits(rng);
+        return i % 2 ? bits : (bits & 0x80000000u) | exponent(rng) << 23 | mantissa(rng);
+      });
 }
 
 TEST(SimdInterleaveBf16, PairsLowHalfFirst) {
