@@ -6,9 +6,8 @@ namespace flashcte::internal {
 
 void store_output_row(const simd::Ops& ops, void* base, int64_t offset, int64_t stride, DType dtype,
                       const float* src, int64_t n) {
-  if (stride == 1 && (dtype == DType::kBFloat16 || dtype == DType::kFloat16)) {
-    (dtype == DType::kBFloat16 ? ops.round_bf16 : ops.round_f16)(
-        src, n, static_cast<uint16_t*>(base) + offset);
+  if (stride == 1) {
+    ops.from_float(src, dtype, n, static_cast<char*>(base) + offset * dtype_size(dtype));
     return;
   }
   store_row_from_float(base, offset, stride, dtype, src, n);

@@ -11,9 +11,9 @@
 namespace flashcte::internal {
 
 // n float32 values as a row of the output, element c at base[offset + c * stride] in dtype,
-// bit for bit as store_row_from_float (src/core/convert.h). A contiguous bfloat16 or float16 row
-// goes through the vector rounding (Ops::round_bf16, Ops::round_f16) instead of that function's
-// scalar loop. Zen 4 EPYC, AVX3, d=128, 2 threads, 8 interleaved process pairs each (the per-row
+// bit for bit as store_row_from_float (src/core/convert.h). A contiguous row goes through
+// Ops::from_float, whose bfloat16 and float16 roundings are vectors where that function loops
+// over scalars. Zen 4 EPYC, AVX3, d=128, 2 threads, 8 interleaved process pairs each (the per-row
 // work weighs more on short rows):
 //   bf16 causal: S=4096 8 heads 1.003-1.004, S=512 32 heads 1.016-1.026 (perf, 1 thread,
 //     S=4096: AttentionKernel::run's own cycles 1.25% -> 0.57% plus 0.22% in RoundBf16);

@@ -1,6 +1,8 @@
 // Conversions for the packers, once per element of a K/V tile or a Q block: bfloat16 / float16
 // runs to float32 (2 or 4 bytes in, 4 out per element), and float32 that holds bfloat16 values to
 // the native bf16 kernels' layouts (bf16_dot.h): narrowed rows, and pairs of rows interleaved.
+// And the way back for the output rows, once per element of the output: float32 rounded to the
+// output's dtype.
 // Width contract W4 (ops.h): whole vectors while n allows, then one lane at a time.
 
 #if defined(FLASHCTE_SRC_SIMD_CONVERT_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -68,7 +70,7 @@ void NarrowBf16(const float* src, int64_t n, uint16_t* dst) {
 }
 
 // dst[i] = src[i] rounded to bfloat16, to nearest even, a NaN quieted: half::float_to_bf16's
-// bits, for the output rows.
+// bits.
 template <class D>
 HWY_INLINE void RoundBf16Step(D d, const float* src, uint16_t* dst) {
   const hn::RebindToUnsigned<D> du;
@@ -77,7 +79,7 @@ HWY_INLINE void RoundBf16Step(D d, const float* src, uint16_t* dst) {
   StoreBf16Halves(d, hn::IfThenElse(hn::IsNaN(v), quieted, RoundToBf16(d, v)), dst);
 }
 
-void RoundBf16(const float* src, int64_t n, uint16_t* dst) {
+HWY_INLINE void RoundBf16(const float* src, int64_t n, uint16_t* dst) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   int64_t i = 0;
@@ -87,10 +89,10 @@ void RoundBf16(const float* src, int64_t n, uint16_t* dst) {
 }
 
 // dst[i] = src[i] rounded to float16 with half::float_to_f16's bits (nearest even, gradual
-// underflow, overflow to infinity, a NaN quieted with the top of its payload), for the output
-// rows: vcvtps2ph on the x86 targets that have F16C. Highway's DemoteTo to float16 on the others
-// truncates instead of rounding, so they keep the scalar rounding.
-void RoundF16(const float* src, int64_t n, uint16_t* dst) {
+// underflow, overflow to infinity, a NaN quieted with the top of its payload): vcvtps2ph on the x86
+// targets that have F16C. Highway's DemoteTo to float16 on the others truncates instead of
+// rounding, so they keep the scalar rounding.
+HWY_INLINE void RoundF16(const float* src, int64_t n, uint16_t* dst) {
   int64_t i = 0;
 #if (HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL) && \
     !defined(HWY_DISABLE_F16C)
@@ -101,6 +103,19 @@ void RoundF16(const float* src, int64_t n, uint16_t* dst) {
   for (; i + N <= n; i += N) hn::StoreU(hn::DemoteTo(dh, hn::LoadU(df, src + i)), dh, out + i);
 #endif
   for (; i < n; ++i) dst[i] = half::float_to_f16(src[i]);
+}
+
+void FromFloat(const float* src, DType dtype, int64_t n, void* dst) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      RoundBf16(src, n, static_cast<uint16_t*>(dst));
+      break;
+    case DType::kFloat16:
+      RoundF16(src, n, static_cast<uint16_t*>(dst));
+      break;
+    default:
+      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  }
 }
 
 // dst[i] = (bf16(lo[i]), bf16(hi[i])) as one uint32_t, low half first; a null row reads as

@@ -34,7 +34,7 @@
 //       multiple of kPadFloats (hence of N, W1) and at most the leading dimension; it touches
 //       nothing past dv_pad. Columns [dv, dv_pad) of V must be finite (the kernel zeroes them).
 //       P is read at [0, n) of each row.
-//   W4  row_max, exp_sum, softcap, alibi, add, classify, to_float, round_bf16, round_f16,
+//   W4  row_max, exp_sum, softcap, alibi, add, classify, to_float, from_float,
 //       narrow_bf16, interleave_bf16 and pair_bf16 touch exactly [0, n): their tails run one
 //       lane at a time.
 //   W5  qk's register block is `rows` (Ops::mm_rows) rows; any row count is allowed.
@@ -128,11 +128,10 @@ struct Ops {
   // dst[i] = float(src[i]) for i < n, src contiguous of dtype float32, bfloat16 or float16
   // (F16C on x86). Used by the packers, which run once per tile.
   void (*to_float)(const void* src, DType dtype, int64_t n, float* dst);
-  // dst[i] = src[i] rounded to bfloat16 (nearest even, NaN quieted: half::float_to_bf16's bits)
-  // for i < n: the bfloat16 output rows.
-  void (*round_bf16)(const float* src, int64_t n, uint16_t* dst);
-  // The same to float16 (half::float_to_f16's bits): the float16 output rows.
-  void (*round_f16)(const float* src, int64_t n, uint16_t* dst);
+  // The way back, for the output rows: dst[i] = src[i] as dtype for i < n, dst contiguous;
+  // bfloat16 and float16 rounded to nearest even with half::float_to_bf16's and
+  // half::float_to_f16's bits (NaNs quieted).
+  void (*from_float)(const float* src, DType dtype, int64_t n, void* dst);
 
   // For the native bfloat16 kernels (bf16_dot.h), from float32 that holds bfloat16 values
   // (packed from bfloat16 inputs, or P rounded by exp_sum; then both are exact):

@@ -314,13 +314,12 @@ TEST(SimdNarrowBf16, ExactHighHalves) {
   });
 }
 
-// Ops::round_bf16 or round_f16 against its scalar rounding, bit for bit, on every target and
-// every edge length (plus a long row): the planted bit patterns first, then draw() for the rest.
-// An odd n must leave the half after the last element alone.
+// Ops::from_float to `dtype` (bfloat16 or float16) against its scalar rounding, bit for bit, on
+// every target and every edge length (plus a long row): the planted bit patterns first, then
+// draw() for the rest. An odd n must leave the half after the last element alone.
 template <class Draw>
-void ExpectRoundsAsScalar(void (*simd::Ops::*round)(const float*, int64_t, uint16_t*),
-                          uint16_t (*scalar)(float), const std::vector<uint32_t>& planted,
-                          Draw draw) {
+void ExpectRoundsAsScalar(DType dtype, uint16_t (*scalar)(float),
+                          const std::vector<uint32_t>& planted, Draw draw) {
   for_each_target([&](const simd::Ops& ops) {
     std::vector<int64_t> lengths = edge_lengths(ops.lanes);
     lengths.push_back(4099);
@@ -333,7 +332,7 @@ void ExpectRoundsAsScalar(void (*simd::Ops::*round)(const float*, int64_t, uint1
       }
       GuardedBuffer out(1, n / 2 + ops.lanes, 1);
       auto* dst = reinterpret_cast<uint16_t*>(out.data());
-      (ops.*round)(src.data(), n, dst);
+      ops.from_float(src.data(), dtype, n, dst);
       for (int64_t i = 0; i < n; ++i) {
         EXPECT_EQ(dst[i], scalar(src[i])) << "element " << i << ", " << src[i];
       }
@@ -345,21 +344,22 @@ void ExpectRoundsAsScalar(void (*simd::Ops::*round)(const float*, int64_t, uint1
   });
 }
 
-// round_bf16 rounds to nearest even and quiets NaNs exactly as half::float_to_bf16, over random
-// bit patterns (every class: zeros, subnormals, normals, the ties, overflow to inf, inf, NaN).
+// from_float to bfloat16 rounds to nearest even and quiets NaNs exactly as half::float_to_bf16,
+// over random bit patterns (every class: zeros, subnormals, normals, the ties, overflow to inf,
+// inf, NaN).
 TEST(SimdRoundBf16, AsTheScalarRoundingBitForBit) {
   std::mt19937 rng(8);
   std::uniform_int_distribution<uint32_t> any_bits;
   ExpectRoundsAsScalar(
-      &simd::Ops::round_bf16, &half::float_to_bf16,
+      DType::kBFloat16, &half::float_to_bf16,
       {0x00000000u, 0x80000000u, 0x00000001u, 0x007FFFFFu, 0x3F808000u, 0x3F818000u, 0x3F80FFFFu,
        0x7F7FFFFFu, 0xFF7F8000u, 0x7F800000u, 0xFF800000u, 0x7F800001u, 0xFFC00000u, 0x7FFFFFFFu},
       [&](int64_t) { return any_bits(rng); });
 }
 
-// round_f16 rounds exactly as half::float_to_f16: random bit patterns, random values across
-// float16's range (where most random bits overflow or vanish), and planted edges: signed zeros,
-// the ties at 2^-25 (to zero) and between subnormals, the smallest normal and the largest
+// from_float to float16 rounds exactly as half::float_to_f16: random bit patterns, random values
+// across float16's range (where most random bits overflow or vanish), and planted edges: signed
+// zeros, the ties at 2^-25 (to zero) and between subnormals, the smallest normal and the largest
 // subnormal, 1 + half an ulp (even) and 1 + 3 half ulps (odd), 65504, 65520 (a tie that reaches
 // infinity), infinities and NaNs, signalling ones included.
 TEST(SimdRoundF16, AsTheScalarRoundingBitForBit) {
@@ -367,7 +367,7 @@ TEST(SimdRoundF16, AsTheScalarRoundingBitForBit) {
   std::uniform_int_distribution<uint32_t> any_bits;
   std::uniform_int_distribution<uint32_t> exponent(100, 145), mantissa(0, 0x7FFFFFu);
   ExpectRoundsAsScalar(
-      &simd::Ops::round_f16, &half::float_to_f16,
+      DType::kFloat16, &half::float_to_f16,
       {0x00000000u, 0x80000000u, 0x00000001u, 0x33000000u, 0x33000001u, 0xB3000000u, 0x33800000u,
        0x33C00000u, 0x34200000u, 0x387FC000u, 0x387FE000u, 0x38800000u, 0x3F801000u, 0x3F803000u,
        0x3F801001u, 0x477FE000u, 0x477FEFFFu, 0x477FF000u, 0xC77FF000u, 0x7F800000u, 0xFF800000u,
