@@ -42,6 +42,10 @@ struct DecodeCase {
   bool sink = false;
   float softcap = 0.0f;
   bool strided = false;  // channel stride 2 in the caches, padded rows in q and out
+  // > 0: the caches are pools of pages of this many slots behind a block table, the pages in a
+  // shuffled order (paged_caches); nhd: laid out (num_blocks, block_size, kv_heads, d).
+  int64_t block_size = 0;
+  bool nhd = false;
   int threads = 0;
   uint64_t seed = 1;
 
@@ -101,6 +105,13 @@ class Tensor4 {
     return reference::load_element(bytes_.data(), dtype_, offset(a, b, c, x));
   }
   TensorView4 view() const { return {bytes_.data(), dtype_, 4, shape_, strides_}; }
+  // The view with axes 1 and 2 swapped (strides permuted, nothing moved).
+  TensorView4 view_swapping_axes_1_2() const {
+    TensorView4 t = view();
+    std::swap(t.shape[1], t.shape[2]);
+    std::swap(t.strides[1], t.strides[2]);
+    return t;
+  }
   MutableTensorView4 mutable_view() { return {bytes_.data(), dtype_, 4, shape_, strides_}; }
   const std::vector<unsigned char>& bytes() const { return bytes_; }
 
@@ -108,6 +119,68 @@ class Tensor4 {
   DType dtype_;
   std::array<int64_t, 4> shape_, strides_{};
   std::vector<unsigned char> bytes_;
+};
+
+// The dense caches of a case as pools of pages, (num_blocks, kv_heads, block_size, d) (or NHD),
+// sequence b's page i at a shuffled place, two spare pages, and the block table; the entries of
+// the pages no token reads are -1 (never looked at).
+struct PagedCaches {
+  Tensor4 k, v;
+  std::vector<int32_t> table;
+  int64_t pages_per_sequence = 0;
+
+  PagedCaches(const DecodeCase& c, const Tensor4& dense_k, const Tensor4& dense_v)
+      : k(make_pool(c, c.d)), v(make_pool(c, c.value_dim())) {
+    pages_per_sequence = (c.max_len + c.block_size - 1) / c.block_size;
+    const int64_t pages = c.batch * pages_per_sequence;
+    std::vector<int32_t> place(static_cast<size_t>(pages));
+    for (int64_t i = 0; i < pages; ++i) place[i] = static_cast<int32_t>(i + 1);  // page 0 spare
+    std::shuffle(place.begin(), place.end(), std::mt19937_64(c.seed + 7));
+    table.assign(place.begin(), place.end());
+    for (int64_t b = 0; b < c.batch; ++b) {
+      int64_t lo = c.max_len, hi = 0;
+      for (int64_t t = 0; t < c.tokens; ++t) {
+        const int64_t pos = c.position(b, t);
+        lo = std::min(lo, c.window > 0 ? std::max<int64_t>(0, pos - c.window + 1) : 0);
+        hi = std::max(hi, pos + 1);
+      }
+      for (int64_t i = 0; i < pages_per_sequence; ++i) {
+        int32_t& entry = table[b * pages_per_sequence + i];
+        const int64_t page = entry;
+        if ((i + 1) * c.block_size <= lo || i * c.block_size >= hi) entry = -1;
+        for (int64_t h = 0; h < c.kv_heads; ++h) {
+          for (int64_t r = 0; r < c.block_size && i * c.block_size + r < c.max_len; ++r) {
+            const int64_t j = i * c.block_size + r;
+            for (int64_t x = 0; x < c.d; ++x) set(c, k, page, h, r, x, dense_k.get(b, h, j, x));
+            for (int64_t x = 0; x < c.value_dim(); ++x) {
+              set(c, v, page, h, r, x, dense_v.get(b, h, j, x));
+            }
+          }
+        }
+      }
+    }
+  }
+  TensorView4 view(const DecodeCase& c, const Tensor4& pool) const {
+    return c.nhd ? pool.view_swapping_axes_1_2() : pool.view();
+  }
+  TensorView block_table(const DecodeCase& c) const {
+    return TensorView::contiguous(table.data(), DType::kInt32, {c.batch, pages_per_sequence});
+  }
+
+ private:
+  static Tensor4 make_pool(const DecodeCase& c, int64_t channels) {
+    const int64_t pages = c.batch * ((c.max_len + c.block_size - 1) / c.block_size) + 2;
+    return c.nhd ? Tensor4(c.dtype, {pages, c.block_size, c.kv_heads, channels}, c.strided)
+                 : Tensor4(c.dtype, {pages, c.kv_heads, c.block_size, channels}, c.strided);
+  }
+  static void set(const DecodeCase& c, Tensor4& pool, int64_t page, int64_t h, int64_t r, int64_t x,
+                  double value) {
+    if (c.nhd) {
+      pool.set(page, r, h, x, value);
+    } else {
+      pool.set(page, h, r, x, value);
+    }
+  }
 };
 
 struct DecodeRun {
@@ -234,9 +307,15 @@ DecodeRun run_decode_case(const DecodeCase& c, bool with_reference = true) {
   outputs.out = out.mutable_view();
   outputs.lse = MutableTensorView::contiguous(lse.data(), DType::kFloat32, {c.batch, c.q_heads, T});
   DecodeRun r;
-  r.status = decode_attention(q.view(), k.view(), v.view(),
-                              TensorView::contiguous(positions.data(), DType::kInt64, {c.batch, T}),
-                              outputs, o);
+  const TensorView pos = TensorView::contiguous(positions.data(), DType::kInt64, {c.batch, T});
+  if (c.block_size > 0) {
+    const PagedCaches paged(c, k, v);
+    o.block_table = paged.block_table(c);
+    r.status =
+        decode_attention(q.view(), paged.view(c, paged.k), paged.view(c, paged.v), pos, outputs, o);
+  } else {
+    r.status = decode_attention(q.view(), k.view(), v.view(), pos, outputs, o);
+  }
   r.out_bytes = out.bytes();
   r.lse_bytes.resize(lse.size() * sizeof(float));
   std::memcpy(r.lse_bytes.data(), lse.data(), r.lse_bytes.size());
@@ -415,6 +494,115 @@ TEST(DecodeThreads, BitwiseIdenticalForAnyThreadCount) {
   }
 }
 
+// ---- paged caches ------------------------------------------------------------------------------
+
+// A paged cache gives the bytes of the dense one with the same rows, for any block size (1, odd,
+// a tile's 16, past the 64-slot blocks and the 1024-slot chunks), both page layouts, every dtype,
+// thread count and SIMD target, with windows that cut pages, sinks, and the gathered path
+// (channel stride 2).
+TEST(DecodePaged, BitwiseTheDenseResultForAnyBlockSize) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (bool strided : {false, true}) {
+      DecodeCase c = shape("paged", 3, 8, 2, 3, 80, 0, 1500, {1499, 700, 2}, dtype);
+      c.sink = true;
+      c.window = strided ? 0 : 1100;
+      c.strided = strided;
+      const DecodeRun dense = run_decode_case(c, /*with_reference=*/false);
+      ASSERT_TRUE(dense.status.ok) << dense.status.message;
+      for (int64_t block_size : {1, 3, 16, 256, 1100}) {
+        for (bool nhd : {false, true}) {
+          for (int threads : {1, 3}) {
+            c.block_size = block_size;
+            c.nhd = nhd;
+            c.threads = threads;
+            SCOPED_TRACE(std::string(dtype_name(dtype)) + (strided ? " strided" : "") +
+                         ", block_size " + std::to_string(block_size) + (nhd ? " NHD" : " HND") +
+                         ", threads " + std::to_string(threads));
+            const DecodeRun paged = run_decode_case(c, /*with_reference=*/false);
+            ASSERT_TRUE(paged.status.ok) << paged.status.message;
+            EXPECT_TRUE(paged.out_bytes == dense.out_bytes) << "out differs";
+            EXPECT_TRUE(paged.lse_bytes == dense.lse_bytes) << "lse differs";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(DecodePaged, BitwiseTheDenseResultOnEveryTarget) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    DecodeCase c = shape("paged_targets", 2, 8, 2, 2, 128, 0, 700, {699, 300}, dtype);
+    c.window = 500;
+    for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+      hwy::SetSupportedTargetsForTest(target);
+      SCOPED_TRACE(std::string("target ") + hwy::TargetName(target) + ", " + dtype_name(dtype));
+      c.block_size = 0;
+      const DecodeRun dense = run_decode_case(c);
+      ASSERT_TRUE(dense.status.ok) << dense.status.message;
+      EXPECT_TRUE(check_against_reference(c, dense));
+      for (int64_t block_size : {1, 3, 16}) {
+        c.block_size = block_size;
+        const DecodeRun paged = run_decode_case(c, /*with_reference=*/false);
+        ASSERT_TRUE(paged.status.ok) << paged.status.message;
+        EXPECT_TRUE(paged.out_bytes == dense.out_bytes) << "block_size " << block_size;
+        EXPECT_TRUE(paged.lse_bytes == dense.lse_bytes) << "block_size " << block_size;
+      }
+    }
+    hwy::SetSupportedTargetsForTest(0);
+  }
+}
+
+// Against the float64 oracle directly, at the Llama shape with several pages per 64-slot block.
+TEST(DecodePaged, MatchesTheReference) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    DecodeCase c = shape("paged_reference", 2, 32, 8, 1, 128, 0, 600, {599, 17}, dtype);
+    c.block_size = 16;
+    c.sink = true;
+    const DecodeRun run = run_decode_case(c);
+    ASSERT_TRUE(run.status.ok) << run.status.message;
+    EXPECT_TRUE(check_against_reference(c, run)) << dtype_name(dtype);
+  }
+}
+
+// Two sequences reading the same pages (a shared prefix): pages may repeat in a block table.
+TEST(DecodePaged, SequencesMaySharePages) {
+  const int64_t kv_heads = 2, d = 16, block = 4, pages = 3;
+  std::vector<float> pool(static_cast<size_t>(pages * kv_heads * block * d));
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& x : pool) x = u(rng);
+  std::vector<float> q(2 * 4 * d), out(q.size()), dense_out(q.size());
+  for (float& x : q) x = u(rng);
+  // Sequence 0: pages 2, 0; sequence 1: pages 2, 1 (page 2 is the common prefix).
+  const std::vector<int32_t> table = {2, 0, 2, 1};
+  const std::vector<int64_t> positions = {7, 6};
+  DecodeOptions o;
+  o.block_table = TensorView::contiguous(table.data(), DType::kInt32, {2, 2});
+  const TensorView4 pool_view =
+      TensorView4::contiguous(pool.data(), DType::kFloat32, {pages, kv_heads, block, d});
+  DecodeOutputs outputs;
+  outputs.out = MutableTensorView4::contiguous(out.data(), DType::kFloat32, {2, 4, 1, d});
+  const TensorView pos = TensorView::contiguous(positions.data(), DType::kInt64, {2, 1});
+  const TensorView4 qv = TensorView4::contiguous(q.data(), DType::kFloat32, {2, 4, 1, d});
+  ASSERT_TRUE(decode_attention(qv, pool_view, pool_view, pos, outputs, o).ok);
+  // The same rows copied into a dense (2, kv_heads, 8, d) cache.
+  std::vector<float> dense(static_cast<size_t>(2 * kv_heads * 2 * block * d));
+  for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t j = 0; j < 2 * block; ++j) {
+        const int64_t page = table[b * 2 + j / block];
+        std::memcpy(&dense[((b * kv_heads + h) * 2 * block + j) * d],
+                    &pool[((page * kv_heads + h) * block + j % block) * d], d * sizeof(float));
+      }
+    }
+  }
+  const TensorView4 dense_view =
+      TensorView4::contiguous(dense.data(), DType::kFloat32, {2, kv_heads, 2 * block, d});
+  outputs.out = MutableTensorView4::contiguous(dense_out.data(), DType::kFloat32, {2, 4, 1, d});
+  ASSERT_TRUE(decode_attention(qv, dense_view, dense_view, pos, outputs, DecodeOptions{}).ok);
+  EXPECT_EQ(out, dense_out);
+}
+
 // ---- bad input ---------------------------------------------------------------------------------
 
 // A valid call (batch 2, 4/2 heads, T 2, d 8, 16 slots), to be broken one argument at a time.
@@ -524,6 +712,53 @@ const BadInput kBadInputs[] = {
 TEST(DecodeValidation, EveryBadInputIsRefusedWithItsArgumentNamed) {
   for (const BadInput& bad : kBadInputs) {
     ValidDecode call;
+    bad.breaks(call);
+    EXPECT_TRUE(refused_for(call.run(), bad.argument)) << bad.what;
+  }
+}
+
+// ValidDecode on a paged cache: 5 pages of 4 slots, 4 pages per sequence; positions 3, 4 read
+// pages 0 and 1 of sequence 0, 14, 15 all four of sequence 1.
+struct ValidPagedDecode : ValidDecode {
+  std::vector<int32_t> table = {4, 0, -1, -1, 1, 3, 2, 0};
+  ValidPagedDecode() {
+    kv = TensorView4::contiguous(k.data(), DType::kFloat32, {5, 2, 4, 8});
+    vv = TensorView4::contiguous(v.data(), DType::kFloat32, {5, 2, 4, 8});
+    options.block_table = TensorView::contiguous(table.data(), DType::kInt32, {2, 4});
+  }
+};
+
+TEST(DecodeValidation, ThePagedCallSucceedsWithUnreadEntriesAnything) {
+  ValidPagedDecode call;
+  const Status s = call.run();
+  EXPECT_TRUE(s.ok) << s.message;
+}
+
+struct BadPagedInput {
+  const char* what;
+  const char* argument;
+  void (*breaks)(ValidPagedDecode&);
+};
+
+const BadPagedInput kBadPagedInputs[] = {
+    {"block_table int64", "block_table",
+     [](ValidPagedDecode& c) { c.options.block_table.dtype = DType::kInt64; }},
+    {"block_table of rank 1", "block_table",
+     [](ValidPagedDecode& c) { c.options.block_table.rank = 1; }},
+    {"block_table of another batch", "block_table",
+     [](ValidPagedDecode& c) { c.options.block_table.shape[0] = 1; }},
+    {"a page past num_blocks", "block_table", [](ValidPagedDecode& c) { c.table[5] = 5; }},
+    {"a negative page that is read", "block_table", [](ValidPagedDecode& c) { c.table[1] = -1; }},
+    {"a position past the pages", "positions", [](ValidPagedDecode& c) { c.positions[3] = 16; }},
+    {"block_size 0", "k_cache", [](ValidPagedDecode& c) { c.kv.shape[2] = c.vv.shape[2] = 0; }},
+    {"v_cache of other num_blocks", "v_cache", [](ValidPagedDecode& c) { c.vv.shape[0] = 4; }},
+    {"v_cache of another block_size", "v_cache", [](ValidPagedDecode& c) { c.vv.shape[2] = 2; }},
+    {"out aliasing a page", "out", [](ValidPagedDecode& c) { c.outputs.out.data = c.v.data(); }},
+};
+
+TEST(DecodeValidation, EveryBadPagedInputIsRefusedWithItsArgumentNamed) {
+  for (const BadPagedInput& bad : kBadPagedInputs) {
+    ValidPagedDecode call;
     bad.breaks(call);
     EXPECT_TRUE(refused_for(call.run(), bad.argument)) << bad.what;
   }

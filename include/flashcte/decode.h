@@ -64,6 +64,15 @@ struct DecodeOptions {
   // every row's softmax (as attention_cte's sink, whose batch axis is batch*heads); finite or
   // -inf (no sink).
   TensorView sink;
+  // A paged cache (vLLM's PagedAttention, FlashAttention's block_table): (batch,
+  // max_blocks_per_seq) int32. k_cache / v_cache are then pools of pages, (num_blocks, kv_heads,
+  // block_size, d) with any block_size >= 1 (FlashAttention's (num_blocks, block_size, kv_heads,
+  // d) is the same view with its strides permuted), and slot j of sequence b is row
+  // j % block_size of page block_table[b, j / block_size]; a sequence has max_blocks_per_seq *
+  // block_size slots. Pages may be shared between sequences (a common prefix). Only the entries
+  // of the pages a call reads are looked at, and each must be in [0, num_blocks); the rest may
+  // hold anything. The result is bitwise the one over the same rows in a dense cache.
+  TensorView block_table;
   int num_threads = 0;  // 0: OpenMP's default. Results are bitwise identical for any count.
 };
 
@@ -74,8 +83,9 @@ struct DecodeOutputs {
 
 // Attention of the new tokens q against the cache:
 //   q         (batch, q_heads, T, d)
-//   k_cache   (batch, kv_heads, max_len, d)
-//   v_cache   (batch, kv_heads, max_len, dv)
+//   k_cache   (batch, kv_heads, max_len, d), or pages (num_blocks, kv_heads, block_size, d) with
+//             DecodeOptions::block_table
+//   v_cache   (batch, kv_heads, max_len, dv), or pages as k_cache
 //   positions (batch, T) int64: query token t of sequence b is at positions[b, t], in
 //             [0, max_len), and attends every slot j <= positions[b, t] (and, with a window,
 //             j > positions[b, t] - sliding_window). Positions need not be consecutive or

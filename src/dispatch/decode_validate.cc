@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace flashcte::internal {
 namespace {
@@ -129,18 +130,23 @@ Status check_no_self_overlap(const char* name, const View& t) {
   } while (false)
 
 struct Extents {
-  Extent q, k, v, positions, sink, out, lse;
+  Extent q, k, v, positions, block_table, sink, out, lse;
 };
 
-// q and the caches: ranks, dtypes, the shared sizes, GQA.
-Status check_inputs(const TensorView4& q, const TensorView4& k, const TensorView4& v,
+// q and the caches: ranks, dtypes, the shared sizes, GQA. A paged cache (`paged`: a block table
+// was given) is (num_blocks, kv_heads, block_size, d) and its slot count is set by the table.
+Status check_inputs(const TensorView4& q, const TensorView4& k, const TensorView4& v, bool paged,
                     DecodeProblem* p, Extents* e) {
   if (!q.present()) return error("q: is required");
   if (!k.present()) return error("k_cache: is required");
   if (!v.present()) return error("v_cache: is required");
   FLASHCTE_DECODE_CHECK(check_view("q", q, 4, "(batch, q_heads, T, d)", &e->q));
-  FLASHCTE_DECODE_CHECK(check_view("k_cache", k, 4, "(batch, kv_heads, max_len, d)", &e->k));
-  FLASHCTE_DECODE_CHECK(check_view("v_cache", v, 4, "(batch, kv_heads, max_len, dv)", &e->v));
+  FLASHCTE_DECODE_CHECK(check_view(
+      "k_cache", k, 4,
+      paged ? "(num_blocks, kv_heads, block_size, d)" : "(batch, kv_heads, max_len, d)", &e->k));
+  FLASHCTE_DECODE_CHECK(check_view(
+      "v_cache", v, 4,
+      paged ? "(num_blocks, kv_heads, block_size, dv)" : "(batch, kv_heads, max_len, dv)", &e->v));
   if (!is_float_type(q.dtype)) {
     return error(std::string("q: dtype must be float32, bfloat16 or float16, got ") +
                  dtype_name(q.dtype));
@@ -159,11 +165,19 @@ Status check_inputs(const TensorView4& q, const TensorView4& k, const TensorView
     return error("q: head dim d = " + to_string(p->head_dim) + " must be in [1, " +
                  to_string(kMaxHeadDim) + "]");
   }
-  FLASHCTE_DECODE_CHECK(expect_dim("k_cache", k, 0, p->batch, "q's batch"));
   FLASHCTE_DECODE_CHECK(expect_dim("k_cache", k, 3, p->head_dim, "q's head dim d"));
-  FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 0, p->batch, "q's batch"));
+  if (paged) {
+    FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 0, k.shape[0], "k_cache's num_blocks"));
+    FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 2, k.shape[2], "k_cache's block_size"));
+    if (k.shape[2] < 1) {
+      return error("k_cache: block_size (axis 2 of a paged cache) is 0; a page holds >= 1 slot");
+    }
+  } else {
+    FLASHCTE_DECODE_CHECK(expect_dim("k_cache", k, 0, p->batch, "q's batch"));
+    FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 0, p->batch, "q's batch"));
+    FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 2, p->max_len, "k_cache's max_len"));
+  }
   FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 1, p->kv_heads, "k_cache's kv_heads"));
-  FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 2, p->max_len, "k_cache's max_len"));
   if (p->value_dim < 1 || p->value_dim > kMaxHeadDim) {
     return error("v_cache: value head dim dv = " + to_string(p->value_dim) + " must be in [1, " +
                  to_string(kMaxHeadDim) + "]");
@@ -175,11 +189,61 @@ Status check_inputs(const TensorView4& q, const TensorView4& k, const TensorView
   }
   p->group = p->kv_heads > 0 ? p->q_heads / p->kv_heads : 1;
   p->q = q.data;
-  p->k = k.data;
-  p->v = v.data;
   std::copy(q.strides.begin(), q.strides.end(), p->q_strides.begin());
-  std::copy(k.strides.begin(), k.strides.end(), p->k_strides.begin());
-  std::copy(v.strides.begin(), v.strides.end(), p->v_strides.begin());
+  for (auto [src, view] : {std::pair{&p->k, &k}, std::pair{&p->v, &v}}) {
+    src->data = view->data;
+    src->dtype = view->dtype;
+    src->strides = view->strides;
+  }
+  return Status::Ok();
+}
+
+// block_table (batch, pages_per_sequence) int32: sets the paged caches' slot count, which the
+// positions are then checked against.
+Status check_block_table_shape(const TensorView& t, int64_t block_size, DecodeProblem* p,
+                               Extent* extent) {
+  FLASHCTE_DECODE_CHECK(check_view("block_table", t, 2, "(batch, max_blocks_per_seq)", extent));
+  if (t.dtype != DType::kInt32) {
+    return error(std::string("block_table: dtype must be int32, got ") + dtype_name(t.dtype));
+  }
+  FLASHCTE_DECODE_CHECK(expect_dim("block_table", t, 0, p->batch, "q's batch"));
+  if (__builtin_mul_overflow(t.shape[1], block_size, &p->max_len)) {
+    return error("block_table: " + to_string(t.shape[1]) + " pages of " + to_string(block_size) +
+                 " slots are more slots than fit in 64 bits");
+  }
+  for (KvSource* src : {&p->k, &p->v}) {
+    src->block_size = block_size;
+    src->pages_per_sequence = t.shape[1];
+  }
+  return Status::Ok();
+}
+
+// The pages the call reads, each sequence's from the first slot any of its tokens attends to the
+// last: each must be a page of the caches, [0, num_blocks). Entries past them are never read and
+// may hold anything (-1 as padding, say). The table is copied, so what was checked is what is read.
+Status check_block_table_entries(const TensorView& t, int64_t num_blocks, DecodeProblem* p) {
+  std::vector<int32_t> table(static_cast<size_t>(p->batch * p->k.pages_per_sequence), -1);
+  const auto* data = static_cast<const int32_t*>(t.data);
+  for (int64_t b = 0; b < p->batch; ++b) {
+    int64_t lo = p->max_len, hi = 0;
+    for (int64_t i = 0; i < p->tokens; ++i) {
+      const int64_t pos = p->position(b, i), w = p->sliding_window;
+      lo = std::min(lo, w > 0 ? std::max<int64_t>(0, pos - w + 1) : 0);
+      hi = std::max(hi, pos + 1);
+    }
+    for (int64_t page = lo < hi ? lo / p->k.block_size : 0;
+         lo < hi && page <= (hi - 1) / p->k.block_size; ++page) {
+      const int32_t block = data[b * t.strides[0] + page * t.strides[1]];
+      if (block < 0 || block >= num_blocks) {
+        return error(
+            "block_table: [" + to_string(b) + ", " + to_string(page) + "] = " + to_string(block) +
+            " must be a page of the caches, in [0, num_blocks = " + to_string(num_blocks) + ")");
+      }
+      table[static_cast<size_t>(b * p->k.pages_per_sequence + page)] = block;
+    }
+  }
+  p->k.table = table;
+  p->v.table = std::move(table);
   return Status::Ok();
 }
 
@@ -285,6 +349,7 @@ Status check_aliasing(const Extents& e) {
                 {"k_cache", e.k},
                 {"v_cache", e.v},
                 {"positions", e.positions},
+                {"block_table", e.block_table},
                 {"sink", e.sink}},
     outs[] = {{"out", e.out}, {"lse", e.lse}};
   for (const auto& o : outs) {
@@ -306,9 +371,18 @@ Status validate_decode(const TensorView4& q, const TensorView4& k_cache, const T
                        const DecodeOptions& options, DecodeProblem* problem) {
   *problem = DecodeProblem{};
   Extents e;
-  FLASHCTE_DECODE_CHECK(check_inputs(q, k_cache, v_cache, problem, &e));
+  const bool paged = options.block_table.present();
+  FLASHCTE_DECODE_CHECK(check_inputs(q, k_cache, v_cache, paged, problem, &e));
+  if (paged) {
+    FLASHCTE_DECODE_CHECK(
+        check_block_table_shape(options.block_table, k_cache.shape[2], problem, &e.block_table));
+  }
   FLASHCTE_DECODE_CHECK(check_positions(positions, problem, &e.positions));
   FLASHCTE_DECODE_CHECK(check_options(options, problem, &e.sink));
+  if (paged) {
+    FLASHCTE_DECODE_CHECK(
+        check_block_table_entries(options.block_table, k_cache.shape[0], problem));
+  }
   FLASHCTE_DECODE_CHECK(check_outputs(outputs, problem, &e));
   return check_aliasing(e);
 }

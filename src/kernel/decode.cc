@@ -17,13 +17,17 @@
 // A row only ever reads the scores, and P.V only the V rows, of the slots it attends: slots past
 // a token's position (the later new tokens of a chunk) or before its window may hold anything,
 // NaN included, without reaching its output. K and V are read where they are, converted in
-// registers; a cache whose channel stride is not 1 is gathered one block at a time (in its own
-// dtype, never widened) before the same kernels.
+// registers, through a table of row addresses per chunk (KvSource::fill_rows): a paged cache and
+// a dense one differ only in that table, so their results are bitwise equal. A cache whose
+// channel stride is not 1 is gathered one block at a time (in its own dtype, never widened)
+// before the same kernels.
 #include "src/kernel/decode.h"
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <tuple>
+#include <utility>
 
 #include "src/core/convert.h"
 #include "src/core/math.h"
@@ -59,7 +63,9 @@ struct DecodeScratch {
   LineAligned<float> s;      // [rows][lds] scores, then probabilities
   LineAligned<float> o;      // [rows][ldo] accumulators
   LineAligned<float> neg_max, sum, alpha;
+  std::vector<const void*> k_rows, v_rows;        // the chunk's row addresses (unit stride)
   std::vector<unsigned char> gather_k, gather_v;  // a block of K / V rows when not unit stride
+  std::vector<const void*> gather_k_rows, gather_v_rows;
 };
 
 DecodeScratch& decode_scratch() {
@@ -133,26 +139,37 @@ void pack_q(const DecodeProblem& p, const simd::Ops& ops, const PairShape& ps, f
   }
 }
 
-// Rows [lo, hi) of a cache (base already at the pair's head) as unit-stride rows `*ld` elements
-// apart: in place when the channel stride is 1, else gathered into `buffer` in its dtype.
-const void* cache_rows(const DecodeProblem& p, const void* base, const std::array<int64_t, 4>& st,
-                       int64_t channels, int64_t lo, int64_t hi, std::vector<unsigned char>& buffer,
-                       int64_t* ld) {
-  const int64_t elem = dtype_size(p.dtype);
-  const auto* bytes = static_cast<const unsigned char*>(base);
-  if (st[3] == 1) {
-    *ld = st[2];
-    return bytes + lo * st[2] * elem;
+// Fills the chunk's row tables, for caches read in place (unit channel stride).
+void fill_chunk_rows(const DecodeProblem& p, const PairShape& ps, const SlotRange& slots,
+                     DecodeScratch& sc) {
+  const size_t n = static_cast<size_t>(slots.hi - slots.lo);
+  for (auto [src, rows] : {std::pair{&p.k, &sc.k_rows}, std::pair{&p.v, &sc.v_rows}}) {
+    if (src->strides[3] != 1) continue;
+    if (rows->size() < n) rows->resize(n);
+    src->fill_rows(ps.b, ps.kv_head, slots.lo, slots.hi, rows->data());
   }
-  ensure(buffer, static_cast<size_t>((hi - lo) * channels * elem));
+}
+
+// Rows [lo, hi) of the chunk `slots` of a cache: their addresses in the chunk's table (with the
+// rest of the chunk to prefetch) when the channel stride is 1, else gathered into `buffer` in
+// their dtype, `channels` apart.
+simd::DecodeRows block_rows(const KvSource& src, const PairShape& ps, const SlotRange& slots,
+                            const std::vector<const void*>& chunk_rows, int64_t channels,
+                            int64_t lo, int64_t hi, std::vector<unsigned char>& buffer,
+                            std::vector<const void*>& buffer_rows) {
+  if (src.strides[3] == 1) return {chunk_rows.data() + (lo - slots.lo), slots.hi - lo};
+  const int64_t elem = src.element_bytes(), n = hi - lo;
+  ensure(buffer, static_cast<size_t>(n * channels * elem));
+  if (buffer_rows.size() < static_cast<size_t>(n)) buffer_rows.resize(static_cast<size_t>(n));
   for (int64_t j = lo; j < hi; ++j) {
+    const unsigned char* row = src.row(ps.b, ps.kv_head, j);
+    unsigned char* dst = &buffer[static_cast<size_t>((j - lo) * channels * elem)];
     for (int64_t x = 0; x < channels; ++x) {
-      std::memcpy(&buffer[((j - lo) * channels + x) * elem], bytes + (j * st[2] + x * st[3]) * elem,
-                  static_cast<size_t>(elem));
+      std::memcpy(dst + x * elem, row + x * src.strides[3] * elem, static_cast<size_t>(elem));
     }
+    buffer_rows[j - lo] = dst;
   }
-  *ld = channels;
-  return buffer.data();
+  return {buffer_rows.data(), n};
 }
 
 // The slots of the block [j0, j1) row range `slots` leaves, relative to j0 (empty: lo >= hi).
@@ -160,13 +177,11 @@ SlotRange clip(const SlotRange& slots, int64_t j0, int64_t j1) {
   return {std::max(slots.lo, j0) - j0, std::min(slots.hi, j1) - j0};
 }
 
-// One block of slots [j0, j1) for every row of the pair.
-void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairShape& ps, int64_t j0,
-                  int64_t j1, DecodeScratch& sc, SoftmaxState& state) {
+// One block of slots [j0, j1) of the chunk `slots` for every row of the pair.
+void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairShape& ps,
+                  const SlotRange& slots, int64_t j0, int64_t j1, DecodeScratch& sc,
+                  SoftmaxState& state) {
   const DecodeProblem& p = kernel.problem();
-  const int64_t k_off = ps.b * p.k_strides[0] + ps.kv_head * p.k_strides[1];
-  const int64_t v_off = ps.b * p.v_strides[0] + ps.kv_head * p.v_strides[1];
-  const int64_t elem = dtype_size(p.dtype);
   // The union of the tokens' ranges in the block: QK computes it for every row.
   SlotRange all{j1 - j0, 0};
   for (int64_t t = 0; t < p.tokens; ++t) {
@@ -174,15 +189,14 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
     if (c.lo < c.hi) all = {std::min(all.lo, c.lo), std::max(all.hi, c.hi)};
   }
   if (all.lo >= all.hi) return;
-  int64_t ldk = 0;
-  const void* k = cache_rows(p, static_cast<const unsigned char*>(p.k) + k_off * elem, p.k_strides,
-                             p.head_dim, j0 + all.lo, j0 + all.hi, sc.gather_k, &ldk);
+  const simd::DecodeRows k = block_rows(p.k, ps, slots, sc.k_rows, p.head_dim, j0 + all.lo,
+                                        j0 + all.hi, sc.gather_k, sc.gather_k_rows);
   if (ps.native) {
-    ops.decode_qk_bf16(sc.q2.data(), ps.ldq2, ps.rows, static_cast<const uint16_t*>(k), ldk,
-                       all.hi - all.lo, p.head_dim, p.scale, sc.s.data(), ps.lds);
+    ops.decode_qk_bf16(sc.q2.data(), ps.ldq2, ps.rows, k, all.hi - all.lo, p.head_dim, p.scale,
+                       sc.s.data(), ps.lds);
   } else {
-    ops.decode_qk(sc.q.data(), ps.ldq, ps.rows, k, p.dtype, ldk, all.hi - all.lo, p.head_dim,
-                  p.scale, sc.s.data(), ps.lds);
+    ops.decode_qk(sc.q.data(), ps.ldq, ps.rows, k, p.dtype, all.hi - all.lo, p.head_dim, p.scale,
+                  sc.s.data(), ps.lds);
   }
 
   const bool round_p = p.dtype == DType::kBFloat16;
@@ -205,15 +219,14 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
       const float bias = state.rescale(r, ops.row_max(srow, n));
       state.add_to_sum(r, ops.exp_sum(srow, n, bias, round_p));
     }
-    int64_t ldv = 0;
-    const void* v = cache_rows(p, static_cast<const unsigned char*>(p.v) + v_off * elem,
-                               p.v_strides, p.value_dim, j0 + c.lo, j0 + c.hi, sc.gather_v, &ldv);
+    const simd::DecodeRows v = block_rows(p.v, ps, slots, sc.v_rows, p.value_dim, j0 + c.lo,
+                                          j0 + c.hi, sc.gather_v, sc.gather_v_rows);
     float* prow = sc.s.data() + r0 * ps.lds + col;
     if (ps.native) {
-      ops.decode_pv_bf16(prow, ps.lds, r1 - r0, n, static_cast<const uint16_t*>(v), ldv,
-                         p.value_dim, state.alpha() + r0, state.o(r0), ps.ldo);
+      ops.decode_pv_bf16(prow, ps.lds, r1 - r0, n, v, p.value_dim, state.alpha() + r0, state.o(r0),
+                         ps.ldo);
     } else {
-      ops.decode_pv(prow, ps.lds, r1 - r0, n, v, p.dtype, ldv, p.value_dim, state.alpha() + r0,
+      ops.decode_pv(prow, ps.lds, r1 - r0, n, v, p.dtype, p.value_dim, state.alpha() + r0,
                     state.o(r0), ps.ldo);
     }
   }
@@ -221,24 +234,18 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
 
 // The first kStartPrefetchBytes of the chunk's K and V streams, into L2: the kernels prefetch
 // only ahead of where they read, so each chunk would start on demand misses.
-void prefetch_stream(const DecodeProblem& p, const void* base, const std::array<int64_t, 4>& st,
-                     int64_t head_off, int64_t channels, int64_t lo, int64_t hi) {
-  if (st[3] != 1) return;
-  const int64_t elem = dtype_size(p.dtype);
-  const auto* bytes = static_cast<const char*>(base) + (head_off + lo * st[2]) * elem;
-  const int64_t rows =
-      std::min(hi - lo, std::max<int64_t>(1, kStartPrefetchBytes / (st[2] * elem)));
-  for (int64_t j = 0; j < rows; ++j) {
-    for (int64_t b = 0; b < channels * elem; b += 64)
-      __builtin_prefetch(bytes + j * st[2] * elem + b, 0, 2);
+void prefetch_start(const DecodeProblem& p, const SlotRange& slots, const DecodeScratch& sc) {
+  for (auto [src, rows, channels] :
+       {std::tuple{&p.k, &sc.k_rows, p.head_dim}, std::tuple{&p.v, &sc.v_rows, p.value_dim}}) {
+    if (src->strides[3] != 1) continue;
+    const int64_t row_bytes = channels * src->element_bytes();
+    const int64_t n =
+        std::min(slots.hi - slots.lo, std::max<int64_t>(1, kStartPrefetchBytes / row_bytes));
+    for (int64_t j = 0; j < n; ++j) {
+      const auto* row = static_cast<const char*>((*rows)[static_cast<size_t>(j)]);
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+    }
   }
-}
-
-void prefetch_start(const DecodeProblem& p, const PairShape& ps, const SlotRange& slots) {
-  prefetch_stream(p, p.k, p.k_strides, ps.b * p.k_strides[0] + ps.kv_head * p.k_strides[1],
-                  p.head_dim, slots.lo, slots.hi);
-  prefetch_stream(p, p.v, p.v_strides, ps.b * p.v_strides[0] + ps.kv_head * p.v_strides[1],
-                  p.value_dim, slots.lo, slots.hi);
 }
 
 // Normalizes row r of `state` and writes it as (b, head, token) of out and lse.
@@ -303,9 +310,10 @@ void DecodeKernel::run(int64_t pair, int64_t chunk, float* partial) const {
     row.seed(partial ? -kInf : sink_logit(p, row_head(p, ps, r)));
   }
   const SlotRange slots = chunk_slots(ps.b, chunk);
-  if (kStartPrefetchBytes > 0) prefetch_start(p, ps, slots);
+  fill_chunk_rows(p, ps, slots, sc);
+  if (kStartPrefetchBytes > 0) prefetch_start(p, slots, sc);
   for (int64_t j0 = slots.lo; j0 < slots.hi; j0 += kBlockSlots) {
-    attend_block(*this, ops_, ps, j0, std::min(j0 + kBlockSlots, slots.hi), sc, state);
+    attend_block(*this, ops_, ps, slots, j0, std::min(j0 + kBlockSlots, slots.hi), sc, state);
   }
   const int64_t saved = SoftmaxState::saved_row_floats(p.value_dim);
   for (int64_t r = 0; r < ps.rows; ++r) {

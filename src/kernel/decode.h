@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "flashcte/flashcte.h"
+#include "src/core/kv_source.h"
 #include "src/simd/ops.h"
 
 namespace flashcte::internal {
@@ -26,15 +27,12 @@ struct DecodeProblem {
   int64_t kv_heads = 0;
   int64_t group = 1;     // q_heads / kv_heads
   int64_t tokens = 0;    // T, new tokens per sequence
-  int64_t max_len = 0;   // cache slots per sequence
+  int64_t max_len = 0;   // cache slots per sequence (paged: pages per sequence x block size)
   int64_t head_dim = 0;  // d
   int64_t value_dim = 0;
   const void* q = nullptr;
   std::array<int64_t, 4> q_strides{};
-  const void* k = nullptr;
-  std::array<int64_t, 4> k_strides{};
-  const void* v = nullptr;
-  std::array<int64_t, 4> v_strides{};
+  KvSource k, v;  // dense or paged; slots [0, max_len) of each sequence
   void* out = nullptr;
   std::array<int64_t, 4> out_strides{};
   float* lse = nullptr;  // null: not requested

@@ -64,16 +64,18 @@ constexpr int64_t kDecodeQkRows = kMaxLanes < 4 ? kMaxLanes : 4;
 constexpr int64_t kDecodePvAcc = kMaxLanes >= 16 ? 16 : 8;
 constexpr int64_t kDecodePvCols = kMaxLanes >= 16 ? 8 : 4;
 
-// Rows ahead to prefetch for rows `ld` elements of T apart.
+// Rows ahead to prefetch for rows of `width` elements of T: kDecodePrefetchBytes of the stream.
 template <class T>
-HWY_INLINE int64_t PrefetchRows(int64_t ld) {
-  const int64_t stride = std::max<int64_t>(1, ld * static_cast<int64_t>(sizeof(T)));
-  return (decode_prefetch_bytes() + stride - 1) / stride;
+HWY_INLINE int64_t PrefetchRows(int64_t width) {
+  const int64_t bytes = std::max<int64_t>(1, width * static_cast<int64_t>(sizeof(T)));
+  return (decode_prefetch_bytes() + bytes - 1) / bytes;
 }
 
-// Requests the `bytes` at p into L2 (prefetcht1), one request per cache line.
+// Requests the `bytes` at p into L2 (prefetcht1), one request per cache line; nothing for p = 0
+// (no row there: DecodeRows::prefetch_address).
 HWY_INLINE void PrefetchToL2(uintptr_t p, int64_t bytes) {
 #if HWY_COMPILER_GCC || HWY_COMPILER_CLANG
+  if (p == 0) return;
   for (uintptr_t a = p & ~uintptr_t{63}; a < p + static_cast<uintptr_t>(bytes); a += 64) {
     // An address that may lie past the buffer: integer arithmetic keeps it clear of
     // out-of-bounds pointer arithmetic, and a prefetch never faults.
@@ -84,13 +86,6 @@ HWY_INLINE void PrefetchToL2(uintptr_t p, int64_t bytes) {
   (void)p;
   (void)bytes;
 #endif
-}
-
-// The address `rows` rows of `ld` elements past p, as an integer: it may lie past the buffer, so
-// only prefetches use it.
-template <class T>
-HWY_INLINE uintptr_t RowsAhead(const T* p, int64_t rows, int64_t ld) {
-  return reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(rows * ld) * sizeof(T);
 }
 
 // N values of a cache row from p, as float32.
@@ -160,8 +155,8 @@ HWY_INLINE void DotRow(DF df, const float* const* qr, const T* HWY_RESTRICT krow
 // computed on the last row / key (clamped pointers) and not stored.
 template <int64_t R, class T>
 HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, int64_t r0,
-                       const T* HWY_RESTRICT k, int64_t ldk, int64_t n, int64_t j0, int64_t d,
-                       float scale, float* HWY_RESTRICT s, int64_t lds) {
+                       const DecodeRows& k, int64_t n, int64_t j0, int64_t d, float scale,
+                       float* HWY_RESTRICT s, int64_t lds) {
   const DF df;
   constexpr int64_t N = kMaxLanes, K = N / R;
   static_assert(R * K == N, "the ladder sums exactly N accumulators");
@@ -170,12 +165,12 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
   hn::Vec<DF> acc[R * K];
 #pragma GCC unroll 16
   for (int64_t i = 0; i < R * K; ++i) acc[i] = hn::Zero(df);
-  const int64_t ahead = PrefetchRows<T>(ldk), row_bytes = d * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = PrefetchRows<T>(d), row_bytes = d * static_cast<int64_t>(sizeof(T));
   // Key by key, each K row read from start to end: sequential lines for the prefetchers.
 #pragma GCC unroll 16
   for (int64_t c = 0; c < K; ++c) {
-    PrefetchToL2(RowsAhead(k + (j0 + c) * ldk, ahead, ldk), row_bytes);
-    DotRow<R>(df, qr, k + std::min(j0 + c, n - 1) * ldk, d, acc + c, K);
+    PrefetchToL2(k.prefetch_address(j0 + c + ahead), row_bytes);
+    DotRow<R>(df, qr, k.at<T>(std::min(j0 + c, n - 1)), d, acc + c, K);
   }
   HWY_ALIGN float sums[N];
 #if HWY_HAVE_SCALABLE
@@ -195,8 +190,8 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
 }
 
 template <class T>
-void QkTyped(const float* q, int64_t ldq, int64_t rows, const T* k, int64_t ldk, int64_t n,
-             int64_t d, float scale, float* s, int64_t lds) {
+void QkTyped(const float* q, int64_t ldq, int64_t rows, const DecodeRows& k, int64_t n, int64_t d,
+             float scale, float* s, int64_t lds) {
   constexpr int64_t R = kDecodeQkRows;
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
     // The last block narrows to 2 or 1 rows when that is all that is left (R * K stays N), so
@@ -206,44 +201,48 @@ void QkTyped(const float* q, int64_t ldq, int64_t rows, const T* k, int64_t ldk,
       if (left <= 2) {
         if (left == 2) {
           for (int64_t j0 = 0; j0 < n; j0 += kMaxLanes / 2) {
-            QkTile<2>(q, ldq, rows, r0, k, ldk, n, j0, d, scale, s, lds);
+            QkTile<2, T>(q, ldq, rows, r0, k, n, j0, d, scale, s, lds);
           }
         } else {
           for (int64_t j0 = 0; j0 < n; j0 += kMaxLanes) {
-            QkTile<1>(q, ldq, rows, r0, k, ldk, n, j0, d, scale, s, lds);
+            QkTile<1, T>(q, ldq, rows, r0, k, n, j0, d, scale, s, lds);
           }
         }
         continue;
       }
     }
     for (int64_t j0 = 0; j0 < n; j0 += kMaxLanes / R) {
-      QkTile<R>(q, ldq, rows, r0, k, ldk, n, j0, d, scale, s, lds);
+      QkTile<R, T>(q, ldq, rows, r0, k, n, j0, d, scale, s, lds);
     }
   }
 }
 
-void DecodeQk(const float* q, int64_t ldq, int64_t rows, const void* k, DType dtype, int64_t ldk,
-              int64_t n, int64_t d, float scale, float* s, int64_t lds) {
+void DecodeQk(const float* q, int64_t ldq, int64_t rows, DecodeRows k, DType dtype, int64_t n,
+              int64_t d, float scale, float* s, int64_t lds) {
   if (rows <= 0 || n <= 0) return;
   switch (dtype) {
     case DType::kBFloat16:
-      QkTyped(q, ldq, rows, static_cast<const hwy::bfloat16_t*>(k), ldk, n, d, scale, s, lds);
+      QkTyped<hwy::bfloat16_t>(q, ldq, rows, k, n, d, scale, s, lds);
       break;
     case DType::kFloat16:
-      QkTyped(q, ldq, rows, static_cast<const hwy::float16_t*>(k), ldk, n, d, scale, s, lds);
+      QkTyped<hwy::float16_t>(q, ldq, rows, k, n, d, scale, s, lds);
       break;
-    default:
-      QkTyped(q, ldq, rows, static_cast<const float*>(k), ldk, n, d, scale, s, lds);
+    case DType::kFloat32:
+      QkTyped<float>(q, ldq, rows, k, n, d, scale, s, lds);
+      break;
+    case DType::kInt32:
+    case DType::kInt64:
+      HWY_ABORT("decode_qk: %s is not a cache dtype", dtype_name(dtype));
   }
 }
 
-// One PV tile: R rows x C vectors of columns starting at V column 0 of `v` (already offset);
-// with kTail the last vector holds only `tail` (< N) columns of V. With prefetch_bytes, each
-// step also requests that many bytes of the V row PrefetchRows ahead into L2.
+// One PV tile: R rows x C vectors of columns starting at V column `col`; with kTail the last
+// vector holds only `tail` (< N) columns of V. With prefetch_bytes, each step also requests that
+// many bytes of the V row `ahead` rows on into L2.
 template <int64_t R, int64_t C, bool kTail, class T>
-HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, const T* HWY_RESTRICT v,
-                       int64_t ldv, int64_t tail, const float* alpha, float* HWY_RESTRICT o,
-                       int64_t ldo, int64_t prefetch_bytes) {
+HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, const DecodeRows& v,
+                       int64_t col, int64_t tail, const float* alpha, float* HWY_RESTRICT o,
+                       int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   hn::Vec<DF> acc[R][C];
@@ -256,10 +255,9 @@ HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, cons
       if (alpha) acc[r][c] = hn::Mul(acc[r][c], al);
     }
   }
-  const int64_t ahead = PrefetchRows<T>(ldv);
   for (int64_t j = 0; j < n; ++j) {
-    const T* row = v + j * ldv;
-    if (prefetch_bytes) PrefetchToL2(RowsAhead(row, ahead, ldv), prefetch_bytes);
+    const T* row = v.at<T>(j) + col;
+    if (prefetch_bytes) PrefetchToL2(v.prefetch_address(j + ahead), prefetch_bytes);
     hn::Vec<DF> vv[C];
 #pragma GCC unroll 8
     for (int64_t c = 0; c < C; ++c) {
@@ -283,40 +281,40 @@ HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, cons
 // Rows [0, rows) of one panel of C vectors, in row blocks of the most rows the budget allows.
 // Only the first row block reads V from memory, and prefetches ahead; the others find it in L1.
 template <int64_t C, bool kTail, class T>
-HWY_INLINE void PvPanel(const float* p, int64_t ldp, int64_t rows, int64_t n, const T* v,
-                        int64_t ldv, int64_t tail, const float* alpha, float* o, int64_t ldo,
-                        int64_t prefetch_bytes) {
+HWY_INLINE void PvPanel(const float* p, int64_t ldp, int64_t rows, int64_t n, const DecodeRows& v,
+                        int64_t col, int64_t tail, const float* alpha, float* o, int64_t ldo,
+                        int64_t prefetch_bytes, int64_t ahead) {
   constexpr int64_t R = std::min<int64_t>(4, std::max<int64_t>(1, kDecodePvAcc / C));
   int64_t r = 0;
   for (; r + R <= rows; r += R) {
-    PvTile<R, C, kTail>(p + r * ldp, ldp, n, v, ldv, tail, alpha ? alpha + r : nullptr, o + r * ldo,
-                        ldo, r == 0 ? prefetch_bytes : 0);
+    PvTile<R, C, kTail, T>(p + r * ldp, ldp, n, v, col, tail, alpha ? alpha + r : nullptr,
+                           o + r * ldo, ldo, r == 0 ? prefetch_bytes : 0, ahead);
   }
   RemainderBlock<R - 1>(rows - r, r, [&](auto block_rows, int64_t r1) HWY_ATTR {
     constexpr int64_t R1 = decltype(block_rows)::value;
-    PvTile<R1, C, kTail>(p + r1 * ldp, ldp, n, v, ldv, tail, alpha ? alpha + r1 : nullptr,
-                         o + r1 * ldo, ldo, r1 == 0 ? prefetch_bytes : 0);
+    PvTile<R1, C, kTail, T>(p + r1 * ldp, ldp, n, v, col, tail, alpha ? alpha + r1 : nullptr,
+                            o + r1 * ldo, ldo, r1 == 0 ? prefetch_bytes : 0, ahead);
   });
 }
 
 // A panel of `vectors` (1..kDecodePvCols) vectors, the last one partial with kTail.
 template <int64_t C, bool kTail, class T>
 HWY_INLINE void PvPanelOf(int64_t vectors, const float* p, int64_t ldp, int64_t rows, int64_t n,
-                          const T* v, int64_t ldv, int64_t tail, const float* alpha, float* o,
-                          int64_t ldo, int64_t prefetch_bytes) {
+                          const DecodeRows& v, int64_t col, int64_t tail, const float* alpha,
+                          float* o, int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
   if constexpr (C >= 1) {
     if (vectors == C) {
-      PvPanel<C, kTail>(p, ldp, rows, n, v, ldv, tail, alpha, o, ldo, prefetch_bytes);
+      PvPanel<C, kTail, T>(p, ldp, rows, n, v, col, tail, alpha, o, ldo, prefetch_bytes, ahead);
     } else {
-      PvPanelOf<C - 1, kTail>(vectors, p, ldp, rows, n, v, ldv, tail, alpha, o, ldo,
-                              prefetch_bytes);
+      PvPanelOf<C - 1, kTail, T>(vectors, p, ldp, rows, n, v, col, tail, alpha, o, ldo,
+                                 prefetch_bytes, ahead);
     }
   }
 }
 
 template <class T>
-void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const T* v, int64_t ldv,
-             int64_t dv, const float* alpha, float* o, int64_t ldo) {
+void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const DecodeRows& v, int64_t dv,
+             const float* alpha, float* o, int64_t ldo) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
   const int64_t full = dv / N, tail = dv % N;
   const int64_t vectors = full + (tail ? 1 : 0);
@@ -325,34 +323,39 @@ void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const T* v, i
   // 2 x 8 tiles that convert each V row twice).
   const int64_t panel =
       std::min(kDecodePvCols, std::max<int64_t>(1, kDecodePvAcc / std::min<int64_t>(rows, 4)));
+  const int64_t ahead = PrefetchRows<T>(dv);
   for (int64_t c0 = 0; c0 < vectors; c0 += panel) {
     const int64_t width = std::min(panel, vectors - c0);
     const bool partial = tail != 0 && c0 + width == vectors;
-    const T* vc = v + c0 * N;
     float* oc = o + c0 * N;
     // The first panel prefetches whole rows ahead; the later ones find them in L2.
     const int64_t prefetch = c0 == 0 ? dv * static_cast<int64_t>(sizeof(T)) : 0;
     if (partial) {
-      PvPanelOf<kDecodePvCols, true>(width, p, ldp, rows, n, vc, ldv, tail, alpha, oc, ldo,
-                                     prefetch);
+      PvPanelOf<kDecodePvCols, true, T>(width, p, ldp, rows, n, v, c0 * N, tail, alpha, oc, ldo,
+                                        prefetch, ahead);
     } else {
-      PvPanelOf<kDecodePvCols, false>(width, p, ldp, rows, n, vc, ldv, 0, alpha, oc, ldo, prefetch);
+      PvPanelOf<kDecodePvCols, false, T>(width, p, ldp, rows, n, v, c0 * N, 0, alpha, oc, ldo,
+                                         prefetch, ahead);
     }
   }
 }
 
-void DecodePv(const float* p, int64_t ldp, int64_t rows, int64_t n, const void* v, DType dtype,
-              int64_t ldv, int64_t dv, const float* alpha, float* o, int64_t ldo) {
+void DecodePv(const float* p, int64_t ldp, int64_t rows, int64_t n, DecodeRows v, DType dtype,
+              int64_t dv, const float* alpha, float* o, int64_t ldo) {
   if (rows <= 0) return;
   switch (dtype) {
     case DType::kBFloat16:
-      PvTyped(p, ldp, rows, n, static_cast<const hwy::bfloat16_t*>(v), ldv, dv, alpha, o, ldo);
+      PvTyped<hwy::bfloat16_t>(p, ldp, rows, n, v, dv, alpha, o, ldo);
       break;
     case DType::kFloat16:
-      PvTyped(p, ldp, rows, n, static_cast<const hwy::float16_t*>(v), ldv, dv, alpha, o, ldo);
+      PvTyped<hwy::float16_t>(p, ldp, rows, n, v, dv, alpha, o, ldo);
       break;
-    default:
-      PvTyped(p, ldp, rows, n, static_cast<const float*>(v), ldv, dv, alpha, o, ldo);
+    case DType::kFloat32:
+      PvTyped<float>(p, ldp, rows, n, v, dv, alpha, o, ldo);
+      break;
+    case DType::kInt32:
+    case DType::kInt64:
+      HWY_ABORT("decode_pv: %s is not a cache dtype", dtype_name(dtype));
   }
 }
 

@@ -35,6 +35,7 @@
 
 #include "hwy/base.h"
 #include "hwy/detect_targets.h"
+#include "src/simd/decode_rows.h"
 
 namespace flashcte::simd {
 
@@ -63,8 +64,10 @@ constexpr int64_t kLanes = 16;
 // zero-masked forms with every lane selected compute the same.
 constexpr __mmask16 kAll = 0xFFFF;
 
-// One L2 prefetch (prefetcht1) per cache line of [p, p + bytes).
+// One L2 prefetch (prefetcht1) per cache line of [p, p + bytes); nothing for p = 0 (no row
+// there: DecodeRows::prefetch_address).
 FLASHCTE_DECODE_BF16 inline void prefetch_row(uintptr_t p, int64_t bytes) {
+  if (p == 0) return;
   for (uintptr_t a = p & ~uintptr_t{63}; a < p + static_cast<uintptr_t>(bytes); a += 64) {
     __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
   }
@@ -106,8 +109,8 @@ FLASHCTE_DECODE_BF16 inline __m512 sum_ladder(__m512* v) {
 // per key as one call per step with a memcpy of the sums, 7.7 ns as this loop (medians of 5).
 template <int64_t R>
 FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t rows, int64_t r0,
-                                         const uint16_t* k, int64_t ldk, int64_t n, int64_t d,
-                                         float scale, float* s, int64_t lds, int64_t ahead) {
+                                         const DecodeRows& k, int64_t n, int64_t d, float scale,
+                                         float* s, int64_t lds, int64_t ahead) {
   constexpr int64_t K = kLanes / R;
   const uint16_t* qr[R];
 #pragma GCC unroll 16
@@ -122,10 +125,8 @@ FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t
     const uint16_t* kr[K];
 #pragma GCC unroll 16
     for (int64_t c = 0; c < K; ++c) {
-      kr[c] = k + std::min(j0 + c, n - 1) * ldk;
-      prefetch_row(
-          reinterpret_cast<uintptr_t>(k) + static_cast<uintptr_t>((j0 + c + ahead) * ldk) * 2,
-          row_bytes);
+      kr[c] = k.at<uint16_t>(std::min(j0 + c, n - 1));
+      prefetch_row(k.prefetch_address(j0 + c + ahead), row_bytes);
     }
     // Step by step along d, all K keys at once: R * K independent accumulator chains hide the
     // vdpbf16ps latency that key by key (R chains) left exposed (4 rows, d = 128, K in L1, Zen 4:
@@ -170,20 +171,18 @@ FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t
   }
 }
 
-// Q2 [rows][ldq] bfloat16 (ldq >= round_up(d, 32), zero past d), K [n][ldk] bfloat16.
-FLASHCTE_DECODE_BF16 inline void Qk(const uint16_t* q, int64_t ldq, int64_t rows, const uint16_t* k,
-                                    int64_t ldk, int64_t n, int64_t d, float scale, float* s,
-                                    int64_t lds) {
-  const int64_t stride = std::max<int64_t>(1, 2 * ldk);
-  const int64_t ahead = (decode_prefetch_bytes() + stride - 1) / stride;
+// Q2 [rows][ldq] bfloat16 (ldq >= round_up(d, 32), zero past d), K rows of d bfloat16.
+FLASHCTE_DECODE_BF16 inline void Qk(const uint16_t* q, int64_t ldq, int64_t rows, DecodeRows k,
+                                    int64_t n, int64_t d, float scale, float* s, int64_t lds) {
+  const int64_t ahead = (decode_prefetch_bytes() + 2 * d - 1) / (2 * d);
   for (int64_t r0 = 0; r0 < rows; r0 += 4) {
     const int64_t left = rows - r0;  // 3 rows take a 4-row tile, as in decode-inl.h
     if (left >= 3) {
-      qk_rows<4>(q, ldq, rows, r0, k, ldk, n, d, scale, s, lds, ahead);
+      qk_rows<4>(q, ldq, rows, r0, k, n, d, scale, s, lds, ahead);
     } else if (left == 2) {
-      qk_rows<2>(q, ldq, rows, r0, k, ldk, n, d, scale, s, lds, ahead);
+      qk_rows<2>(q, ldq, rows, r0, k, n, d, scale, s, lds, ahead);
     } else {
-      qk_rows<1>(q, ldq, rows, r0, k, ldk, n, d, scale, s, lds, ahead);
+      qk_rows<1>(q, ldq, rows, r0, k, n, d, scale, s, lds, ahead);
     }
   }
 }
@@ -219,10 +218,10 @@ FLASHCTE_DECODE_BF16 inline void pack_p_pairs(const float* p, int64_t ldp, int64
 // 6.5 ns per key with vpermt2w and pairs built in scalar code, 5.8 ns so (medians of 5; the
 // packed pairs alone gave 6.5). A key past n (odd n) has P = 0 and V = 0, never its row.
 template <int64_t R, int64_t G, bool kHalf>
-FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n, const uint16_t* v,
-                                         int64_t ldv, int64_t last_cols, const float* alpha,
-                                         float* o, int64_t ldo, int64_t prefetch_bytes,
-                                         int64_t ahead) {
+FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
+                                         const DecodeRows& v, int64_t col, int64_t last_cols,
+                                         const float* alpha, float* o, int64_t ldo,
+                                         int64_t prefetch_bytes, int64_t ahead) {
   constexpr int64_t C = 2 * G - (kHalf ? 1 : 0);    // accumulators per row
   constexpr int64_t kUnpacked = kHalf ? G - 1 : G;  // groups interleaved in-lane
   // O's order -> the accumulators' (lanes of O's 16-column halves x, y; >= 16 selects y) and back.
@@ -252,13 +251,12 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __mmask32 last = static_cast<__mmask32>((uint64_t{1} << last_cols) - 1);
   alignas(64) uint32_t pairs[R][kPvKeys / 2];
-  // One pair of keys: V rows a and b (b absent: zero) against P pairs[r][i].
-  const auto step = [&](const uint16_t* a, const uint16_t* b, int64_t i) FLASHCTE_DECODE_BF16 {
+  // One pair of keys j, j + 1: V rows a and b (b absent: zero) against P pairs[r][i].
+  const auto step = [&](int64_t j, const uint16_t* a, const uint16_t* b,
+                        int64_t i) FLASHCTE_DECODE_BF16 {
     if (prefetch_bytes) {
-      const uintptr_t next =
-          reinterpret_cast<uintptr_t>(a) + static_cast<uintptr_t>(ahead * ldv) * 2;
-      prefetch_row(next, prefetch_bytes);
-      prefetch_row(next + static_cast<uintptr_t>(ldv) * 2, prefetch_bytes);
+      prefetch_row(v.prefetch_address(j + ahead), prefetch_bytes);
+      prefetch_row(v.prefetch_address(j + ahead + 1), prefetch_bytes);
     }
     __m512bh vp[2 * G];
 #pragma GCC unroll 16
@@ -283,11 +281,10 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
   for (int64_t j0 = 0; j0 < n; j0 += kPvKeys) {
     const int64_t keys = std::min(kPvKeys, n - j0), even = keys / 2 * 2;
     pack_p_pairs<R>(p + j0, ldp, keys, pairs);
-    for (int64_t j = 0; j < even; j += 2) {
-      const uint16_t* a = v + (j0 + j) * ldv;
-      step(a, a + ldv, j / 2);
+    for (int64_t j = j0; j < j0 + even; j += 2) {
+      step(j, v.at<uint16_t>(j) + col, v.at<uint16_t>(j + 1) + col, (j - j0) / 2);
     }
-    if (even < keys) step(v + (j0 + even) * ldv, nullptr, even / 2);
+    if (even < keys) step(j0 + even, v.at<uint16_t>(j0 + even) + col, nullptr, even / 2);
   }
 #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) {
@@ -305,12 +302,12 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
 // Rows [0, rows) of a panel of `groups` (1..G) groups, rows in blocks of R.
 template <int64_t R, int64_t G, bool kHalf>
 FLASHCTE_DECODE_BF16 inline void pv_rows(int64_t groups, const float* p, int64_t ldp, int64_t rows,
-                                         int64_t n, const uint16_t* v, int64_t ldv,
+                                         int64_t n, const DecodeRows& v, int64_t col,
                                          int64_t last_cols, const float* alpha, float* o,
                                          int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
   if constexpr (G >= 1) {
     if (groups != G) {
-      pv_rows<R, G - 1, kHalf>(groups, p, ldp, rows, n, v, ldv, last_cols, alpha, o, ldo,
+      pv_rows<R, G - 1, kHalf>(groups, p, ldp, rows, n, v, col, last_cols, alpha, o, ldo,
                                prefetch_bytes, ahead);
       return;
     }
@@ -321,54 +318,53 @@ FLASHCTE_DECODE_BF16 inline void pv_rows(int64_t groups, const float* p, int64_t
       const float* pr = p + r * ldp;
       float* orow = o + r * ldo;
       if (left == R) {
-        pv_tile<R, G, kHalf>(pr, ldp, n, v, ldv, last_cols, ar, orow, ldo, pf, ahead);
+        pv_tile<R, G, kHalf>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
       } else if constexpr (R == 4) {
         if (left == 3) {
-          pv_tile<3, G, kHalf>(pr, ldp, n, v, ldv, last_cols, ar, orow, ldo, pf, ahead);
+          pv_tile<3, G, kHalf>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
         } else if (left == 2) {
-          pv_tile<2, G, kHalf>(pr, ldp, n, v, ldv, last_cols, ar, orow, ldo, pf, ahead);
+          pv_tile<2, G, kHalf>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
         } else {
-          pv_tile<1, G, kHalf>(pr, ldp, n, v, ldv, last_cols, ar, orow, ldo, pf, ahead);
+          pv_tile<1, G, kHalf>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
         }
       }
     }
   }
 }
 
-// O over [0, round_up(dv, 16)), V [n][ldv] bfloat16 read at [0, dv).
+// O over [0, round_up(dv, 16)), V rows of bfloat16 read at [0, dv).
 template <int64_t R>
 FLASHCTE_DECODE_BF16 inline void pv_with(const float* p, int64_t ldp, int64_t rows, int64_t n,
-                                         const uint16_t* v, int64_t ldv, int64_t dv,
-                                         const float* alpha, float* o, int64_t ldo) {
+                                         const DecodeRows& v, int64_t dv, const float* alpha,
+                                         float* o, int64_t ldo) {
   constexpr int64_t G = 8 / R;  // R * 2G = 16 accumulators
-  const int64_t stride = std::max<int64_t>(1, 2 * ldv);
-  const int64_t ahead = (decode_prefetch_bytes() + stride - 1) / stride;
+  const int64_t ahead = (decode_prefetch_bytes() + 2 * dv - 1) / (2 * dv);
   const int64_t groups = (dv + 31) / 32;
   for (int64_t g0 = 0; g0 < groups; g0 += G) {
     const int64_t width = std::min(G, groups - g0);
     const int64_t last_cols = std::min<int64_t>(32, dv - 32 * (g0 + width - 1));
     const int64_t pf = g0 == 0 ? 2 * dv : 0;  // the first panel prefetches whole rows
-    const uint16_t* vg = v + 32 * g0;
     float* og = o + 32 * g0;
     if (last_cols <= 16) {
-      pv_rows<R, G, true>(width, p, ldp, rows, n, vg, ldv, last_cols, alpha, og, ldo, pf, ahead);
+      pv_rows<R, G, true>(width, p, ldp, rows, n, v, 32 * g0, last_cols, alpha, og, ldo, pf, ahead);
     } else {
-      pv_rows<R, G, false>(width, p, ldp, rows, n, vg, ldv, last_cols, alpha, og, ldo, pf, ahead);
+      pv_rows<R, G, false>(width, p, ldp, rows, n, v, 32 * g0, last_cols, alpha, og, ldo, pf,
+                           ahead);
     }
   }
 }
 
 FLASHCTE_DECODE_BF16 inline void Pv(const float* p, int64_t ldp, int64_t rows, int64_t n,
-                                    const uint16_t* v, int64_t ldv, int64_t dv, const float* alpha,
-                                    float* o, int64_t ldo) {
+                                    DecodeRows v, int64_t dv, const float* alpha, float* o,
+                                    int64_t ldo) {
   if (rows <= 0) return;
   // Every row block at 4 rows (or all the rows): a V pair is interleaved once per 4 rows.
   if (rows >= 3) {
-    pv_with<4>(p, ldp, rows, n, v, ldv, dv, alpha, o, ldo);
+    pv_with<4>(p, ldp, rows, n, v, dv, alpha, o, ldo);
   } else if (rows == 2) {
-    pv_with<2>(p, ldp, rows, n, v, ldv, dv, alpha, o, ldo);
+    pv_with<2>(p, ldp, rows, n, v, dv, alpha, o, ldo);
   } else {
-    pv_with<1>(p, ldp, rows, n, v, ldv, dv, alpha, o, ldo);
+    pv_with<1>(p, ldp, rows, n, v, dv, alpha, o, ldo);
   }
 }
 
@@ -382,10 +378,10 @@ inline constexpr auto kDecodePvBf16 = &decode_bf16::Pv;
 #else  // no AVX512_BF16 code on this architecture or compiler
 
 namespace flashcte::simd {
-inline constexpr void (*kDecodeQkBf16)(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t,
-                                       int64_t, int64_t, float, float*, int64_t) = nullptr;
-inline constexpr void (*kDecodePvBf16)(const float*, int64_t, int64_t, int64_t, const uint16_t*,
-                                       int64_t, int64_t, const float*, float*, int64_t) = nullptr;
+inline constexpr void (*kDecodeQkBf16)(const uint16_t*, int64_t, int64_t, DecodeRows, int64_t,
+                                       int64_t, float, float*, int64_t) = nullptr;
+inline constexpr void (*kDecodePvBf16)(const float*, int64_t, int64_t, int64_t, DecodeRows, int64_t,
+                                       const float*, float*, int64_t) = nullptr;
 }  // namespace flashcte::simd
 
 #endif  // HWY_ARCH_X86 && (HWY_COMPILER_GCC || HWY_COMPILER_CLANG)

@@ -47,6 +47,7 @@
 
 #include "flashcte/flashcte.h"
 #include "hwy/detect_targets.h"
+#include "src/simd/decode_rows.h"
 
 namespace flashcte::simd {
 
@@ -150,8 +151,9 @@ struct Ops {
              int64_t dv_pad, const float* alpha, float* o, int64_t ldo);
 
   // Decode (decode-inl.h): a few query rows against K / V rows read in place from a KV cache
-  // of `dtype` (float32, bfloat16 or float16), unit stride along the head dim, rows ldk / ldv
-  // elements apart; nothing packed, nothing widened outside registers.
+  // of `dtype` (float32, bfloat16 or float16), unit stride along the head dim, each row where
+  // its DecodeRows entry says (a dense cache and a paged one differ only in that table); nothing
+  // packed, nothing widened outside registers.
   //   decode_qk  S[r][j] = scale * sum_{x < d} Q[r][x] K[j][x] for r < rows, j < n. Reads K at
   //              columns [0, d) of rows [0, n) only; Q [rows][ldq] float32 over
   //              [0, round_up(d, N)), which must be finite past d; writes S at rows [0, rows) x
@@ -160,19 +162,20 @@ struct Ops {
   //              at columns [0, dv) of rows [0, n) only, P at [0, n) of each row; reads and
   //              writes O over [0, round_up(dv, N)), touching nothing past it. alpha may be null
   //              (= 1).
-  void (*decode_qk)(const float* q, int64_t ldq, int64_t rows, const void* k, DType dtype,
-                    int64_t ldk, int64_t n, int64_t d, float scale, float* s, int64_t lds);
-  void (*decode_pv)(const float* p, int64_t ldp, int64_t rows, int64_t n, const void* v,
-                    DType dtype, int64_t ldv, int64_t dv, const float* alpha, float* o,
-                    int64_t ldo);
+  // Each score and each O element is computed the same way wherever its rows are, so a result
+  // over a paged cache is bitwise the one over the same rows in a dense cache.
+  void (*decode_qk)(const float* q, int64_t ldq, int64_t rows, DecodeRows k, DType dtype, int64_t n,
+                    int64_t d, float scale, float* s, int64_t lds);
+  void (*decode_pv)(const float* p, int64_t ldp, int64_t rows, int64_t n, DecodeRows v, DType dtype,
+                    int64_t dv, const float* alpha, float* o, int64_t ldo);
   // The same two for bfloat16 caches on AVX512_BF16's vdpbf16ps (decode_bf16-inl.h), with Q as
   // bfloat16 rows [rows][ldq], ldq >= round_up(d, 32), zero past d, and P holding bfloat16
   // values. Call them only where bf16_dot_for(*this) is non-null (the CPU runs vdpbf16ps and
   // the policy wants it); null where the build has no such code (not x86).
-  void (*decode_qk_bf16)(const uint16_t* q, int64_t ldq, int64_t rows, const uint16_t* k,
-                         int64_t ldk, int64_t n, int64_t d, float scale, float* s, int64_t lds);
-  void (*decode_pv_bf16)(const float* p, int64_t ldp, int64_t rows, int64_t n, const uint16_t* v,
-                         int64_t ldv, int64_t dv, const float* alpha, float* o, int64_t ldo);
+  void (*decode_qk_bf16)(const uint16_t* q, int64_t ldq, int64_t rows, DecodeRows k, int64_t n,
+                         int64_t d, float scale, float* s, int64_t lds);
+  void (*decode_pv_bf16)(const float* p, int64_t ldp, int64_t rows, int64_t n, DecodeRows v,
+                         int64_t dv, const float* alpha, float* o, int64_t ldo);
 };
 
 // The table for the best target Highway supports on this CPU (respecting

@@ -25,24 +25,28 @@ namespace {
 
 constexpr DType kDtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
 
-// `rows` cache rows of `cols` values of `dtype`, `ld` elements apart, as a KV cache holds them.
-// Every element outside the rows' [0, cols) (row padding and a guard zone after the last row) is
-// a NaN canary, and the buffer ends right after the guard.
+// `rows` cache rows of `cols` values of `dtype`, `ld` elements apart, as a KV cache holds them,
+// handed to the kernels as a table of row addresses; `reversed` stores row j in the place of row
+// rows - 1 - j, as pages of a paged cache may lie in any order. Every element outside the rows'
+// [0, cols) (row padding and a guard zone after the last row) is a NaN canary, and the buffer ends
+// right after the guard.
 class CacheRows {
  public:
   static constexpr int64_t kGuard = 64;
 
-  CacheRows(DType dtype, int64_t rows, int64_t cols, int64_t ld)
-      : dtype_(dtype), cols_(cols), ld_(ld), elem_(dtype_size(dtype)) {
+  CacheRows(DType dtype, int64_t rows, int64_t cols, int64_t ld, bool reversed = false)
+      : dtype_(dtype), rows_(rows), ld_(ld), elem_(dtype_size(dtype)), reversed_(reversed) {
     const int64_t elements = rows > 0 ? (rows - 1) * ld + cols + kGuard : kGuard;
     bytes_.resize(static_cast<size_t>(elements * elem_));
     for (int64_t i = 0; i < elements; ++i) store_bits(i, canary_bits());
+    for (int64_t j = 0; j < rows; ++j)
+      table_.push_back(&bytes_[static_cast<size_t>(place(j) * elem_)]);
   }
-  const void* data() const { return bytes_.data(); }
-  int64_t ld() const { return ld_; }
+  // Every row to the kernels, all of them read (none left only to prefetch).
+  simd::DecodeRows rows() const { return {table_.data(), rows_}; }
   // Stores x rounded to the dtype and returns the value stored.
   double set(int64_t r, int64_t c, float x) {
-    const int64_t i = r * ld_ + c;
+    const int64_t i = place(r) + c;
     switch (dtype_) {
       case DType::kBFloat16:
         store_bits(i, half::float_to_bf16(x));
@@ -61,6 +65,7 @@ class CacheRows {
   uint32_t canary_bits() const {
     return dtype_ == DType::kFloat32 ? kCanaryBits : dtype_ == DType::kBFloat16 ? 0x7FC1u : 0x7E01u;
   }
+  int64_t place(int64_t j) const { return (reversed_ ? rows_ - 1 - j : j) * ld_; }
   void store_bits(int64_t i, uint32_t bits) {
     if (elem_ == 4) {
       std::memcpy(&bytes_[static_cast<size_t>(i * 4)], &bits, 4);
@@ -70,28 +75,32 @@ class CacheRows {
     }
   }
   DType dtype_;
-  int64_t cols_, ld_, elem_;
+  int64_t rows_, ld_, elem_;
+  bool reversed_;
   std::vector<unsigned char> bytes_;
+  std::vector<const void*> table_;
 };
 
 // One decode_qk call: rows x n scores over head dim d, K rows of `dtype`.
 struct QkCase {
   DType dtype = DType::kFloat32;
   int64_t rows = 1, n = 1, d = 1, ld_extra = 0;
-  bool native = false;  // decode_qk_bf16 (bfloat16 only)
+  bool native = false;    // decode_qk_bf16 (bfloat16 only)
+  bool reversed = false;  // K rows stored last to first (CacheRows)
   float scale = 0.75f;
 
   void run(const simd::Ops& ops, std::mt19937& rng) const {
     std::ostringstream os;
     os << "decode_qk on " << ops.target << ", " << dtype_name(dtype) << ": rows " << rows << ", n "
-       << n << ", d " << d << ", ld +" << ld_extra << (native ? ", native" : "");
+       << n << ", d " << d << ", ld +" << ld_extra << (native ? ", native" : "")
+       << (reversed ? ", reversed" : "");
     SCOPED_TRACE(os.str());
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     // Q is read over [0, round_up(d, N)) (native: its bfloat16 copy over [0, round_up(d, 32)))
     // and must be zero (finite) past d; canaries beyond.
     const int64_t q_read = round_up(d, native ? 32 : ops.lanes);
     GuardedBuffer q(rows, q_read + ld_extra, ld_extra % 3), s(rows, n + ld_extra, ld_extra % 2);
-    CacheRows k(dtype, n, d, d + ld_extra);
+    CacheRows k(dtype, n, d, d + ld_extra, reversed);
     std::vector<double> qx(static_cast<size_t>(rows * d)), kx(static_cast<size_t>(n * d));
     // The native kernel's Q2: bfloat16 rows, the same (bfloat16-exact) values.
     const int64_t ldq2 = q_read + ld_extra;
@@ -110,10 +119,9 @@ struct QkCase {
     q.seal();
     const std::vector<unsigned char> k_before = k.snapshot();
     if (native) {
-      ops.decode_qk_bf16(q2.data(), ldq2, rows, static_cast<const uint16_t*>(k.data()), k.ld(), n,
-                         d, scale, s.data(), s.ld());
+      ops.decode_qk_bf16(q2.data(), ldq2, rows, k.rows(), n, d, scale, s.data(), s.ld());
     } else {
-      ops.decode_qk(q.data(), q.ld(), rows, k.data(), dtype, k.ld(), n, d, scale, s.data(), s.ld());
+      ops.decode_qk(q.data(), q.ld(), rows, k.rows(), dtype, n, d, scale, s.data(), s.ld());
     }
     Reference ref(rows, n);
     for (int64_t r = 0; r < rows; ++r) {
@@ -139,20 +147,21 @@ struct PvCase {
   DType dtype = DType::kFloat32;
   int64_t rows = 1, n = 1, dv = 1, ld_extra = 0;
   bool with_alpha = true;
-  bool native = false;  // decode_pv_bf16 (bfloat16 V, P holding bfloat16 values)
+  bool native = false;    // decode_pv_bf16 (bfloat16 V, P holding bfloat16 values)
+  bool reversed = false;  // V rows stored last to first (CacheRows)
 
   void run(const simd::Ops& ops, std::mt19937& rng) const {
     std::ostringstream os;
     os << "decode_pv on " << ops.target << ", " << dtype_name(dtype) << ": rows " << rows << ", n "
        << n << ", dv " << dv << ", ld +" << ld_extra << (with_alpha ? ", alpha" : "")
-       << (native ? ", native" : "");
+       << (native ? ", native" : "") << (reversed ? ", reversed" : "");
     SCOPED_TRACE(os.str());
     std::uniform_real_distribution<float> u(-1.0f, 1.0f), u01(0.0f, 1.0f);
     // O is read and written over [0, round_up(dv, N)): finite there, canaries beyond.
     const int64_t o_touched = round_up(dv, native ? 16 : ops.lanes);
     GuardedBuffer p(rows, n + ld_extra, ld_extra % 3), o(rows, o_touched + ld_extra, 1);
     GuardedBuffer alpha(1, rows);
-    CacheRows v(dtype, n, dv, dv + ld_extra);
+    CacheRows v(dtype, n, dv, dv + ld_extra, reversed);
     std::vector<double> vx(static_cast<size_t>(n * dv));
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t c = 0; c < dv; ++c) vx[j * dv + c] = v.set(j, c, u(rng));
@@ -180,10 +189,10 @@ struct PvCase {
       }
     }
     if (native) {
-      ops.decode_pv_bf16(p.data(), p.ld(), rows, n, static_cast<const uint16_t*>(v.data()), v.ld(),
-                         dv, with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
+      ops.decode_pv_bf16(p.data(), p.ld(), rows, n, v.rows(), dv,
+                         with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
     } else {
-      ops.decode_pv(p.data(), p.ld(), rows, n, v.data(), dtype, v.ld(), dv,
+      ops.decode_pv(p.data(), p.ld(), rows, n, v.rows(), dtype, dv,
                     with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
     }
     expect_near(o, ref, "O");
@@ -217,7 +226,10 @@ TEST(SimdDecodeQk, EveryRowCountAndStride) {
     for (DType dtype : kDtypes) {
       for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 32}) {
         for (int64_t ld_extra : {0, 1, 7}) {
-          QkCase{dtype, rows, 2 * ops.lanes + 3, ops.lanes + 5, ld_extra}.run(ops, rng);
+          for (bool reversed : {false, true}) {
+            QkCase{dtype, rows, 2 * ops.lanes + 3, ops.lanes + 5, ld_extra, false, reversed}.run(
+                ops, rng);
+          }
         }
       }
     }
@@ -243,8 +255,10 @@ TEST(SimdDecodePv, EveryRowCountStrideAndAlphaMode) {
       for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 32}) {
         for (int64_t ld_extra : {0, 1, 7}) {
           for (bool with_alpha : {false, true}) {
-            PvCase{dtype, rows, ops.lanes + 3, 9 * ops.lanes + 3, ld_extra, with_alpha}.run(ops,
-                                                                                            rng);
+            PvCase{dtype,    rows,       ops.lanes + 3, 9 * ops.lanes + 3,
+                   ld_extra, with_alpha, false,         with_alpha}
+                // reversed with alpha, in place without
+                .run(ops, rng);
           }
         }
       }
@@ -271,8 +285,10 @@ TEST(SimdDecodeBf16Native, QkAndPvAtEveryEdge) {
     }
     for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16}) {
       for (int64_t ld_extra : {0, 1, 7}) {
-        QkCase{bf16, rows, 37, 80, ld_extra, true}.run(ops, rng);
-        PvCase{bf16, rows, 21, 144, ld_extra, rows % 2 == 0, true}.run(ops, rng);
+        for (bool reversed : {false, true}) {
+          QkCase{bf16, rows, 37, 80, ld_extra, true, reversed}.run(ops, rng);
+          PvCase{bf16, rows, 21, 144, ld_extra, rows % 2 == 0, true, reversed}.run(ops, rng);
+        }
       }
     }
   });
