@@ -104,15 +104,15 @@ class Tensor4 {
   double get(int64_t a, int64_t b, int64_t c, int64_t x) const {
     return reference::load_element(bytes_.data(), dtype_, offset(a, b, c, x));
   }
-  TensorView4 view() const { return {bytes_.data(), dtype_, 4, shape_, strides_}; }
+  TensorView view() const { return {bytes_.data(), dtype_, 4, shape_, strides_}; }
   // The view with axes 1 and 2 swapped (strides permuted, nothing moved).
-  TensorView4 view_swapping_axes_1_2() const {
-    TensorView4 t = view();
+  TensorView view_swapping_axes_1_2() const {
+    TensorView t = view();
     std::swap(t.shape[1], t.shape[2]);
     std::swap(t.strides[1], t.strides[2]);
     return t;
   }
-  MutableTensorView4 mutable_view() { return {bytes_.data(), dtype_, 4, shape_, strides_}; }
+  MutableTensorView mutable_view() { return {bytes_.data(), dtype_, 4, shape_, strides_}; }
   const std::vector<unsigned char>& bytes() const { return bytes_; }
 
  private:
@@ -160,7 +160,7 @@ struct PagedCaches {
       }
     }
   }
-  TensorView4 view(const DecodeCase& c, const Tensor4& pool) const {
+  TensorView view(const DecodeCase& c, const Tensor4& pool) const {
     return c.nhd ? pool.view_swapping_axes_1_2() : pool.view();
   }
   TensorView block_table(const DecodeCase& c) const {
@@ -578,12 +578,12 @@ TEST(DecodePaged, SequencesMaySharePages) {
   const std::vector<int64_t> positions = {7, 6};
   DecodeOptions o;
   o.block_table = TensorView::contiguous(table.data(), DType::kInt32, {2, 2});
-  const TensorView4 pool_view =
-      TensorView4::contiguous(pool.data(), DType::kFloat32, {pages, kv_heads, block, d});
+  const TensorView pool_view =
+      TensorView::contiguous(pool.data(), DType::kFloat32, {pages, kv_heads, block, d});
   DecodeOutputs outputs;
-  outputs.out = MutableTensorView4::contiguous(out.data(), DType::kFloat32, {2, 4, 1, d});
+  outputs.out = MutableTensorView::contiguous(out.data(), DType::kFloat32, {2, 4, 1, d});
   const TensorView pos = TensorView::contiguous(positions.data(), DType::kInt64, {2, 1});
-  const TensorView4 qv = TensorView4::contiguous(q.data(), DType::kFloat32, {2, 4, 1, d});
+  const TensorView qv = TensorView::contiguous(q.data(), DType::kFloat32, {2, 4, 1, d});
   ASSERT_TRUE(decode_attention(qv, pool_view, pool_view, pos, outputs, o).ok);
   // The same rows copied into a dense (2, kv_heads, 8, d) cache.
   std::vector<float> dense(static_cast<size_t>(2 * kv_heads * 2 * block * d));
@@ -596,9 +596,9 @@ TEST(DecodePaged, SequencesMaySharePages) {
       }
     }
   }
-  const TensorView4 dense_view =
-      TensorView4::contiguous(dense.data(), DType::kFloat32, {2, kv_heads, 2 * block, d});
-  outputs.out = MutableTensorView4::contiguous(dense_out.data(), DType::kFloat32, {2, 4, 1, d});
+  const TensorView dense_view =
+      TensorView::contiguous(dense.data(), DType::kFloat32, {2, kv_heads, 2 * block, d});
+  outputs.out = MutableTensorView::contiguous(dense_out.data(), DType::kFloat32, {2, 4, 1, d});
   ASSERT_TRUE(decode_attention(qv, dense_view, dense_view, pos, outputs, DecodeOptions{}).ok);
   EXPECT_EQ(out, dense_out);
 }
@@ -615,14 +615,14 @@ struct ValidDecode {
   std::vector<float> lse = std::vector<float>(batch * q_heads * tokens);
   std::vector<int64_t> positions = {3, 4, 14, 15};
   std::vector<float> sink = {0.0f, 1.0f, -2.0f, 3.0f};
-  TensorView4 qv = TensorView4::contiguous(q.data(), DType::kFloat32, {2, 4, 2, 8});
-  TensorView4 kv = TensorView4::contiguous(k.data(), DType::kFloat32, {2, 2, 16, 8});
-  TensorView4 vv = TensorView4::contiguous(v.data(), DType::kFloat32, {2, 2, 16, 8});
+  TensorView qv = TensorView::contiguous(q.data(), DType::kFloat32, {2, 4, 2, 8});
+  TensorView kv = TensorView::contiguous(k.data(), DType::kFloat32, {2, 2, 16, 8});
+  TensorView vv = TensorView::contiguous(v.data(), DType::kFloat32, {2, 2, 16, 8});
   TensorView pos = TensorView::contiguous(positions.data(), DType::kInt64, {2, 2});
   DecodeOutputs outputs;
   DecodeOptions options;
   ValidDecode() {
-    outputs.out = MutableTensorView4::contiguous(out.data(), DType::kFloat32, {2, 4, 2, 8});
+    outputs.out = MutableTensorView::contiguous(out.data(), DType::kFloat32, {2, 4, 2, 8});
     outputs.lse = MutableTensorView::contiguous(lse.data(), DType::kFloat32, {2, 4, 2});
     options.sink = TensorView::contiguous(sink.data(), DType::kFloat32, {4});
   }
@@ -722,8 +722,8 @@ TEST(DecodeValidation, EveryBadInputIsRefusedWithItsArgumentNamed) {
 struct ValidPagedDecode : ValidDecode {
   std::vector<int32_t> table = {4, 0, -1, -1, 1, 3, 2, 0};
   ValidPagedDecode() {
-    kv = TensorView4::contiguous(k.data(), DType::kFloat32, {5, 2, 4, 8});
-    vv = TensorView4::contiguous(v.data(), DType::kFloat32, {5, 2, 4, 8});
+    kv = TensorView::contiguous(k.data(), DType::kFloat32, {5, 2, 4, 8});
+    vv = TensorView::contiguous(v.data(), DType::kFloat32, {5, 2, 4, 8});
     options.block_table = TensorView::contiguous(table.data(), DType::kInt32, {2, 4});
   }
 };

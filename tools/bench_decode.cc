@@ -138,12 +138,12 @@ int DecodeBench(const ParsedFlags& f) {
   options.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
   options.num_threads = c.threads;
   DecodeOutputs outputs;
-  outputs.out = MutableTensorView4::contiguous(out.data(), c.dtype, out.shape());
+  outputs.out = MutableTensorView::contiguous(out.data(), c.dtype, out.shape());
   const auto run = [&] {
     return decode_attention(
-        TensorView4::contiguous(q.data(), c.dtype, q.shape()),
-        TensorView4::contiguous(k.data(), c.dtype, k.shape()),
-        TensorView4::contiguous(v.data(), c.dtype, v.shape()),
+        TensorView::contiguous(q.data(), c.dtype, q.shape()),
+        TensorView::contiguous(k.data(), c.dtype, k.shape()),
+        TensorView::contiguous(v.data(), c.dtype, v.shape()),
         TensorView::contiguous(positions.data(), DType::kInt64, {c.batch, c.tokens}), outputs,
         options);
   };

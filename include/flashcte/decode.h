@@ -25,32 +25,6 @@
 
 namespace flashcte {
 
-// A read-only strided view of rank up to 4 (TensorView holds rank 3 at most). Strides are in
-// elements. Rank 0 with null data is "absent".
-struct TensorView4 {
-  const void* data = nullptr;
-  DType dtype = DType::kFloat32;
-  int rank = 0;
-  std::array<int64_t, 4> shape{};
-  std::array<int64_t, 4> strides{};
-
-  bool present() const { return data != nullptr || rank != 0; }
-  // A dense row-major view of `shape` (rank = shape.size(), at most 4).
-  static TensorView4 contiguous(const void* data, DType dtype, const std::vector<int64_t>& shape);
-};
-
-// A writable strided view of rank up to 4 (outputs).
-struct MutableTensorView4 {
-  void* data = nullptr;
-  DType dtype = DType::kFloat32;
-  int rank = 0;
-  std::array<int64_t, 4> shape{};
-  std::array<int64_t, 4> strides{};
-
-  bool present() const { return data != nullptr || rank != 0; }
-  static MutableTensorView4 contiguous(void* data, DType dtype, const std::vector<int64_t>& shape);
-};
-
 // Everything besides the tensors, with the prefill kernel's conventions (Options).
 struct DecodeOptions {
   // S = scale * q.k. 1.0 by default, as attention_cte's Options::scale: callers that want the
@@ -77,7 +51,7 @@ struct DecodeOptions {
 };
 
 struct DecodeOutputs {
-  MutableTensorView4 out;  // (batch, q_heads, T, dv), the dtype of q
+  MutableTensorView out;  // (batch, q_heads, T, dv), the dtype of q
   MutableTensorView lse;   // optional (batch, q_heads, T) float32: max + log(sum), sink included
 };
 
@@ -99,8 +73,8 @@ struct DecodeOutputs {
 // attention_cte makes, FLASHCTE_BF16_DOT=widen turns it off), subnormal bfloat16 inputs count as
 // zero: a difference below 2^-126 per product.
 // Thread-safe; outputs are bitwise identical for any num_threads.
-Status decode_attention(const TensorView4& q, const TensorView4& k_cache,
-                        const TensorView4& v_cache, const TensorView& positions,
+Status decode_attention(const TensorView& q, const TensorView& k_cache,
+                        const TensorView& v_cache, const TensorView& positions,
                         const DecodeOutputs& outputs, const DecodeOptions& options = {});
 
 }  // namespace flashcte

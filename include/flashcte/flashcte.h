@@ -17,13 +17,16 @@
 namespace flashcte {
 
 // Element types. Attention inputs are float32, bfloat16 or float16 (q, k, v, priors agree);
-// int32/int64 appear only in packing bounds.
+// int32/int64 appear only in packing bounds, positions and block tables.
 enum class DType : int { kFloat32, kBFloat16, kFloat16, kInt32, kInt64 };
 
 const char* dtype_name(DType dtype);
 int dtype_size(DType dtype);
 
-inline constexpr int kMaxRank = 3;
+// Views hold up to rank 4: attention_cte's tensors are rank 3 (batch and heads folded, as in the
+// Neuron kernel), the decode and serving entry points' rank 4 ((batch, heads, tokens, d) and
+// FlashAttention's (batch, seqlen, heads, d)); each entry point checks the ranks it takes.
+inline constexpr int kMaxRank = 4;
 
 // A read-only strided view. Strides are in elements, not bytes. A view with rank 0 and null data
 // is "absent" (the default of every optional argument).

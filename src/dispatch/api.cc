@@ -79,8 +79,8 @@ Status plan_attention(const TensorView& q, const TensorView& k, const TensorView
     const int64_t bs = q.rank == 3 ? q.shape[0] : 0;
     const int64_t sq = q.rank == 3 ? q.shape[options.tp_q ? 1 : 2] : 0;
     const int64_t dv = v.rank == 3 ? v.shape[2] : 0;
-    out.shape =
-        options.tp_out ? std::array<int64_t, 3>{bs, dv, sq} : std::array<int64_t, 3>{bs, sq, dv};
+    out.shape = options.tp_out ? std::array<int64_t, kMaxRank>{bs, dv, sq}
+                               : std::array<int64_t, kMaxRank>{bs, sq, dv};
     out.strides = {out.shape[1] * out.shape[2], out.shape[2], 1};
     Options o = options;
     o.cache_softmax = false;  // statistics do not change the plan

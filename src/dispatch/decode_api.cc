@@ -6,25 +6,14 @@
 #include <string>
 
 #include "flashcte/decode.h"
-#include "src/dispatch/contiguous.h"
 #include "src/dispatch/decode_validate.h"
 #include "src/kernel/decode.h"
 #include "src/schedule/decode_schedule.h"
 
 namespace flashcte {
 
-TensorView4 TensorView4::contiguous(const void* data, DType dtype,
-                                    const std::vector<int64_t>& shape) {
-  return internal::make_contiguous<TensorView4>(data, dtype, shape);
-}
-
-MutableTensorView4 MutableTensorView4::contiguous(void* data, DType dtype,
-                                                  const std::vector<int64_t>& shape) {
-  return internal::make_contiguous<MutableTensorView4>(data, dtype, shape);
-}
-
-Status decode_attention(const TensorView4& q, const TensorView4& k_cache,
-                        const TensorView4& v_cache, const TensorView& positions,
+Status decode_attention(const TensorView& q, const TensorView& k_cache,
+                        const TensorView& v_cache, const TensorView& positions,
                         const DecodeOutputs& outputs, const DecodeOptions& options) {
   try {
     internal::DecodeProblem problem;

@@ -135,7 +135,7 @@ struct Extents {
 
 // q and the caches: ranks, dtypes, the shared sizes, GQA. A paged cache (`paged`: a block table
 // was given) is (num_blocks, kv_heads, block_size, d) and its slot count is set by the table.
-Status check_inputs(const TensorView4& q, const TensorView4& k, const TensorView4& v, bool paged,
+Status check_inputs(const TensorView& q, const TensorView& k, const TensorView& v, bool paged,
                     DecodeProblem* p, Extents* e) {
   if (!q.present()) return error("q: is required");
   if (!k.present()) return error("k_cache: is required");
@@ -189,7 +189,7 @@ Status check_inputs(const TensorView4& q, const TensorView4& k, const TensorView
   }
   p->group = p->kv_heads > 0 ? p->q_heads / p->kv_heads : 1;
   p->q = q.data;
-  std::copy(q.strides.begin(), q.strides.end(), p->q_strides.begin());
+  std::copy_n(q.strides.begin(), 4, p->q_strides.begin());
   for (auto [src, view] : {std::pair{&p->k, &k}, std::pair{&p->v, &v}}) {
     src->data = view->data;
     src->dtype = view->dtype;
@@ -227,9 +227,10 @@ Status check_block_table_entries(const TensorView& t, int64_t num_blocks, Decode
   for (int64_t b = 0; b < p->batch; ++b) {
     int64_t lo = p->max_len, hi = 0;
     for (int64_t i = 0; i < p->tokens; ++i) {
-      const int64_t pos = p->position(b, i), w = p->sliding_window;
-      lo = std::min(lo, w > 0 ? std::max<int64_t>(0, pos - w + 1) : 0);
-      hi = std::max(hi, pos + 1);
+      const SlotRange r = p->row_slots(b, i);
+      if (r.lo >= r.hi) continue;
+      lo = std::min(lo, r.lo);
+      hi = std::max(hi, r.hi);
     }
     for (int64_t page = lo < hi ? lo / p->k.block_size : 0;
          lo < hi && page <= (hi - 1) / p->k.block_size; ++page) {
@@ -247,8 +248,9 @@ Status check_block_table_entries(const TensorView& t, int64_t num_blocks, Decode
   return Status::Ok();
 }
 
-// positions (batch, T) int64, each a cache slot.
-Status check_positions(const TensorView& t, DecodeProblem* p, Extent* extent) {
+// positions (batch, T) int64, each a cache slot: token t of sequence b attends the slots up to
+// its own, and with a sliding window only the `window` most recent of them.
+Status check_positions(const TensorView& t, int64_t window, DecodeProblem* p, Extent* extent) {
   if (!t.present()) return error("positions: is required");
   FLASHCTE_DECODE_CHECK(check_view("positions", t, 2, "(batch, T)", extent));
   if (t.dtype != DType::kInt64) {
@@ -256,7 +258,7 @@ Status check_positions(const TensorView& t, DecodeProblem* p, Extent* extent) {
   }
   FLASHCTE_DECODE_CHECK(expect_dim("positions", t, 0, p->batch, "q's batch"));
   FLASHCTE_DECODE_CHECK(expect_dim("positions", t, 1, p->tokens, "q's new tokens T"));
-  p->positions.resize(static_cast<size_t>(p->batch * p->tokens));
+  p->slots.resize(static_cast<size_t>(p->batch * p->tokens));
   const auto* data = static_cast<const int64_t*>(t.data);
   for (int64_t b = 0; b < p->batch; ++b) {
     for (int64_t i = 0; i < p->tokens; ++i) {
@@ -265,7 +267,8 @@ Status check_positions(const TensorView& t, DecodeProblem* p, Extent* extent) {
         return error("positions: [" + to_string(b) + ", " + to_string(i) + "] = " + to_string(pos) +
                      " must be a cache slot in [0, max_len = " + to_string(p->max_len) + ")");
       }
-      p->positions[b * p->tokens + i] = pos;
+      p->slots[b * p->tokens + i] = {window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0,
+                                     pos + 1};
     }
   }
   return Status::Ok();
@@ -307,14 +310,13 @@ Status check_options(const DecodeOptions& o, DecodeProblem* p, Extent* sink_exte
   }
   p->scale = o.scale;
   p->softcap = o.softcap;
-  p->sliding_window = o.sliding_window;
   p->threads = o.num_threads;
   return Status::Ok();
 }
 
 // out (batch, q_heads, T, dv) in q's dtype, lse (batch, q_heads, T) float32.
 Status check_outputs(const DecodeOutputs& outputs, DecodeProblem* p, Extents* e) {
-  const MutableTensorView4& out = outputs.out;
+  const MutableTensorView& out = outputs.out;
   if (!out.present()) return error("out: is required");
   FLASHCTE_DECODE_CHECK(check_view("out", out, 4, "(batch, q_heads, T, dv)", &e->out));
   FLASHCTE_DECODE_CHECK(expect_dtype("out", out.dtype, p->dtype, "q's dtype"));
@@ -324,7 +326,7 @@ Status check_outputs(const DecodeOutputs& outputs, DecodeProblem* p, Extents* e)
   FLASHCTE_DECODE_CHECK(expect_dim("out", out, 3, p->value_dim, "v_cache's dv"));
   FLASHCTE_DECODE_CHECK(check_no_self_overlap("out", out));
   p->out = out.data;
-  std::copy(out.strides.begin(), out.strides.end(), p->out_strides.begin());
+  std::copy_n(out.strides.begin(), 4, p->out_strides.begin());
   const MutableTensorView& lse = outputs.lse;
   if (!lse.present()) return Status::Ok();
   FLASHCTE_DECODE_CHECK(check_view("lse", lse, 3, "(batch, q_heads, T)", &e->lse));
@@ -336,7 +338,7 @@ Status check_outputs(const DecodeOutputs& outputs, DecodeProblem* p, Extents* e)
   FLASHCTE_DECODE_CHECK(expect_dim("lse", lse, 2, p->tokens, "T"));
   FLASHCTE_DECODE_CHECK(check_no_self_overlap("lse", lse));
   p->lse = static_cast<float*>(lse.data);
-  std::copy(lse.strides.begin(), lse.strides.end(), p->lse_strides.begin());
+  std::copy_n(lse.strides.begin(), 3, p->lse_strides.begin());
   return Status::Ok();
 }
 
@@ -366,7 +368,7 @@ Status check_aliasing(const Extents& e) {
 
 }  // namespace
 
-Status validate_decode(const TensorView4& q, const TensorView4& k_cache, const TensorView4& v_cache,
+Status validate_decode(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                        const TensorView& positions, const DecodeOutputs& outputs,
                        const DecodeOptions& options, DecodeProblem* problem) {
   *problem = DecodeProblem{};
@@ -377,8 +379,9 @@ Status validate_decode(const TensorView4& q, const TensorView4& k_cache, const T
     FLASHCTE_DECODE_CHECK(
         check_block_table_shape(options.block_table, k_cache.shape[2], problem, &e.block_table));
   }
-  FLASHCTE_DECODE_CHECK(check_positions(positions, problem, &e.positions));
   FLASHCTE_DECODE_CHECK(check_options(options, problem, &e.sink));
+  FLASHCTE_DECODE_CHECK(
+      check_positions(positions, options.sliding_window, problem, &e.positions));
   if (paged) {
     FLASHCTE_DECODE_CHECK(
         check_block_table_entries(options.block_table, k_cache.shape[0], problem));

@@ -8,7 +8,7 @@
 
 namespace flashcte::internal {
 
-Status validate_decode(const TensorView4& q, const TensorView4& k_cache, const TensorView4& v_cache,
+Status validate_decode(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                        const TensorView& positions, const DecodeOutputs& outputs,
                        const DecodeOptions& options, DecodeProblem* problem);
 

@@ -24,7 +24,7 @@ std::string shape_str(const int64_t* shape, int rank) {
 template <class View>
 Status check_view(const char* name, const View& view, bool allow_null_data, Extent* extent) {
   if (view.rank < 1 || view.rank > kMaxRank) {
-    return Status::Error(std::string(name) + ": rank must be 1 to 3, got " +
+    return Status::Error(std::string(name) + ": rank must be 1 to 4, got " +
                          std::to_string(view.rank));
   }
   const int64_t* shape = view.shape.data();
@@ -123,7 +123,7 @@ Status check_no_self_overlap(const char* name, const MutableTensorView& view) {
     if (view.shape[i] == 0) return Status::Ok();  // no elements at all
     if (view.shape[i] > 1) axes[count++] = i;
   }
-  for (int i = 1; i < count; ++i) {  // insertion sort of at most 3 axes by stride
+  for (int i = 1; i < count; ++i) {  // insertion sort of at most 4 axes by stride
     for (int j = i; j > 0 && view.strides[axes[j]] < view.strides[axes[j - 1]]; --j) {
       std::swap(axes[j], axes[j - 1]);
     }

@@ -33,7 +33,7 @@ bool overlaps(const Extent& a, const Extent& b);
 // "(2, 3, 4)", and "(5,)" for rank 1, as Python prints a shape.
 std::string shape_str(const int64_t* shape, int rank);
 
-// A view of rank 1 to 3 with no negative dimension or stride whose elements, and their bytes,
+// A view of rank 1 to 4 with no negative dimension or stride whose elements, and their bytes,
 // are addressable in int64. Null data is an error when the view has elements, unless
 // `allow_null_data` (shapes only). Fills `extent` (when given) with the bytes it addresses.
 // Defined for TensorView and MutableTensorView.

@@ -216,6 +216,13 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
     for (int64_t r = r0; r < r1; ++r) {
       float* srow = sc.s.data() + r * ps.lds + col;
       if (p.softcap > 0.0f) ops.softcap(srow, n, p.softcap);
+      if (p.alibi) {
+        const int64_t head = row_head(p, ps, r);
+        const float slope = p.alibi[ps.b * p.alibi_strides[0] + head * p.alibi_strides[1]];
+        const int64_t first = j0 + c.lo;  // the slot of srow[0]
+        const int64_t diagonal = p.diagonal[ps.b * p.tokens + row_token(p, r)];
+        ops.alibi(srow, n, slope, static_cast<float>(first - diagonal));
+      }
       const float bias = state.rescale(r, ops.row_max(srow, n));
       state.add_to_sum(r, ops.exp_sum(srow, n, bias, round_p));
     }
@@ -268,15 +275,10 @@ DecodeKernel::DecodeKernel(const DecodeProblem& problem)
     SlotRange all{problem.max_len, 0};
     for (int64_t t = 0; t < problem.tokens; ++t) {
       const SlotRange r = row_slots(b, t);
-      all = {std::min(all.lo, r.lo), std::max(all.hi, r.hi)};
+      if (r.lo < r.hi) all = {std::min(all.lo, r.lo), std::max(all.hi, r.hi)};
     }
     sequence_slots_[b] = all.lo < all.hi ? all : SlotRange{0, 0};
   }
-}
-
-SlotRange DecodeKernel::row_slots(int64_t b, int64_t t) const {
-  const int64_t pos = problem_.position(b, t), w = problem_.sliding_window;
-  return {w > 0 ? std::max<int64_t>(0, pos - w + 1) : 0, pos + 1};
 }
 
 int64_t DecodeKernel::chunk_length() const { return kChunkSlots; }

@@ -18,8 +18,15 @@
 
 namespace flashcte::internal {
 
-// The validated, normalized form of one decode_attention call (filled by the dispatch layer).
-// Strides are in elements; axes are (batch, head, token or slot, channel).
+// The cache slots [lo, hi) one query row attends (empty when lo >= hi).
+struct SlotRange {
+  int64_t lo = 0, hi = 0;
+};
+
+// The validated, normalized form of one decode call (filled by the dispatch layer from
+// decode_attention's positions and window, or from flash_attn_with_kvcache's lengths, causal
+// alignment, window and left padding). Strides are in elements; axes are (batch, head, token or
+// slot, channel).
 struct DecodeProblem {
   DType dtype = DType::kFloat32;  // of q, the caches and out
   int64_t batch = 0;
@@ -37,21 +44,19 @@ struct DecodeProblem {
   std::array<int64_t, 4> out_strides{};
   float* lse = nullptr;  // null: not requested
   std::array<int64_t, 3> lse_strides{};
-  std::vector<int64_t> positions;  // [batch][tokens]
-  const float* sink = nullptr;     // per query head, or null
+  std::vector<SlotRange> slots;  // [batch][tokens]: the slots token t of sequence b attends
+  const float* sink = nullptr;   // per query head, or null
   int64_t sink_stride = 0;
   float scale = 1.0f;
   float softcap = 0.0f;
-  int64_t sliding_window = 0;
+  // ALiBi: score -= slope(b, head) * |j - diagonal[b][t]| for slot j, after softcap.
+  const float* alibi = nullptr;  // slope(b, h) = alibi[b * alibi_strides[0] + h * [1]], or null
+  std::array<int64_t, 2> alibi_strides{};
+  std::vector<int64_t> diagonal;  // [batch][tokens], with alibi
   int threads = 0;
 
-  int64_t position(int64_t b, int64_t t) const { return positions[b * tokens + t]; }
+  SlotRange row_slots(int64_t b, int64_t t) const { return slots[b * tokens + t]; }
   int64_t rows() const { return group * tokens; }
-};
-
-// The cache slots [lo, hi) one query row attends.
-struct SlotRange {
-  int64_t lo = 0, hi = 0;
 };
 
 class DecodeKernel {
@@ -62,7 +67,7 @@ class DecodeKernel {
   // Pairs are numbered b * kv_heads + kv_head.
   int64_t num_pairs() const { return problem_.batch * problem_.kv_heads; }
   // The slots token t of sequence b attends, and their union over the tokens of b.
-  SlotRange row_slots(int64_t b, int64_t t) const;
+  SlotRange row_slots(int64_t b, int64_t t) const { return problem_.row_slots(b, t); }
   SlotRange sequence_slots(int64_t b) const { return sequence_slots_[b]; }
   // Chunk boundaries are the multiples of this many slots.
   int64_t chunk_length() const;

@@ -200,12 +200,12 @@ Status AttentionLayer::Impl::attend(const void* q_act, const std::vector<int64_t
     options.sliding_window = config.sliding_window;
     options.sink = sink;
     options.num_threads = threads;
-    TensorView4 q = TensorView4::contiguous(q_act, t, {batch, heads, tokens, d});
+    TensorView q = TensorView::contiguous(q_act, t, {batch, heads, tokens, d});
     q.strides = {tokens * row, d, row, 1};
-    const TensorView4 k = TensorView4::contiguous(cache.k_data(), t, {batch, kv_heads, max_len, d});
-    const TensorView4 v = TensorView4::contiguous(cache.v_data(), t, {batch, kv_heads, max_len, d});
+    const TensorView k = TensorView::contiguous(cache.k_data(), t, {batch, kv_heads, max_len, d});
+    const TensorView v = TensorView::contiguous(cache.v_data(), t, {batch, kv_heads, max_len, d});
     DecodeOutputs outputs;
-    outputs.out = MutableTensorView4::contiguous(attn, t, {batch, heads, tokens, d});
+    outputs.out = MutableTensorView::contiguous(attn, t, {batch, heads, tokens, d});
     outputs.out.strides = q.strides;
     return decode_attention(q, k, v,
                             TensorView::contiguous(pos.data(), DType::kInt64, {batch, tokens}),

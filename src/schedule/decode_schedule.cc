@@ -31,6 +31,11 @@ void run_decode(const DecodeKernel& kernel) {
   for (const DecodeItem& it : items) {
     if (it.chunk == 0 && it.partial >= 0) merges.push_back(it);
   }
+  // A pair none of whose rows attends a slot has no chunk: the merge of its no partials writes
+  // its rows (0, or the sink's share).
+  for (int64_t pair = 0; pair < kernel.num_pairs(); ++pair) {
+    if (kernel.num_chunks(pair / p.kv_heads) == 0) merges.push_back({pair, 0, 0});
+  }
   const int64_t m = static_cast<int64_t>(merges.size());
   const auto run_item = [&](int64_t i) {
     const DecodeItem& it = items[i];

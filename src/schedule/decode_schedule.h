@@ -23,7 +23,8 @@ struct DecodeItem {
 // number of partial states they park.
 std::vector<DecodeItem> make_decode_items(const DecodeKernel& kernel, int64_t* partials);
 
-// Runs every item, then every merge, on the resolved thread count (DecodeProblem::threads,
+// Runs every item, then every merge (and writes the rows of the pairs without items), on the
+// resolved thread count (DecodeProblem::threads,
 // 0 = OpenMP's default, never more than there are items).
 void run_decode(const DecodeKernel& kernel);
 

@@ -163,9 +163,10 @@ std::vector<Row> api_rows() {
       {"out_absent", [](Call& c) { c.outputs.out = MutableTensorView{}; }, "out", "is required"},
       {"q_rank2", [](Call& c) { c.q.rank = 2; }, "q", "must have rank 3"},
       {"q_rank1", [](Call& c) { c.q.rank = 1; }, "q", "must have rank 3"},
-      {"k_rank4", [](Call& c) { c.k.rank = 4; }, "k", "rank must be 1 to 3"},
-      {"v_rank0_with_data", [](Call& c) { c.v.rank = 0; }, "v", "rank must be 1 to 3"},
-      {"v_rank_negative", [](Call& c) { c.v.rank = -1; }, "v", "rank must be 1 to 3"},
+      {"k_rank4", [](Call& c) { c.k.rank = 4; }, "k", "must have rank 3"},
+      {"k_rank5", [](Call& c) { c.k.rank = 5; }, "k", "rank must be 1 to 4"},
+      {"v_rank0_with_data", [](Call& c) { c.v.rank = 0; }, "v", "rank must be 1 to 4"},
+      {"v_rank_negative", [](Call& c) { c.v.rank = -1; }, "v", "rank must be 1 to 4"},
       {"out_rank2", [](Call& c) { c.outputs.out.rank = 2; }, "out", "must have rank 3"},
       // --- dtypes ---
       {"q_int32", [](Call& c) { c.q.dtype = DType::kInt32; }, "q", "dtype must be float32"},

@@ -1,0 +1,85 @@
+// flashcte flash_attn_with_kvcache: FlashAttention's serving entry point on the CPU. New keys
+// and values are appended into a dense or paged KV cache in place, rotary embedding is applied to
+// them and to the queries at their absolute positions, and the queries attend the cache, in one
+// call. The semantics are FlashAttention's (flash_attn_interface.py, flash_attn_with_kvcache, and
+// its tests); the differences are listed at the function.
+//
+// Errors come back as a Status whose message names the argument and the rule it broke; every
+// argument is checked before anything is written, and a call that fails leaves the caches
+// byte for byte as they were.
+#ifndef FLASHCTE_KVCACHE_H_
+#define FLASHCTE_KVCACHE_H_
+
+#include <cstdint>
+#include <optional>
+
+#include "flashcte/decode.h"
+#include "flashcte/flashcte.h"
+
+namespace flashcte {
+
+// Everything besides q, the caches and the outputs. Tensors are optional (absent by default).
+struct KvCacheOptions {
+  // New keys and values, (batch, seqlen_new, kv_heads, d) and (batch, seqlen_new, kv_heads, dv)
+  // in q's dtype, both or neither: written into sequence b's slots [cache_seqlens[b],
+  // cache_seqlens[b] + seqlen_new) before the attention.
+  TensorView k;
+  TensorView v;
+  // Rotary embedding, both or neither, only with k and v: (seqlen_ro, rotary_dim / 2) in q's
+  // dtype or float32, rotary_dim even and <= d. The new key t of sequence b is rotated at position
+  // cache_seqlens[b] + t; the queries at cache_seqlens[b] + i when causal or with a window, else
+  // all at cache_seqlens[b]. The first rotary_dim channels rotate, the rest pass through.
+  TensorView rotary_cos;
+  TensorView rotary_sin;
+  bool rotary_interleaved = true;  // pairs (0, 1), (2, 3), ...; false: GPT-NeoX (i, i + rd / 2)
+  // (batch,) int32: the tokens already in each sequence's cache. Absent: every cache is full
+  // (seqlen_cache, or max_blocks_per_seq * page_block_size); then k and v cannot be appended.
+  TensorView cache_seqlens;
+  // (batch,) int32, dense caches only: sequence b uses cache row cache_batch_idx[b] of
+  // (batch_cache, ...). Absent: row b (batch_cache == batch).
+  TensorView cache_batch_idx;
+  // (batch,) int32: sequence b's cache starts at slot cache_leftpad[b] (<= cache_seqlens[b]);
+  // earlier slots are never read.
+  TensorView cache_leftpad;
+  // A paged cache: (batch, max_blocks_per_seq) int32, the caches then (num_blocks,
+  // page_block_size, kv_heads, d), any page_block_size >= 1. Slot j of sequence b is row
+  // j % page_block_size of page block_table[b, j / page_block_size].
+  TensorView block_table;
+  // (heads,) or (batch, heads) float32: score(i, j) -= slope * |i + seqlen_k - seqlen_q - j|.
+  TensorView alibi_slopes;
+  std::optional<float> softmax_scale;  // default 1 / sqrt(d)
+  bool causal = false;                 // bottom-right aligned
+  // Query i sees keys j with i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
+  // right, -1 unbounded; causal sets right to 0.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  float softcap = 0.0f;  // > 0: score -> softcap * tanh(score / softcap), before ALiBi
+  int num_threads = 0;   // 0: OpenMP's default. Results are bitwise identical for any count.
+};
+
+// Attention of q (batch, seqlen_q, heads, d) over each sequence's cache after the append:
+//   k_cache, v_cache  (batch_cache, seqlen_cache, kv_heads, d / dv), or pages (num_blocks,
+//                     page_block_size, kv_heads, d / dv) with options.block_table; q's dtype
+//                     (float32, bfloat16 or float16); written in place where k and v are given
+//   out               (batch, seqlen_q, heads, dv), q's dtype
+//   lse               optional (batch, heads, seqlen_q) float32, log-sum-exp of the scaled
+//                     scores
+// Sequence b attends slots [cache_leftpad[b], seqlen_k) with seqlen_k = cache_seqlens[b] +
+// seqlen_new, masked as in the options; a row with no key to see outputs 0 with lse -inf.
+// GQA/MQA: heads a multiple of kv_heads. Any strides: FlashAttention's layouts, their
+// permutations, slices.
+//
+// Where this differs from FlashAttention: any page_block_size from 1 (FlashAttention 2 asks for
+// multiples of 256), any even rotary_dim (it asks for multiples of 16), cache_leftpad with a
+// paged cache (it refuses the pair), num_splits is not taken (the split of the KV axis is the
+// kernel's, fixed by the problem, and results never depend on it); refused where FlashAttention
+// leaves the result undefined: a repeated cache_batch_idx entry or a page written by one sequence
+// and read by another while k and v are appended, and an empty row's lse is -inf (the
+// log-sum-exp of no scores) where FlashAttention 2 writes +inf.
+Status flash_attn_with_kvcache(const TensorView& q, const MutableTensorView& k_cache,
+                               const MutableTensorView& v_cache, const MutableTensorView& out,
+                               const MutableTensorView& lse, const KvCacheOptions& options = {});
+
+}  // namespace flashcte
+
+#endif  // FLASHCTE_KVCACHE_H_
