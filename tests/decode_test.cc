@@ -77,50 +77,6 @@ DecodeCase shape(std::string name, int64_t batch, int64_t q_heads, int64_t kv_he
   return c;
 }
 
-// An owned rank-4 tensor in any float dtype; strided: channel stride 2 and padded rows.
-class Tensor4 {
- public:
-  Tensor4(DType dtype, std::array<int64_t, 4> shape, bool strided) : dtype_(dtype), shape_(shape) {
-    int64_t stride = strided ? 2 : 1;
-    for (int i = 3; i >= 0; --i) {
-      strides_[i] = stride;
-      stride = stride * shape[i] + (strided && i == 3 ? 3 : 0);
-    }
-    bytes_.assign(static_cast<size_t>(stride * dtype_size(dtype)), 0);
-  }
-  int64_t offset(int64_t a, int64_t b, int64_t c, int64_t x) const {
-    return a * strides_[0] + b * strides_[1] + c * strides_[2] + x * strides_[3];
-  }
-  void set(int64_t a, int64_t b, int64_t c, int64_t x, double value) {
-    const float f = static_cast<float>(reference::round_to_dtype(value, dtype_));
-    unsigned char* p = bytes_.data() + offset(a, b, c, x) * dtype_size(dtype_);
-    if (dtype_ == DType::kFloat32) {
-      std::memcpy(p, &f, 4);
-      return;
-    }
-    const uint16_t h = dtype_ == DType::kBFloat16 ? half::float_to_bf16(f) : half::float_to_f16(f);
-    std::memcpy(p, &h, 2);
-  }
-  double get(int64_t a, int64_t b, int64_t c, int64_t x) const {
-    return reference::load_element(bytes_.data(), dtype_, offset(a, b, c, x));
-  }
-  TensorView view() const { return {bytes_.data(), dtype_, 4, shape_, strides_}; }
-  // The view with axes 1 and 2 swapped (strides permuted, nothing moved).
-  TensorView view_swapping_axes_1_2() const {
-    TensorView t = view();
-    std::swap(t.shape[1], t.shape[2]);
-    std::swap(t.strides[1], t.strides[2]);
-    return t;
-  }
-  MutableTensorView mutable_view() { return {bytes_.data(), dtype_, 4, shape_, strides_}; }
-  const std::vector<unsigned char>& bytes() const { return bytes_; }
-
- private:
-  DType dtype_;
-  std::array<int64_t, 4> shape_, strides_{};
-  std::vector<unsigned char> bytes_;
-};
-
 // The dense caches of a case as pools of pages, (num_blocks, kv_heads, block_size, d) (or NHD),
 // sequence b's page i at a shuffled place, two spare pages, and the block table; the entries of
 // the pages no token reads are -1 (never looked at).

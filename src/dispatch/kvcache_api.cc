@@ -1,0 +1,164 @@
+// flash_attn_with_kvcache (include/flashcte/kvcache.h): validate everything, turn the queries
+// (rotary), save the cache slots the append overwrites, append the new keys (rotary) and values
+// through the caches' K/V sources, then the decode kernel over the updated cache. Should the
+// kernel fail (memory), the saved slots go back, so a failed call leaves the caches as they were.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "flashcte/kvcache.h"
+#include "src/core/convert.h"
+#include "src/dispatch/kvcache.h"
+#include "src/kernel/decode.h"
+#include "src/schedule/decode_schedule.h"
+
+namespace flashcte::internal {
+namespace {
+
+// Rotates x[0, rotary_dim) in place by the angles of row `pos` of cos / sin: pairs (2i, 2i + 1)
+// when interleaved, else (i, i + rotary_dim / 2), as FlashAttention's apply_rotary_emb; float32
+// arithmetic, as its kernel.
+void rotate(const KvAppend& a, int64_t pos, float* x) {
+  const int64_t half = a.rotary_dim / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float c =
+        load_as_float(a.cos.data, pos * a.cos.strides[0] + i * a.cos.strides[1], a.cos.dtype);
+    const float s =
+        load_as_float(a.sin.data, pos * a.sin.strides[0] + i * a.sin.strides[1], a.sin.dtype);
+    float& x0 = x[a.interleaved ? 2 * i : i];
+    float& x1 = x[a.interleaved ? 2 * i + 1 : i + half];
+    const float r0 = x0 * c - x1 * s, r1 = x0 * s + x1 * c;
+    x0 = r0;
+    x1 = r1;
+  }
+}
+
+// q turned at its positions, as a (batch, heads, seqlen_q, d) tensor of q's dtype that replaces
+// q in the problem (the caller's q is not written).
+std::vector<unsigned char> rotated_q(const KvAppend& a, DecodeProblem* p) {
+  const int64_t d = p->head_dim, elem = dtype_size(p->dtype);
+  std::vector<unsigned char> out(static_cast<size_t>(p->batch * p->q_heads * p->tokens * d * elem));
+  std::vector<float> row(static_cast<size_t>(d));
+  const auto& st = p->q_strides;
+  for (int64_t b = 0; b < p->batch; ++b) {
+    for (int64_t h = 0; h < p->q_heads; ++h) {
+      for (int64_t i = 0; i < p->tokens; ++i) {
+        load_row_as_float(p->q, b * st[0] + h * st[1] + i * st[2], st[3], p->dtype, row.data(), d);
+        rotate(a, a.start[b] + (a.q_per_token ? i : 0), row.data());
+        store_row_from_float(out.data(), ((b * p->q_heads + h) * p->tokens + i) * d, 1, p->dtype,
+                             row.data(), d);
+      }
+    }
+  }
+  p->q = out.data();
+  p->q_strides = {p->q_heads * p->tokens * d, p->tokens * d, d, 1};
+  return out;
+}
+
+// Calls f(source, new tensor, channels, b, t, head, element offset of the cache row) for every
+// row the append writes, K rows first.
+template <class F>
+void for_each_new_row(const DecodeProblem& p, const KvAppend& a, const F& f) {
+  for (auto [src, t, channels] :
+       {std::tuple{&p.k, &a.k, p.head_dim}, std::tuple{&p.v, &a.v, p.value_dim}}) {
+    for (int64_t b = 0; b < p.batch; ++b) {
+      for (int64_t i = 0; i < a.tokens; ++i) {
+        for (int64_t h = 0; h < p.kv_heads; ++h) {
+          f(*src, *t, channels, b, i, h, src->offset(b, h, a.start[b] + i));
+        }
+      }
+    }
+  }
+}
+
+// The bytes of the cache elements the append overwrites, in its order, to put back on failure.
+std::vector<unsigned char> save_slots(const DecodeProblem& p, const KvAppend& a) {
+  std::vector<unsigned char> saved;
+  for_each_new_row(p, a,
+                   [&](const KvSource& src, const TensorView&, int64_t channels, int64_t, int64_t,
+                       int64_t, int64_t offset) {
+                     const int64_t elem = src.element_bytes();
+                     const auto* base = static_cast<const unsigned char*>(src.data);
+                     for (int64_t x = 0; x < channels; ++x) {
+                       const unsigned char* e = base + (offset + x * src.strides[3]) * elem;
+                       saved.insert(saved.end(), e, e + elem);
+                     }
+                   });
+  return saved;
+}
+
+void restore_slots(const DecodeProblem& p, const KvAppend& a,
+                   const std::vector<unsigned char>& saved) {
+  size_t at = 0;
+  for_each_new_row(p, a,
+                   [&](const KvSource& src, const TensorView&, int64_t channels, int64_t, int64_t,
+                       int64_t, int64_t offset) {
+                     const int64_t elem = src.element_bytes();
+                     // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the caller's writable
+                     // cache
+                     auto* base = static_cast<unsigned char*>(const_cast<void*>(src.data));
+                     for (int64_t x = 0; x < channels; ++x, at += static_cast<size_t>(elem)) {
+                       std::memcpy(base + (offset + x * src.strides[3]) * elem, &saved[at],
+                                   static_cast<size_t>(elem));
+                     }
+                   });
+}
+
+// Writes k (turned) and v into their slots. Values of the caches' dtype round-trip float32
+// exactly, so v is copied bit for bit (a NaN's payload aside) and k rounds once after turning.
+void append(const DecodeProblem& p, const KvAppend& a) {
+  std::vector<float> row(static_cast<size_t>(std::max(p.head_dim, p.value_dim)));
+  for_each_new_row(p, a,
+                   [&](const KvSource& src, const TensorView& t, int64_t channels, int64_t b,
+                       int64_t i, int64_t h, int64_t offset) {
+                     load_row_as_float(t.data,
+                                       b * t.strides[0] + i * t.strides[1] + h * t.strides[2],
+                                       t.strides[3], t.dtype, row.data(), channels);
+                     if (a.rotary_dim > 0 && &t == &a.k) rotate(a, a.start[b] + i, row.data());
+                     // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the caller's writable
+                     // cache
+                     store_row_from_float(const_cast<void*>(src.data), offset, src.strides[3],
+                                          src.dtype, row.data(), channels);
+                   });
+}
+
+}  // namespace
+}  // namespace flashcte::internal
+
+namespace flashcte {
+
+Status flash_attn_with_kvcache(const TensorView& q, const MutableTensorView& k_cache,
+                               const MutableTensorView& v_cache, const MutableTensorView& out,
+                               const MutableTensorView& lse, const KvCacheOptions& options) {
+  internal::DecodeProblem problem;
+  internal::KvAppend append;
+  std::vector<unsigned char> saved;
+  bool appended = false;
+  try {
+    Status s =
+        internal::validate_kvcache(q, k_cache, v_cache, out, lse, options, &problem, &append);
+    if (!s.ok) return s;
+    std::vector<unsigned char> q_turned;
+    if (append.rotary_dim > 0) q_turned = internal::rotated_q(append, &problem);
+    saved = internal::save_slots(problem, append);
+    appended = true;
+    internal::append(problem, append);
+    internal::run_decode(internal::DecodeKernel(problem));
+    return Status::Ok();
+  } catch (const std::exception& e) {
+    if (appended) internal::restore_slots(problem, append, saved);
+    if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
+      return Status::Error(
+          "memory: allocation of the call's scratch failed; the caches are as "
+          "they were");
+    }
+    return Status::Error(std::string("internal: ") + e.what());
+  }
+}
+
+}  // namespace flashcte

@@ -1,0 +1,471 @@
+// flash_attn_with_kvcache's argument validation (kvcache.h). Messages follow the other
+// validators: "<argument>: <rule it broke>". Every rule is checked before anything is written.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "src/dispatch/kvcache.h"
+#include "src/dispatch/views.h"
+
+namespace flashcte::internal {
+namespace {
+
+using std::to_string;
+
+Status error(const std::string& message) { return Status::Error(message); }
+
+// A present view of exactly `rank` axes, checked as views.h does; `layout` names its axes.
+template <class View>
+Status check_tensor(const char* name, const View& t, int rank, const char* layout, Extent* extent) {
+  FLASHCTE_RETURN_IF_ERROR(check_view(name, t, false, extent));
+  return expect_rank(name, t.rank, rank, layout);
+}
+
+template <class View>
+Status expect_axis(const char* name, const View& t, int axis, int64_t want, const char* what) {
+  return expect_dim(name, t.shape.data(), t.rank, axis, want, what);
+}
+
+// A (batch,) int32 vector, copied out.
+Status read_int32_vector(const char* name, const TensorView& t, int64_t batch,
+                         std::vector<int64_t>* values, Extent* extent) {
+  FLASHCTE_RETURN_IF_ERROR(check_tensor(name, t, 1, "(batch,)", extent));
+  if (t.dtype != DType::kInt32) {
+    return error(std::string(name) + ": dtype must be int32, got " + dtype_name(t.dtype));
+  }
+  FLASHCTE_RETURN_IF_ERROR(expect_axis(name, t, 0, batch, "q's batch"));
+  values->resize(static_cast<size_t>(batch));
+  const auto* data = static_cast<const int32_t*>(t.data);
+  for (int64_t b = 0; b < batch; ++b) (*values)[b] = data[b * t.strides[0]];
+  return Status::Ok();
+}
+
+// The sizes the call is made of.
+struct Shape {
+  int64_t batch = 0, seqlen_q = 0, heads = 0, d = 0;
+  int64_t kv_heads = 0, dv = 0, seqlen_new = 0;
+  bool paged = false;
+  int64_t cache_rows = 0;  // dense: batch_cache; paged: num_blocks
+  int64_t row_slots = 0;   // dense: seqlen_cache; paged: page_block_size
+  int64_t capacity = 0;    // slots per sequence
+  int64_t pages_per_sequence = 1;
+};
+
+struct Extents {
+  Extent q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi, out, lse;
+};
+
+// q and the caches: ranks, dtypes, sizes, GQA; the K/V sources over the caches.
+Status check_q_and_caches(const TensorView& q, const MutableTensorView& k_cache,
+                          const MutableTensorView& v_cache, bool paged, Shape* s, DecodeProblem* p,
+                          Extents* e) {
+  if (!q.present()) return error("q: is required");
+  if (!k_cache.present()) return error("k_cache: is required");
+  if (!v_cache.present()) return error("v_cache: is required");
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("q", q, 4, "(batch, seqlen_q, heads, d)", &e->q));
+  const char* k_layout = paged ? "(num_blocks, page_block_size, kv_heads, d)"
+                               : "(batch_cache, seqlen_cache, kv_heads, d)";
+  const char* v_layout = paged ? "(num_blocks, page_block_size, kv_heads, dv)"
+                               : "(batch_cache, seqlen_cache, kv_heads, dv)";
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("k_cache", k_cache, 4, k_layout, &e->k_cache));
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("v_cache", v_cache, 4, v_layout, &e->v_cache));
+  FLASHCTE_RETURN_IF_ERROR(expect_attention_dtype("q", q.dtype));
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("k_cache", k_cache.dtype, q.dtype, "q"));
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("v_cache", v_cache.dtype, q.dtype, "q"));
+  s->batch = q.shape[0];
+  s->seqlen_q = q.shape[1];
+  s->heads = q.shape[2];
+  s->d = q.shape[3];
+  s->paged = paged;
+  s->cache_rows = k_cache.shape[0];
+  s->row_slots = k_cache.shape[1];
+  s->kv_heads = k_cache.shape[2];
+  s->dv = v_cache.shape[3];
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("k_cache", k_cache, 3, s->d, "q's head dim d"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("v_cache", v_cache, 0, s->cache_rows,
+                                       paged ? "k_cache's num_blocks" : "k_cache's batch_cache"));
+  FLASHCTE_RETURN_IF_ERROR(
+      expect_axis("v_cache", v_cache, 1, s->row_slots,
+                  paged ? "k_cache's page_block_size" : "k_cache's seqlen_cache"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("v_cache", v_cache, 2, s->kv_heads, "k_cache's kv_heads"));
+  constexpr int64_t kMaxHeadDim = 1024;  // as attention_cte and decode_attention
+  if (s->d < 1 || s->d > kMaxHeadDim || s->dv < 1 || s->dv > kMaxHeadDim) {
+    return error(std::string(s->d < 1 || s->d > kMaxHeadDim ? "q: head dim d = " + to_string(s->d)
+                                                            : "v_cache: dv = " + to_string(s->dv)) +
+                 " must be in [1, " + to_string(kMaxHeadDim) + "]");
+  }
+  if (paged && s->row_slots < 1) {
+    return error("k_cache: page_block_size (axis 1 of a paged cache) is 0; a page holds >= 1 slot");
+  }
+  if (s->kv_heads == 0 ? s->heads != 0 : s->heads % s->kv_heads != 0) {
+    return error("q: heads = " + to_string(s->heads) +
+                 " must be a multiple of k_cache's kv_heads = " + to_string(s->kv_heads) +
+                 " (grouped-query attention)");
+  }
+  p->dtype = q.dtype;
+  p->batch = s->batch;
+  p->q_heads = s->heads;
+  p->kv_heads = s->kv_heads;
+  p->group = s->kv_heads > 0 ? s->heads / s->kv_heads : 1;
+  p->tokens = s->seqlen_q;
+  p->head_dim = s->d;
+  p->value_dim = s->dv;
+  p->q = q.data;
+  p->q_strides = {q.strides[0], q.strides[2], q.strides[1], q.strides[3]};
+  for (auto [src, view] : {std::pair{&p->k, &k_cache}, std::pair{&p->v, &v_cache}}) {
+    src->data = view->data;
+    src->dtype = view->dtype;
+    src->strides = {view->strides[0], view->strides[2], view->strides[1], view->strides[3]};
+  }
+  return Status::Ok();
+}
+
+// k and v, both or neither, (batch, seqlen_new, kv_heads, d / dv) in q's dtype.
+Status check_new_kv(const KvCacheOptions& o, const Shape& s, DType dtype, KvAppend* a, Extents* e) {
+  if (o.k.present() != o.v.present()) {
+    return error(std::string(o.k.present() ? "v" : "k") +
+                 ": k and v are appended together; give both or neither");
+  }
+  if (!o.k.present()) return Status::Ok();
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("k", o.k, 4, "(batch, seqlen_new, kv_heads, d)", &e->k));
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("v", o.v, 4, "(batch, seqlen_new, kv_heads, dv)", &e->v));
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("k", o.k.dtype, dtype, "q"));
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("v", o.v.dtype, dtype, "q"));
+  for (auto [name, t, width, what] : {std::tuple{"k", &o.k, s.d, "q's head dim d"},
+                                      std::tuple{"v", &o.v, s.dv, "v_cache's dv"}}) {
+    FLASHCTE_RETURN_IF_ERROR(expect_axis(name, *t, 0, s.batch, "q's batch"));
+    FLASHCTE_RETURN_IF_ERROR(expect_axis(name, *t, 2, s.kv_heads, "k_cache's kv_heads"));
+    FLASHCTE_RETURN_IF_ERROR(expect_axis(name, *t, 3, width, what));
+  }
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("v", o.v, 1, o.k.shape[1], "k's seqlen_new"));
+  a->tokens = o.k.shape[1];
+  a->k = o.k;
+  a->v = o.v;
+  return Status::Ok();
+}
+
+// rotary_cos / rotary_sin: both or neither, only with k and v, (seqlen_ro, rotary_dim / 2).
+Status check_rotary(const KvCacheOptions& o, const Shape& s, DType dtype, KvAppend* a, Extents* e) {
+  if (o.rotary_cos.present() != o.rotary_sin.present()) {
+    return error(std::string(o.rotary_cos.present() ? "rotary_sin" : "rotary_cos") +
+                 ": rotary_cos and rotary_sin come together; give both or neither");
+  }
+  if (!o.rotary_cos.present()) return Status::Ok();
+  if (!o.k.present()) {
+    return error("rotary_cos: rotary embedding applies with new k and v only (as FlashAttention)");
+  }
+  const TensorView& cos = o.rotary_cos;
+  const TensorView& sin = o.rotary_sin;
+  FLASHCTE_RETURN_IF_ERROR(
+      check_tensor("rotary_cos", cos, 2, "(seqlen_ro, rotary_dim / 2)", &e->cos));
+  FLASHCTE_RETURN_IF_ERROR(
+      check_tensor("rotary_sin", sin, 2, "(seqlen_ro, rotary_dim / 2)", &e->sin));
+  if (cos.dtype != dtype && cos.dtype != DType::kFloat32) {
+    return error(std::string("rotary_cos: dtype must be q's (") + dtype_name(dtype) +
+                 ") or float32, got " + dtype_name(cos.dtype));
+  }
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("rotary_sin", sin.dtype, cos.dtype, "rotary_cos"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("rotary_sin", sin, 0, cos.shape[0], "rotary_cos's rows"));
+  FLASHCTE_RETURN_IF_ERROR(
+      expect_axis("rotary_sin", sin, 1, cos.shape[1], "rotary_cos's rotary_dim / 2"));
+  const int64_t rotary_dim = 2 * cos.shape[1];
+  if (rotary_dim < 2 || rotary_dim > s.d) {
+    return error("rotary_cos: rotary_dim = 2 x " + to_string(cos.shape[1]) +
+                 " must be in [2, d = " + to_string(s.d) + "]");
+  }
+  a->rotary_dim = rotary_dim;
+  a->cos = cos;
+  a->sin = sin;
+  a->interleaved = o.rotary_interleaved;
+  a->q_per_token = o.causal || o.window_left >= 0 || o.window_right >= 0;
+  return Status::Ok();
+}
+
+// The slots of a sequence the call reads, or writes.
+struct Span {
+  int64_t lo = 0, hi = 0;  // [lo, hi), empty when lo >= hi
+};
+
+// block_table (batch, max_blocks_per_seq) int32, or cache_batch_idx for a dense cache: the pages
+// (cache rows) of every slot the call reads or writes, each in range, copied into the sources;
+// with an append, no page written may be read or written through another entry.
+Status check_pages(const KvCacheOptions& o, const Shape& s, const std::vector<Span>& read,
+                   const std::vector<Span>& written, DecodeProblem* p) {
+  const char* name = s.paged ? "block_table" : "cache_batch_idx";
+  const TensorView& t = s.paged ? o.block_table : o.cache_batch_idx;
+  const int64_t page_slots = s.row_slots;
+  std::vector<int32_t> table(static_cast<size_t>(s.batch * s.pages_per_sequence), -1);
+  std::map<int32_t, int64_t> references;  // page -> entries that name it
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const Span spans[] = {read[b], written[b]};
+    for (int64_t i = 0; i < s.pages_per_sequence; ++i) {
+      const int64_t first = i * page_slots, last = first + page_slots;
+      bool used = false;
+      for (const Span& span : spans) used |= span.lo < span.hi && span.lo < last && first < span.hi;
+      if (!used) continue;
+      const int32_t page = static_cast<const int32_t*>(
+          t.data)[s.paged ? b * t.strides[0] + i * t.strides[1] : b * t.strides[0]];
+      if (page < 0 || page >= s.cache_rows) {
+        return error(std::string(name) + ": [" + to_string(b) +
+                     (s.paged ? ", " + to_string(i) : "") + "] = " + to_string(page) +
+                     " must be in [0, " + (s.paged ? "num_blocks" : "batch_cache") + " = " +
+                     to_string(s.cache_rows) + ")");
+      }
+      table[static_cast<size_t>(b * s.pages_per_sequence + i)] = page;
+      ++references[page];
+    }
+  }
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const Span& w = written[b];
+    if (w.lo >= w.hi) continue;
+    for (int64_t i = w.lo / page_slots; i <= (w.hi - 1) / page_slots; ++i) {
+      const int32_t page = table[static_cast<size_t>(b * s.pages_per_sequence + i)];
+      if (references[page] > 1) {
+        return error(std::string(name) + ": " + (s.paged ? "page " : "cache row ") +
+                     to_string(page) + " receives sequence " + to_string(b) +
+                     "'s new k and v and is also named by another entry the call uses; a page "
+                     "written by the call must belong to one sequence");
+      }
+    }
+  }
+  for (KvSource* src : {&p->k, &p->v}) {
+    src->block_size = page_slots;
+    src->pages_per_sequence = s.pages_per_sequence;
+    src->table = table;
+  }
+  return Status::Ok();
+}
+
+// alibi_slopes (heads,) or (batch, heads) float32, finite.
+Status check_alibi(const TensorView& t, const Shape& s, DecodeProblem* p, Extent* extent) {
+  FLASHCTE_RETURN_IF_ERROR(check_view("alibi_slopes", t, false, extent));
+  FLASHCTE_RETURN_IF_ERROR(expect_float32("alibi_slopes", t.dtype));
+  const bool per_batch = t.rank == 2;
+  if (!((t.rank == 1 && t.shape[0] == s.heads) ||
+        (per_batch && t.shape[0] == s.batch && t.shape[1] == s.heads))) {
+    return error("alibi_slopes: shape " + shape_str(t.shape.data(), t.rank) +
+                 " must be (heads,) = (" + to_string(s.heads) + ",) or (batch, heads) = (" +
+                 to_string(s.batch) + ", " + to_string(s.heads) + ")");
+  }
+  p->alibi = static_cast<const float*>(t.data);
+  p->alibi_strides = {per_batch ? t.strides[0] : 0, per_batch ? t.strides[1] : t.strides[0]};
+  for (int64_t b = 0; b < (per_batch ? s.batch : 1); ++b) {
+    for (int64_t h = 0; h < s.heads; ++h) {
+      if (!std::isfinite(p->alibi[b * p->alibi_strides[0] + h * p->alibi_strides[1]])) {
+        return error("alibi_slopes: entry (" + (per_batch ? to_string(b) + ", " : "") +
+                     to_string(h) + ") is not finite");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status check_outputs(const MutableTensorView& out, const MutableTensorView& lse, const Shape& s,
+                     DecodeProblem* p, Extents* e) {
+  if (!out.present()) return error("out: is required");
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("out", out, 4, "(batch, seqlen_q, heads, dv)", &e->out));
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("out", out.dtype, p->dtype, "q"));
+  const int64_t want[] = {s.batch, s.seqlen_q, s.heads, s.dv};
+  const char* what[] = {"q's batch", "q's seqlen_q", "q's heads", "v_cache's dv"};
+  for (int axis = 0; axis < 4; ++axis) {
+    FLASHCTE_RETURN_IF_ERROR(expect_axis("out", out, axis, want[axis], what[axis]));
+  }
+  FLASHCTE_RETURN_IF_ERROR(check_no_self_overlap("out", out));
+  p->out = out.data;
+  p->out_strides = {out.strides[0], out.strides[2], out.strides[1], out.strides[3]};
+  if (!lse.present()) return Status::Ok();
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("lse", lse, 3, "(batch, heads, seqlen_q)", &e->lse));
+  FLASHCTE_RETURN_IF_ERROR(expect_float32("lse", lse.dtype));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 0, s.batch, "q's batch"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 1, s.heads, "q's heads"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 2, s.seqlen_q, "q's seqlen_q"));
+  FLASHCTE_RETURN_IF_ERROR(check_no_self_overlap("lse", lse));
+  p->lse = static_cast<float*>(lse.data);
+  p->lse_strides = {lse.strides[0], lse.strides[1], lse.strides[2]};
+  return Status::Ok();
+}
+
+// What the call writes (out, lse; the caches when appending) touches nothing it reads besides
+// the caches themselves, nor each other.
+Status check_aliasing(const Extents& e, bool appending) {
+  struct Named {
+    const char* name;
+    Extent extent;
+  };
+  const Named inputs[] = {{"q", e.q},
+                          {"k", e.k},
+                          {"v", e.v},
+                          {"rotary_cos", e.cos},
+                          {"rotary_sin", e.sin},
+                          {"cache_seqlens", e.seqlens},
+                          {"cache_batch_idx", e.batch_idx},
+                          {"cache_leftpad", e.leftpad},
+                          {"block_table", e.table},
+                          {"alibi_slopes", e.alibi}};
+  std::vector<Named> written = {{"out", e.out}, {"lse", e.lse}};
+  if (appending) {
+    written.push_back({"k_cache", e.k_cache});
+    written.push_back({"v_cache", e.v_cache});
+  }
+  for (const Named& w : written) {
+    for (const Named& in : inputs) {
+      if (overlaps(w.extent, in.extent)) {
+        return error(std::string(w.name) + ": overlaps the input " + in.name +
+                     ", which the call reads while it writes " + w.name);
+      }
+    }
+  }
+  for (const Named& cache : {Named{"k_cache", e.k_cache}, Named{"v_cache", e.v_cache}}) {
+    for (const Named& output : {Named{"out", e.out}, Named{"lse", e.lse}}) {
+      if (overlaps(output.extent, cache.extent)) {
+        return error(std::string(output.name) + ": overlaps " + cache.name +
+                     "; outputs must not alias the cache");
+      }
+    }
+  }
+  if (overlaps(e.out, e.lse)) return error("lse: overlaps the output out");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
+                        const MutableTensorView& v_cache, const MutableTensorView& out,
+                        const MutableTensorView& lse, const KvCacheOptions& o, DecodeProblem* p,
+                        KvAppend* a) {
+  *p = DecodeProblem{};
+  *a = KvAppend{};
+  Shape s;
+  Extents e;
+  const bool paged = o.block_table.present();
+  FLASHCTE_RETURN_IF_ERROR(check_q_and_caches(q, k_cache, v_cache, paged, &s, p, &e));
+  FLASHCTE_RETURN_IF_ERROR(check_new_kv(o, s, p->dtype, a, &e));
+  FLASHCTE_RETURN_IF_ERROR(check_rotary(o, s, p->dtype, a, &e));
+
+  // Where sequence b's cache is: its pages, or its cache row.
+  if (paged) {
+    if (o.cache_batch_idx.present()) {
+      return error(
+          "cache_batch_idx: a paged cache picks each sequence's pages by block_table; "
+          "cache_batch_idx applies to dense caches only");
+    }
+    const TensorView& t = o.block_table;
+    FLASHCTE_RETURN_IF_ERROR(
+        check_tensor("block_table", t, 2, "(batch, max_blocks_per_seq)", &e.table));
+    if (t.dtype != DType::kInt32) {
+      return error(std::string("block_table: dtype must be int32, got ") + dtype_name(t.dtype));
+    }
+    FLASHCTE_RETURN_IF_ERROR(expect_axis("block_table", t, 0, s.batch, "q's batch"));
+    s.pages_per_sequence = t.shape[1];
+    if (__builtin_mul_overflow(t.shape[1], s.row_slots, &s.capacity)) {
+      return error("block_table: " + to_string(t.shape[1]) + " pages of " + to_string(s.row_slots) +
+                   " slots are more than fit in 64 bits");
+    }
+  } else {
+    s.capacity = s.row_slots;
+    if (o.cache_batch_idx.present()) {
+      std::vector<int64_t> ignored;
+      FLASHCTE_RETURN_IF_ERROR(
+          read_int32_vector("cache_batch_idx", o.cache_batch_idx, s.batch, &ignored, &e.batch_idx));
+    } else if (s.cache_rows != s.batch) {
+      return error("k_cache: batch_cache = " + to_string(s.cache_rows) +
+                   " must be q's batch = " + to_string(s.batch) + " without cache_batch_idx");
+    }
+  }
+  p->max_len = s.capacity;
+
+  // The lengths: cached tokens, left padding, the new tokens' slots.
+  std::vector<int64_t> seqlens(static_cast<size_t>(s.batch), s.capacity), leftpad(seqlens.size());
+  if (o.cache_seqlens.present()) {
+    FLASHCTE_RETURN_IF_ERROR(
+        read_int32_vector("cache_seqlens", o.cache_seqlens, s.batch, &seqlens, &e.seqlens));
+  } else if (a->tokens > 0) {
+    return error(
+        "cache_seqlens: is required to append k and v (where each sequence's new tokens "
+        "go)");
+  }
+  if (o.cache_leftpad.present()) {
+    FLASHCTE_RETURN_IF_ERROR(
+        read_int32_vector("cache_leftpad", o.cache_leftpad, s.batch, &leftpad, &e.leftpad));
+  }
+  for (int64_t b = 0; b < s.batch; ++b) {
+    if (seqlens[b] < 0 || seqlens[b] + a->tokens > s.capacity) {
+      return error("cache_seqlens: [" + to_string(b) + "] = " + to_string(seqlens[b]) +
+                   (a->tokens > 0 ? " plus seqlen_new = " + to_string(a->tokens) : "") +
+                   " must be in [0, " + to_string(s.capacity) + "], the slots of a sequence's " +
+                   (s.paged ? "pages (max_blocks_per_seq x page_block_size)" : "cache row"));
+    }
+    if (leftpad[b] < 0 || leftpad[b] > seqlens[b]) {
+      return error("cache_leftpad: [" + to_string(b) + "] = " + to_string(leftpad[b]) +
+                   " must be in [0, cache_seqlens[" + to_string(b) +
+                   "] = " + to_string(seqlens[b]) + "]");
+    }
+  }
+  a->start = seqlens;
+  if (a->rotary_dim > 0) {
+    const int64_t rows = a->cos.shape[0];
+    for (int64_t b = 0; b < s.batch; ++b) {
+      const int64_t last = seqlens[b] + std::max(a->tokens, a->q_per_token ? s.seqlen_q : 1) - 1;
+      if (last >= rows) {
+        return error("rotary_cos: has " + to_string(rows) + " positions; sequence " + to_string(b) +
+                     " needs position " + to_string(last));
+      }
+    }
+  }
+
+  // Scalars.
+  if (o.window_left < -1 || o.window_right < -1) {
+    return error("window_size: entries must be >= -1 (-1: unbounded), got (" +
+                 to_string(o.window_left) + ", " + to_string(o.window_right) + ")");
+  }
+  const float scale =
+      o.softmax_scale.value_or(static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.d))));
+  if (!std::isfinite(scale)) return error("softmax_scale: must be finite, got " + to_string(scale));
+  if (!(o.softcap >= 0.0f) || std::isinf(o.softcap)) {
+    return error("softcap: must be finite and >= 0 (0 disables it), got " + to_string(o.softcap));
+  }
+  if (o.num_threads < 0) {
+    return error("num_threads: must be >= 0 (0 = OpenMP default), got " + to_string(o.num_threads));
+  }
+  p->scale = scale;
+  p->softcap = o.softcap;
+  p->threads = o.num_threads;
+  if (o.alibi_slopes.present()) {
+    FLASHCTE_RETURN_IF_ERROR(check_alibi(o.alibi_slopes, s, p, &e.alibi));
+  }
+
+  // Each query row's slots: FlashAttention's bottom-right alignment, window and left padding.
+  const int64_t left = o.window_left, right = o.causal ? 0 : o.window_right;
+  p->slots.resize(static_cast<size_t>(s.batch * s.seqlen_q));
+  p->diagonal.resize(p->slots.size());
+  std::vector<Span> read(static_cast<size_t>(s.batch)), written(read.size());
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t seqlen_k = seqlens[b] + a->tokens;
+    Span& r = read[b];
+    r = {seqlen_k, 0};
+    for (int64_t i = 0; i < s.seqlen_q; ++i) {
+      const int64_t diagonal = seqlen_k - s.seqlen_q + i;
+      const int64_t hi = right < 0 ? seqlen_k : std::min(seqlen_k, diagonal + right + 1);
+      const int64_t lo = left < 0 ? leftpad[b] : std::max(leftpad[b], diagonal - left);
+      p->slots[b * s.seqlen_q + i] = lo < hi ? SlotRange{lo, hi} : SlotRange{0, 0};
+      p->diagonal[b * s.seqlen_q + i] = diagonal;
+      if (lo < hi) r = {std::min(r.lo, lo), std::max(r.hi, hi)};
+    }
+    written[b] = {seqlens[b], seqlen_k};
+  }
+  if (paged || o.cache_batch_idx.present()) {
+    if (!paged) s.pages_per_sequence = 1;
+    FLASHCTE_RETURN_IF_ERROR(check_pages(o, s, read, written, p));
+  }
+
+  FLASHCTE_RETURN_IF_ERROR(check_outputs(out, lse, s, p, &e));
+  return check_aliasing(e, a->tokens > 0);
+}
+
+}  // namespace flashcte::internal
