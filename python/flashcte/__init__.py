@@ -4,6 +4,8 @@ optimum-neuron's attention layer around it.
 Functions:
     attention_cte: the Neuron kernel's signature and layouts (batch and heads folded).
     flash_attn_func, flash_attn_varlen_func: FlashAttention's interface on top of it.
+    flash_attn_with_kvcache: FlashAttention's serving call: append to a dense or paged KV cache
+        in place (rotary included) and attend it.
     simd_target: the SIMD instruction set the library dispatched to on this machine.
     layer_gemm_backend: the GEMM library the layer's projections run on.
 
@@ -21,6 +23,7 @@ kind of ``q``. Errors raise TypeError (dtypes) or ValueError with the library's
 from ._attention import attention_cte
 from ._flash_attn import flash_attn_func, flash_attn_varlen_func
 from ._flashcte import simd_target
+from ._kvcache import flash_attn_with_kvcache
 from ._layer import AttentionLayer, KvCache, layer_gemm_backend
 
 __version__ = "0.1.0"
@@ -30,6 +33,7 @@ __all__ = [
     "attention_cte",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "layer_gemm_backend",
     "simd_target",
 ]

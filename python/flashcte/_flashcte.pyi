@@ -61,6 +61,20 @@ def merge_attn_states(
     merge_attn_states into caller-allocated outputs (out may be out_a or out_b itself, lse lse_a or lse_b). Raises TypeError/ValueError with the library's message.
     """
 
+def flash_attn_with_kvcache(
+    *,
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    out: object,
+    lse: object | None,
+    bf16_bits: bool,
+    **options: object,
+) -> None:
+    """
+    flash_attn_with_kvcache into caller-allocated outputs, the caches appended in place; the other arguments are KvCacheOptions' fields by name. Raises TypeError/ValueError with the library's message.
+    """
+
 def simd_target() -> str:
     """
     The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.

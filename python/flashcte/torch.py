@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from . import _kvcache
 from ._attention import _call
 from ._tensors import Tensor
 
@@ -32,7 +33,13 @@ if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):  # 
         f"{torch.__version__}"
     )
 
-__all__ = ["MaskPlan", "decompose_mask", "flash_attn", "scaled_dot_product_attention"]
+__all__ = [
+    "MaskPlan",
+    "decompose_mask",
+    "flash_attn",
+    "flash_attn_with_kvcache",
+    "scaled_dot_product_attention",
+]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
@@ -308,6 +315,95 @@ def flash_attn(
         bound_max=bound_max,
         num_threads=num_threads,
     )
+
+
+# ---- flash_attn_with_kvcache: the serving call, caches mutated in place -------------------------
+
+_KVCACHE_SCHEMA = (
+    "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, Tensor? v=None, "
+    "Tensor? rotary_cos=None, Tensor? rotary_sin=None, Tensor? cache_seqlens=None, "
+    "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, Tensor? block_table=None, "
+    "float? softmax_scale=None, bool causal=False, int window_left=-1, int window_right=-1, "
+    "float softcap=0., bool rotary_interleaved=True, Tensor? alibi_slopes=None, "
+    "int? num_threads=None) -> (Tensor, Tensor)"
+)
+
+
+@torch.library.custom_op(
+    "flashcte::flash_attn_with_kvcache", mutates_args=("k_cache", "v_cache"), schema=_KVCACHE_SCHEMA
+)
+def _kvcache_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens: Optional[torch.Tensor] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    num_threads: Optional[int] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kvcache.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
+        rotary_interleaved, alibi_slopes, return_softmax_lse=True, num_threads=num_threads,
+    )
+
+
+@_kvcache_op.register_fake
+def _kvcache_fake(q, k_cache, v_cache, *args, **kwargs):
+    batch, seqlen_q, heads, _ = q.shape
+    out = q.new_empty((batch, seqlen_q, heads, v_cache.shape[3]))
+    return out, q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens=None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    num_threads: Optional[int] = None,
+):
+    """``torch.ops.flashcte.flash_attn_with_kvcache``: :func:`flashcte.flash_attn_with_kvcache`
+    (FlashAttention's signature and semantics) as a torch operator that declares its writes to
+    ``k_cache`` and ``v_cache``; ``cache_seqlens`` may be an int."""
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(torch.float32)
+    left, right = (int(w) for w in window_size)
+    out, lse = torch.ops.flashcte.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+        cache_leftpad, block_table, softmax_scale, causal, left, right, softcap,
+        rotary_interleaved, alibi_slopes, num_threads,
+    )
+    return (out, lse) if return_softmax_lse else out
 
 
 # ---- masks ------------------------------------------------------------------------------------

@@ -16,13 +16,16 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flashcte/flashcte.h"
+#include "flashcte/kvcache.h"
 #include "flashcte/layer.h"
 #include "flashcte/merge.h"
 
@@ -238,6 +241,73 @@ void attention_cte(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb:
   {
     nb::gil_scoped_release release;
     status = flashcte::attention_cte(qv, kv, vv, outputs, o);
+  }
+  if (!status.ok) raise_status(status);
+}
+
+// ---- flash_attn_with_kvcache: its options by name -----------------------------------------------
+
+// How one Python keyword lands in KvCacheOptions. The table below is the only place an option is
+// named on this side: a new field of KvCacheOptions is one line here and one keyword in Python.
+using KvCacheSetter = void (*)(Imports&, flashcte::KvCacheOptions&, nb::handle);
+
+#define FLASHCTE_KV_TENSOR(field)                            \
+  {                                                          \
+#field, [](Imports & im, flashcte::KvCacheOptions & o,   \
+               nb::handle h) { o.field = im.in(#field, h); } \
+  }
+#define FLASHCTE_KV_VALUE(field, type)                                     \
+  {                                                                        \
+#field, [](Imports&, flashcte::KvCacheOptions& o, nb::handle h) {        \
+     if (!h.is_none()) o.field = nb::cast<type>(h);                         \
+   } \
+  }
+
+const std::pair<const char*, KvCacheSetter> kKvCacheOptions[] = {
+    FLASHCTE_KV_TENSOR(k),
+    FLASHCTE_KV_TENSOR(v),
+    FLASHCTE_KV_TENSOR(rotary_cos),
+    FLASHCTE_KV_TENSOR(rotary_sin),
+    FLASHCTE_KV_VALUE(rotary_interleaved, bool),
+    FLASHCTE_KV_TENSOR(cache_seqlens),
+    FLASHCTE_KV_TENSOR(cache_batch_idx),
+    FLASHCTE_KV_TENSOR(cache_leftpad),
+    FLASHCTE_KV_TENSOR(block_table),
+    FLASHCTE_KV_TENSOR(alibi_slopes),
+    FLASHCTE_KV_VALUE(softmax_scale, float),
+    FLASHCTE_KV_VALUE(causal, bool),
+    FLASHCTE_KV_VALUE(window_left, int64_t),
+    FLASHCTE_KV_VALUE(window_right, int64_t),
+    FLASHCTE_KV_VALUE(softcap, float),
+    FLASHCTE_KV_VALUE(num_threads, int),
+};
+#undef FLASHCTE_KV_TENSOR
+#undef FLASHCTE_KV_VALUE
+
+// flash_attn_with_kvcache (flashcte/kvcache.h) into caller-allocated outputs, the caches written
+// in place; every other argument by keyword, as KvCacheOptions names it.
+void flash_attn_with_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle out,
+                             nb::handle lse, bool bf16_bits, const nb::kwargs& options) {
+  Imports im;
+  im.bf16_bits = bf16_bits;
+  const flashcte::TensorView qv = im.in("q", q);
+  const flashcte::MutableTensorView kc = im.out("k_cache", k_cache);
+  const flashcte::MutableTensorView vc = im.out("v_cache", v_cache);
+  const flashcte::MutableTensorView ov = im.out("out", out), lv = im.out("lse", lse);
+  flashcte::KvCacheOptions o;
+  for (auto [key, value] : options) {
+    const std::string name = nb::cast<std::string>(key);
+    const auto* entry = std::find_if(std::begin(kKvCacheOptions), std::end(kKvCacheOptions),
+                                     [&](const auto& e) { return name == e.first; });
+    if (entry == std::end(kKvCacheOptions)) {
+      throw nb::type_error(("flash_attn_with_kvcache: unknown option " + name).c_str());
+    }
+    entry->second(im, o, value);
+  }
+  flashcte::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = flashcte::flash_attn_with_kvcache(qv, kc, vc, ov, lv, o);
   }
   if (!status.ok) raise_status(status);
 }
@@ -514,6 +584,12 @@ NB_MODULE(_flashcte, m) {
         nb::arg("bf16_bits"),
         "merge_attn_states into caller-allocated outputs (out may be out_a or out_b itself, lse "
         "lse_a or lse_b). Raises TypeError/ValueError with the library's message.");
+  m.def("flash_attn_with_kvcache", &flash_attn_with_kvcache, nb::kw_only(), nb::arg("q"),
+        nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"), nb::arg("lse").none(),
+        nb::arg("bf16_bits"), nb::arg("options"),
+        "flash_attn_with_kvcache into caller-allocated outputs, the caches appended in place; "
+        "the other arguments are KvCacheOptions' fields by name. Raises TypeError/ValueError "
+        "with the library's message.");
   m.def("simd_target", &flashcte::simd_target,
         "The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.");
   bind_layer(m);

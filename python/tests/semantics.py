@@ -269,3 +269,94 @@ def flash_attn_varlen_ref(
         out[qs:qe] = o[0]
         lse[:, qs:qe] = l[0]
     return out, lse
+
+
+def fa_rotary(x, cos, sin, positions, interleaved):
+    """FlashAttention's apply_rotary_emb: x (n, d) turned at positions (n,) by the tables
+    (S, rotary_dim / 2), float32 arithmetic as its kernels, the first rotary_dim channels only."""
+    x = np.asarray(x, np.float32).copy()
+    c = np.asarray(cos, np.float32)[positions]
+    s = np.asarray(sin, np.float32)[positions]
+    rd = 2 * c.shape[1]
+    if interleaved:
+        x0, x1 = x[:, 0:rd:2].copy(), x[:, 1:rd:2].copy()
+        x[:, 0:rd:2], x[:, 1:rd:2] = x0 * c - x1 * s, x0 * s + x1 * c
+    else:
+        x0, x1 = x[:, : rd // 2].copy(), x[:, rd // 2 : rd].copy()
+        x[:, : rd // 2], x[:, rd // 2 : rd] = x0 * c - x1 * s, x0 * s + x1 * c
+    return x
+
+
+def kvcache_ref(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+):
+    """FlashAttention's flash_attn_with_kvcache as its test_flash_attn_kvcache models it:
+    (out, lse, k_cache after, v_cache after); out / lse float64, the caches in their dtype."""
+    batch, sq, heads, d = q.shape
+    dtype = np.asarray(q).dtype
+    k_after, v_after = np.array(k_cache), np.array(v_cache)
+    paged = block_table is not None
+    rows_per = k_cache.shape[1]
+    capacity = block_table.shape[1] * rows_per if paged else rows_per
+    seqlens = np.full(batch, capacity) if cache_seqlens is None else np.asarray(cache_seqlens)
+    leftpad = np.zeros(batch, int) if cache_leftpad is None else np.asarray(cache_leftpad)
+    new = 0 if k is None else k.shape[1]
+
+    def where(b, j):
+        if paged:
+            return block_table[b, j // rows_per], j % rows_per
+        return (b if cache_batch_idx is None else cache_batch_idx[b]), j
+
+    rotary = rotary_cos is not None
+    for b in range(batch):
+        pos = seqlens[b] + np.arange(new)
+        for h in range(k_cache.shape[2]):
+            kn = f64(k[b, :, h]) if new else None
+            if new and rotary:
+                kn = fa_rotary(kn, rotary_cos, rotary_sin, pos, rotary_interleaved)
+            for t in range(new):
+                r, s = where(b, pos[t])
+                k_after[r, s, h] = np.asarray(kn[t]).astype(dtype)
+                v_after[r, s, h] = v[b, t, h]
+    per_token = causal or tuple(window_size) != (-1, -1)
+    out = np.zeros((batch, sq, heads, v_cache.shape[3]))
+    lse = np.full((batch, heads, sq), -np.inf)
+    for b in range(batch):
+        sk = int(seqlens[b]) + new
+        slots = [where(b, j) for j in range(sk)]
+        kb = np.stack([f64(k_after[r, s]) for r, s in slots]) if sk else np.zeros((0, 1, d))
+        vb = np.stack([f64(v_after[r, s]) for r, s in slots]) if sk else np.zeros((0, 1, 1))
+        allowed = fa_mask(sq, sk, causal, window_size) & (np.arange(sk)[None, :] >= leftpad[b])
+        for h in range(heads):
+            qh = f64(q[b, :, h])
+            if rotary:
+                qpos = seqlens[b] + (np.arange(sq) if per_token else np.zeros(sq, int))
+                qh = f64(fa_rotary(qh, rotary_cos, rotary_sin, qpos, rotary_interleaved).astype(dtype))
+            if sk == 0:
+                continue
+            hk = h // (heads // k_cache.shape[2])
+            bias = None
+            if alibi_slopes is not None:
+                slope = np.broadcast_to(f64(alibi_slopes), (batch, heads))[b, h]
+                bias = -slope * fa_alibi_distance(sq, sk)
+            scale = d**-0.5 if softmax_scale is None else softmax_scale
+            out[b, :, h], lse[b, h] = masked_softmax_attention(
+                qh, kb[:, hk], vb[:, hk], allowed, scale, softcap, bias
+            )
+    return out, lse, k_after, v_after

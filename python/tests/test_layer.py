@@ -345,12 +345,16 @@ def test_decode_chunks_match_one_prefill(rng):
 
 
 def test_threads_do_not_change_the_result(rng):
+    """The attention is bitwise the same for any thread count; the projections' GEMMs may sum in
+    another order with another thread split (OpenBLAS's Haswell kernel, which the machine forces
+    through OPENBLAS_CORETYPE on a Zen 4 EPYC: 1 of 5120 outputs moved by 1.2e-6, 5.7e-7
+    relative), so the outputs agree to a few float32 roundings."""
     cfg = make_config("mqa", "float32", rng)
     layer = make_layer(cfg, make_weights(cfg, rng))
     x = rng.standard_normal((2, 40, cfg["hidden_size"])).astype(np.float32)
     one = layer(x, rows((0, 40), (0, 40)), layer.new_cache(2, 64), num_threads=1)
     two = layer(x, rows((0, 40), (0, 40)), layer.new_cache(2, 64), num_threads=2)
-    np.testing.assert_allclose(one, two, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(one, two, rtol=4e-6, atol=1e-6)
 
 
 def test_api_surface(rng):

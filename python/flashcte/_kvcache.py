@@ -1,0 +1,169 @@
+"""FlashAttention's serving call, ``flash_attn_with_kvcache``, on the CPU (flashcte/kvcache.h).
+
+The contract is FlashAttention's ``flash_attn_interface.flash_attn_with_kvcache`` and its test
+(``test_flash_attn_kvcache``): new ``k``/``v`` are appended into the cache in place at
+``cache_seqlens``, rotary embedding turns them and ``q`` at their absolute positions, and ``q``
+attends each sequence's cache, dense or paged. The differences, all deliberate, are listed in
+:func:`flash_attn_with_kvcache`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from . import _flashcte
+from ._flash_attn import _alibi, _softcap, _window
+from ._tensors import NUMPY, Tensor, empty, give_back, is_bf16_numpy, native
+
+ArrayLike = Any
+
+
+def _cache(name: str, x: Any) -> Tensor:
+    """A cache the call writes in place: refused if reading it would take a copy."""
+    t = Tensor(name, x)
+    if t.kind == NUMPY and (t.arr is not x or not t.arr.flags.writeable):
+        raise ValueError(
+            f"{name}: must be a writable array the library can address in place (no negative "
+            "strides, native byte order); new k and v are appended into it"
+        )
+    if t.ndim != 4:
+        raise ValueError(
+            f"{name}: must have rank 4 (batch_cache, seqlen_cache, heads_k, head_dim) or, with "
+            f"block_table, (num_blocks, page_block_size, heads_k, head_dim); got shape {t.shape}"
+        )
+    return t
+
+
+def _int32(name: str, x: Any, batch: int | None = None) -> Any:
+    """An int32 table as the caller gave it (numpy or torch; other integer dtypes are refused by
+    the library, naming the argument); a Python int becomes a (batch,) array of it."""
+    if x is None:
+        return None
+    if isinstance(x, (int, np.integer)) and batch is not None:
+        return np.full((batch,), int(x), np.int32)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
+        return x.detach()
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x, np.int32)
+    raise TypeError(f"{name}: expected an int32 array or tensor, got {type(x).__name__}")
+
+
+def flash_attn_with_kvcache(
+    q: ArrayLike,
+    k_cache: ArrayLike,
+    v_cache: ArrayLike,
+    k: ArrayLike | None = None,
+    v: ArrayLike | None = None,
+    rotary_cos: ArrayLike | None = None,
+    rotary_sin: ArrayLike | None = None,
+    cache_seqlens: int | ArrayLike | None = None,
+    cache_batch_idx: ArrayLike | None = None,
+    cache_leftpad: ArrayLike | None = None,
+    block_table: ArrayLike | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: ArrayLike | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    num_threads: int | None = None,
+) -> ArrayLike | tuple[ArrayLike, ArrayLike]:
+    """FlashAttention's ``flash_attn_with_kvcache`` on the CPU.
+
+    Args:
+        q: ``(batch, seqlen_q, heads, d)``.
+        k_cache, v_cache: ``(batch_cache, seqlen_cache, heads_k, d / dv)``, or with
+            ``block_table`` pages ``(num_blocks, page_block_size, heads_k, d / dv)`` with any
+            ``page_block_size`` from 1. q's dtype (float32, float16, bfloat16); numpy arrays or
+            torch tensors, written in place when ``k`` and ``v`` are given.
+        k, v: optional new tokens ``(batch, seqlen_new, heads_k, d / dv)``, appended at
+            ``cache_seqlens`` before the attention.
+        rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)`` (q's dtype or float32),
+            only with ``k``/``v``: the new key ``t`` turns at ``cache_seqlens + t``, the queries
+            at ``cache_seqlens + i`` when causal or windowed, else all at ``cache_seqlens``;
+            ``rotary_interleaved`` pairs channels (0, 1), (2, 3)... (GPT-J), else (i, i + rd/2)
+            (GPT-NeoX).
+        cache_seqlens: an int or ``(batch,)`` int32: tokens already cached per sequence.
+            None: every cache is full (and nothing can be appended).
+        cache_batch_idx: ``(batch,)`` int32, dense caches: the cache row of each sequence.
+        cache_leftpad: ``(batch,)`` int32: each sequence's cache starts at this slot.
+        block_table: ``(batch, max_blocks_per_seq)`` int32: the pages of each sequence.
+        softmax_scale: defaults to ``1 / sqrt(d)``.
+        causal, window_size: FlashAttention's masks, aligned to the bottom-right corner: query
+            ``i`` sees keys ``[i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right]``
+            with ``seqlen_k = cache_seqlens + seqlen_new``; causal sets ``right`` to 0.
+        softcap: ``> 0``: scores ``S -> softcap * tanh(S / softcap)``, before ALiBi.
+        alibi_slopes: ``(heads,)`` or ``(batch, heads)``: ``S -= slope * |i + seqlen_k -
+            seqlen_q - j|``.
+        num_splits: accepted for compatibility and not used: the split of the cache over threads
+            is the kernel's, and results are bitwise the same for any split and thread count.
+        return_softmax_lse: also return the log-sum-exp of the final scores.
+        num_threads: OpenMP threads; None for OpenMP's default.
+
+    Returns:
+        ``out`` ``(batch, seqlen_q, heads, dv)`` in q's dtype and kind, or ``(out, lse)`` with
+        ``lse`` float32 ``(batch, heads, seqlen_q)``. A row that sees no key outputs 0 and has
+        ``lse = -inf`` (FlashAttention 2 stores +inf there).
+
+    Where this differs from FlashAttention: any ``page_block_size`` (it asks for multiples of
+    256) and any even ``rotary_dim`` (multiples of 16); ``cache_leftpad`` with a paged cache
+    (which it refuses); refused where it leaves the result undefined: a repeated
+    ``cache_batch_idx`` entry, or a page written by one sequence and named by another entry,
+    while appending. Every argument is checked before the caches are written; a call that
+    raises leaves them as they were.
+
+    Raises:
+        TypeError, ValueError: bad inputs; the message names the argument.
+    """
+    qt = Tensor("q", q)
+    if qt.ndim != 4:
+        raise ValueError(f"q: must have rank 4 (batch, seqlen_q, heads, head_dim), got shape {qt.shape}")
+    batch, seqlen_q, heads, d = qt.shape
+    kc, vc = _cache("k_cache", k_cache), _cache("v_cache", v_cache)
+    bf16 = is_bf16_numpy(qt.arr) or is_bf16_numpy(kc.arr)
+    tensors = {}
+    for name, x in (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if x is not None:
+            tensors[name] = native(Tensor(name, x))
+    if int(num_splits) < 0:
+        raise ValueError(f"num_splits: must be >= 0 (0: automatic), got {num_splits}")
+    left, right = _window(window_size, causal)
+    slopes = _alibi(alibi_slopes, batch, heads)
+    dv = vc.shape[3]
+    out = empty(qt, (batch, seqlen_q, heads, dv))
+    lse = empty(qt, (batch, heads, seqlen_q), "float32") if return_softmax_lse else None
+    _flashcte.flash_attn_with_kvcache(
+        q=native(qt),
+        k_cache=native(kc),
+        v_cache=native(vc),
+        out=native(out),
+        lse=lse,
+        bf16_bits=bf16,
+        cache_seqlens=_int32("cache_seqlens", cache_seqlens, batch),
+        cache_batch_idx=_int32("cache_batch_idx", cache_batch_idx),
+        cache_leftpad=_int32("cache_leftpad", cache_leftpad),
+        block_table=_int32("block_table", block_table),
+        alibi_slopes=slopes,
+        softmax_scale=None if softmax_scale is None else float(softmax_scale),
+        causal=bool(causal),
+        window_left=left,
+        window_right=right,
+        softcap=_softcap(softcap),
+        rotary_interleaved=bool(rotary_interleaved),
+        num_threads=0 if num_threads is None else int(num_threads),
+        **tensors,
+    )
+    if return_softmax_lse:
+        return give_back(qt, out), give_back(qt, lse)
+    return give_back(qt, out)
