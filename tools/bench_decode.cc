@@ -8,6 +8,11 @@
 // as a model's other layers evict them in real use; bandwidth and decode reps are therefore
 // interleaved (B, D, B, D, ...). Without --cold the bandwidth reps run first, then the decode
 // reps back to back on warm caches (whatever of K/V fits in L3 stays there).
+//
+// With --block-size N the same call also runs on a paged copy of the cache (pages of N slots,
+// vLLM's (num_blocks, kv_heads, block_size, d), the pages of each sequence at shuffled places in
+// the pool), interleaved with the dense call rep by rep, and the paged/dense speed ratio is the
+// median of the per-rep ratios.
 #include "tools/bench_decode.h"
 
 #include <omp.h>
@@ -16,6 +21,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -30,7 +37,7 @@ namespace {
 constexpr char kCommand[] = "bench";
 
 struct DecodeConfig {
-  int64_t batch, heads, kv_heads, d, cached, tokens;
+  int64_t batch, heads, kv_heads, d, cached, tokens, block_size;
   DType dtype;
   int threads, reps;
   bool cold, json;
@@ -47,31 +54,46 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-void Print(const DecodeConfig& c, const std::vector<double>& ms, const std::vector<double>& bw) {
-  const double median_ms = Median(ms), bandwidth = Median(bw);
+// One row: the dense cache (block_size 0) or the paged one. `speed_ratio` (paged rows): the
+// median over reps of the dense time over the paged time of the same rep.
+void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<double>& ms,
+              double bandwidth, double speed_ratio, bool header) {
+  const double median_ms = Median(ms);
   const double gbps = c.kv_bytes() / (median_ms * 1e-3) * 1e-9;
   if (c.json) {
     std::printf(
         "{\"impl\":\"flashcte-decode\",\"dtype\":\"%s\",\"batch\":%lld,\"heads\":%lld,"
-        "\"kv_heads\":%lld,\"d\":%lld,\"cached\":%lld,\"new\":%lld,\"threads\":%d,\"cold\":%s,"
-        "\"reps\":%d,\"median_ms\":%.4f,\"min_ms\":%.4f,\"kv_bytes\":%.0f,\"kv_gbps\":%.3f,"
-        "\"read_bandwidth_gbps\":%.3f,\"bandwidth_ratio\":%.3f,\"simd\":%s}\n",
+        "\"kv_heads\":%lld,\"d\":%lld,\"cached\":%lld,\"new\":%lld,\"block_size\":%lld,"
+        "\"threads\":%d,\"cold\":%s,\"reps\":%d,\"median_ms\":%.4f,\"min_ms\":%.4f,"
+        "\"kv_bytes\":%.0f,\"kv_gbps\":%.3f,\"read_bandwidth_gbps\":%.3f,"
+        "\"bandwidth_ratio\":%.3f,\"paged_over_dense_speed\":%s,\"simd\":%s}\n",
         dtype_name(c.dtype), static_cast<long long>(c.batch), static_cast<long long>(c.heads),
         static_cast<long long>(c.kv_heads), static_cast<long long>(c.d),
-        static_cast<long long>(c.cached), static_cast<long long>(c.tokens), c.threads,
-        c.cold ? "true" : "false", c.reps, median_ms, *std::min_element(ms.begin(), ms.end()),
-        c.kv_bytes(), gbps, bandwidth, gbps / bandwidth, JsonString(simd_target()).c_str());
+        static_cast<long long>(c.cached), static_cast<long long>(c.tokens),
+        static_cast<long long>(block_size), c.threads, c.cold ? "true" : "false", c.reps, median_ms,
+        *std::min_element(ms.begin(), ms.end()), c.kv_bytes(), gbps, bandwidth, gbps / bandwidth,
+        block_size > 0 ? std::to_string(speed_ratio).c_str() : "null",
+        JsonString(simd_target()).c_str());
     return;
   }
-  std::printf("%-9s %5s %9s %5s %7s %4s %3s %4s %10s %9s %8s %9s %6s\n", "dtype", "batch",
-              "heads/kv", "d", "cached", "new", "thr", "cold", "median_ms", "KV_MB", "KV_GB/s",
-              "read_GB/s", "ratio");
-  std::printf("%-9s %5lld %5lld/%-3lld %5lld %7lld %4lld %3d %4s %10.3f %9.1f %8.2f %9.2f %6.2f\n",
-              dtype_name(c.dtype), static_cast<long long>(c.batch), static_cast<long long>(c.heads),
-              static_cast<long long>(c.kv_heads), static_cast<long long>(c.d),
-              static_cast<long long>(c.cached), static_cast<long long>(c.tokens), c.threads,
-              c.cold ? "yes" : "no", median_ms, c.kv_bytes() * 1e-6, gbps, bandwidth,
-              gbps / bandwidth);
+  if (header) {
+    std::printf("%-9s %5s %9s %5s %7s %4s %6s %3s %4s %10s %9s %8s %9s %6s %7s\n", "dtype", "batch",
+                "heads/kv", "d", "cached", "new", "cache", "thr", "cold", "median_ms", "KV_MB",
+                "KV_GB/s", "read_GB/s", "ratio", "vs_dense");
+  }
+  const std::string cache = block_size > 0 ? "page" + std::to_string(block_size) : "dense";
+  const std::string vs = block_size > 0 ? std::to_string(speed_ratio).substr(0, 5) : "-";
+  std::printf(
+      "%-9s %5lld %5lld/%-3lld %5lld %7lld %4lld %6s %3d %4s %10.3f %9.1f %8.2f %9.2f %6.2f %7s\n",
+      dtype_name(c.dtype), static_cast<long long>(c.batch), static_cast<long long>(c.heads),
+      static_cast<long long>(c.kv_heads), static_cast<long long>(c.d),
+      static_cast<long long>(c.cached), static_cast<long long>(c.tokens), cache.c_str(), c.threads,
+      c.cold ? "yes" : "no", median_ms, c.kv_bytes() * 1e-6, gbps, bandwidth, gbps / bandwidth,
+      vs.c_str());
+}
+
+void PrintNote(const DecodeConfig& c, const std::vector<double>& bw) {
+  if (c.json) return;
   std::printf(
       "\nread_GB/s: median of %d streaming-read passes over %.0f MiB on %d threads%s; "
       "SIMD target %s\n",
@@ -96,6 +118,10 @@ std::vector<FlagSpec> DecodeBenchFlagSpecs() {
       {"new", FlagKind::kInt, "--decode: new tokens per sequence, T (default 1)", 1, 4096},
       {"cold", FlagKind::kBool,
        "--decode: evict the caches from L3 before each call (default true)"},
+      {"block-size", FlagKind::kInt,
+       "--decode: also time the call on a paged copy of the cache, pages of N slots, "
+       "interleaved with the dense one (default 0: dense only)",
+       0, int64_t{1} << 24},
   };
 }
 
@@ -112,6 +138,7 @@ int DecodeBench(const ParsedFlags& f) {
   c.d = f.integer("d", 128);
   c.cached = f.integer("cached", 4096);
   c.tokens = f.integer("new", 1);
+  c.block_size = f.integer("block-size", 0);
   c.dtype = DType::kFloat32;
   if (f.has("dtype")) ParseFloatDType(f.text("dtype"), &c.dtype);
   c.threads = static_cast<int>(f.integer("threads", 0));
@@ -139,28 +166,70 @@ int DecodeBench(const ParsedFlags& f) {
   options.num_threads = c.threads;
   DecodeOutputs outputs;
   outputs.out = MutableTensorView::contiguous(out.data(), c.dtype, out.shape());
-  const auto run = [&] {
+  // The paged copy: sequence b's page i at a shuffled place of the pool.
+  const int64_t pages = c.block_size > 0 ? (c.max_len() + c.block_size - 1) / c.block_size : 0;
+  HostTensor k_pool, v_pool;
+  std::vector<int32_t> table(static_cast<size_t>(c.batch * pages));
+  if (c.block_size > 0) {
+    for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(i);
+    std::shuffle(table.begin(), table.end(), std::mt19937(7));
+    k_pool = HostTensor(c.dtype, {c.batch * pages, c.kv_heads, c.block_size, c.d});
+    v_pool = HostTensor(c.dtype, {c.batch * pages, c.kv_heads, c.block_size, c.d});
+    const size_t row = static_cast<size_t>(c.d * dtype_size(c.dtype));
+    for (int64_t b = 0; b < c.batch; ++b) {
+      for (int64_t h = 0; h < c.kv_heads; ++h) {
+        for (int64_t j = 0; j < c.max_len(); ++j) {
+          const int64_t page = table[b * pages + j / c.block_size];
+          const size_t from = static_cast<size_t>((b * c.kv_heads + h) * c.max_len() + j) * row;
+          const size_t to =
+              static_cast<size_t>((page * c.kv_heads + h) * c.block_size + j % c.block_size) * row;
+          std::memcpy(k_pool.as<char>() + to, k.as<char>() + from, row);
+          std::memcpy(v_pool.as<char>() + to, v.as<char>() + from, row);
+        }
+      }
+    }
+  }
+  const auto run = [&](bool paged) {
+    DecodeOptions o = options;
+    if (paged) {
+      o.block_table = TensorView::contiguous(table.data(), DType::kInt32, {c.batch, pages});
+    }
+    const HostTensor& kc = paged ? k_pool : k;
+    const HostTensor& vc = paged ? v_pool : v;
     return decode_attention(
         TensorView::contiguous(q.data(), c.dtype, q.shape()),
-        TensorView::contiguous(k.data(), c.dtype, k.shape()),
-        TensorView::contiguous(v.data(), c.dtype, v.shape()),
-        TensorView::contiguous(positions.data(), DType::kInt64, {c.batch, c.tokens}), outputs,
-        options);
+        TensorView::contiguous(kc.data(), c.dtype, kc.shape()),
+        TensorView::contiguous(vc.data(), c.dtype, vc.shape()),
+        TensorView::contiguous(positions.data(), DType::kInt64, {c.batch, c.tokens}), outputs, o);
   };
   ReadBandwidth buffer(BandwidthBufferBytes());
-  if (Status s = run(); !s.ok) return RuntimeError(kCommand, "decode_attention: " + s.message);
-  std::vector<double> ms, bw;
+  const int kinds = c.block_size > 0 ? 2 : 1;
+  for (int kind = 0; kind < kinds; ++kind) {
+    if (Status s = run(kind == 1); !s.ok) {
+      return RuntimeError(kCommand, "decode_attention: " + s.message);
+    }
+  }
+  std::vector<double> ms[2], bw;
   if (!c.cold) {
     for (int r = 0; r < c.reps; ++r) bw.push_back(buffer.Measure(c.threads));
   }
   for (int r = 0; r < c.reps; ++r) {
-    if (c.cold) bw.push_back(buffer.Measure(c.threads));
-    const auto start = std::chrono::steady_clock::now();
-    if (Status s = run(); !s.ok) return RuntimeError(kCommand, "decode_attention: " + s.message);
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
-                     .count());
+    for (int kind = 0; kind < kinds; ++kind) {  // dense, paged, dense, paged, ...
+      if (c.cold) bw.push_back(buffer.Measure(c.threads));
+      const auto start = std::chrono::steady_clock::now();
+      if (Status s = run(kind == 1); !s.ok) {
+        return RuntimeError(kCommand, "decode_attention: " + s.message);
+      }
+      ms[kind].push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count());
+    }
   }
-  Print(c, ms, bw);
+  std::vector<double> ratios;
+  for (size_t r = 0; kinds == 2 && r < ms[0].size(); ++r) ratios.push_back(ms[0][r] / ms[1][r]);
+  PrintRow(c, 0, ms[0], Median(bw), 0.0, true);
+  if (kinds == 2) PrintRow(c, c.block_size, ms[1], Median(bw), Median(ratios), false);
+  PrintNote(c, bw);
   return kExitOk;
 }
 

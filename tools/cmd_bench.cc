@@ -269,7 +269,8 @@ int BenchCommand(const std::vector<std::string>& args) {
         "       flashcte bench --impl peak [--threads T --reps R --json]\n"
         "       flashcte bench --impl bandwidth [--threads T --reps R --json]\n"
         "       flashcte bench --decode [--batch B --heads N --kv-heads N --d N --cached N\n"
-        "                       --new T --dtype D --threads T --reps R --cold B --json]\n\n"
+        "                       --new T --dtype D --threads T --reps R --cold B --block-size N\n"
+        "                       --json]\n\n"
         "Times one configuration (q (heads, Sq, d), k (kv_heads, d, Skv), v (kv_heads, Skv, d),\n"
         "uniform [0, 1) inputs, scale 1/sqrt(d)). Reports the median over --reps after one\n"
         "warm-up; GFLOP/s counts 4*d*heads*(unmasked query-key pairs) for attention impls and\n"
@@ -296,7 +297,11 @@ int BenchCommand(const std::vector<std::string>& args) {
         "median time per call, the K/V bytes a call reads (batch x kv_heads x (cached + new) x\n"
         "2d x dtype size), their GB/s, the read bandwidth measured on --threads threads and the\n"
         "ratio. With --cold (default) a timed bandwidth pass before each call evicts the caches\n"
-        "from L3 and is the bandwidth sample (the two are interleaved).\n\n"
+        "from L3 and is the bandwidth sample (the two are interleaved). With --block-size N the\n"
+        "same call also runs on a paged copy of the cache (pages of N slots in vLLM's "
+        "(num_blocks,\n"
+        "kv_heads, block_size, d) layout, at shuffled places), interleaved with the dense call,\n"
+        "and vs_dense is the median of the per-rep dense/paged time ratios.\n\n"
         "flags:\n%s",
         FlagsHelp(specs).c_str());
     return kExitOk;
