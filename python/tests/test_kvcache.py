@@ -195,3 +195,18 @@ def test_bad_input_leaves_the_caches(rng, argument, breaks, exc):
         run(args)
     assert str(info.value).startswith(argument + ":"), str(info.value)
     assert np.array_equal(args["k_cache"], k_before) and np.array_equal(args["v_cache"], v_before)
+
+
+def test_readme_serving_example_runs_as_written():
+    """The README's serving loop, executed from the README itself."""
+    import os
+    import re
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    section = readme[readme.index("## Serving: paged KV caches") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope: dict = {}
+    exec(compile(code, "README.md (serving)", "exec"), scope)
+    assert scope["out"].shape == (2, 1, 8, 64) and scope["lens"].tolist() == [35, 35]
+    # Request B read A's prompt pages: its cache is A's prompt plus its own 3 tokens.
+    assert np.array_equal(scope["pool_k"][0], scope["prompt_k"][0, :16])

@@ -12,9 +12,9 @@
 
 namespace flashcte {
 
-Status decode_attention(const TensorView& q, const TensorView& k_cache,
-                        const TensorView& v_cache, const TensorView& positions,
-                        const DecodeOutputs& outputs, const DecodeOptions& options) {
+Status decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                        const TensorView& positions, const DecodeOutputs& outputs,
+                        const DecodeOptions& options) {
   try {
     internal::DecodeProblem problem;
     Status s =

@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "src/dispatch/views.h"
+
 namespace flashcte::internal {
 namespace {
 
@@ -19,115 +21,6 @@ constexpr int64_t kMaxHeadDim = 1024;
 using std::to_string;
 
 Status error(const std::string& message) { return Status::Error(message); }
-
-std::string shape_str(const int64_t* shape, int rank) {
-  std::string s = "(";
-  for (int i = 0; i < rank; ++i) s += (i ? ", " : "") + to_string(shape[i]);
-  return s + (rank == 1 ? ",)" : ")");
-}
-
-bool is_float_type(DType t) {
-  return t == DType::kFloat32 || t == DType::kBFloat16 || t == DType::kFloat16;
-}
-
-// The bytes a view addresses, [lo, hi); empty when lo == hi.
-struct Extent {
-  uintptr_t lo = 0, hi = 0;
-};
-
-bool overlaps(const Extent& a, const Extent& b) {
-  return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi;
-}
-
-// A view of exactly `rank` axes (named by `layout`) with no negative dimension or stride whose
-// elements and bytes are addressable in int64; data may be null only without elements.
-template <class View>
-Status check_view(const char* name, const View& t, int rank, const char* layout, Extent* extent) {
-  if (t.rank != rank) {
-    return error(std::string(name) + ": must have rank " + to_string(rank) + " " + layout +
-                 ", got rank " + to_string(t.rank));
-  }
-  int64_t elements = 1, last = 0;
-  for (int i = 0; i < rank; ++i) {
-    if (t.shape[i] < 0 || t.strides[i] < 0) {
-      return error(std::string(name) + ": " + (t.shape[i] < 0 ? "dimension " : "stride ") +
-                   to_string(i) + " is negative; shapes and strides must be >= 0");
-    }
-    if (__builtin_mul_overflow(elements, t.shape[i], &elements)) {
-      return error(std::string(name) + ": shape " + shape_str(t.shape.data(), rank) +
-                   " has more elements than fit in 64 bits");
-    }
-  }
-  if (elements == 0) return Status::Ok();
-  for (int i = 0; i < rank; ++i) {
-    int64_t term = 0;
-    if (__builtin_mul_overflow(t.shape[i] - 1, t.strides[i], &term) ||
-        __builtin_add_overflow(last, term, &last)) {
-      return error(std::string(name) + ": shape " + shape_str(t.shape.data(), rank) +
-                   " with its strides addresses past 2^63 elements");
-    }
-  }
-  int64_t bytes = 0;
-  if (__builtin_mul_overflow(last + 1, static_cast<int64_t>(dtype_size(t.dtype)), &bytes)) {
-    return error(std::string(name) + ": shape " + shape_str(t.shape.data(), rank) +
-                 " addresses past 2^63 bytes");
-  }
-  if (t.data == nullptr) {
-    return error(std::string(name) + ": data is null but the shape " +
-                 shape_str(t.shape.data(), rank) + " has elements");
-  }
-  extent->lo = reinterpret_cast<uintptr_t>(t.data);
-  extent->hi = extent->lo + static_cast<uintptr_t>(bytes);
-  return Status::Ok();
-}
-
-// shape[axis] == want, `what` naming the expected size.
-template <class View>
-Status expect_dim(const char* name, const View& t, int axis, int64_t want, const char* what) {
-  if (t.shape[axis] == want) return Status::Ok();
-  return error(std::string(name) + ": shape " + shape_str(t.shape.data(), t.rank) + " has " +
-               to_string(t.shape[axis]) + " at axis " + to_string(axis) + ", expected " + what +
-               " = " + to_string(want));
-}
-
-Status expect_dtype(const char* name, DType dtype, DType want, const char* reference) {
-  if (dtype == want) return Status::Ok();
-  return error(std::string(name) + ": dtype " + dtype_name(dtype) + " differs from " + reference +
-               " " + dtype_name(want));
-}
-
-// Distinct elements of an output are distinct memory: with the axes of extent > 1 sorted by
-// stride, each stride steps over everything the smaller ones reach.
-template <class View>
-Status check_no_self_overlap(const char* name, const View& t) {
-  int axes[4] = {};
-  int n = 0;
-  for (int i = 0; i < t.rank; ++i) {
-    if (t.shape[i] == 0) return Status::Ok();
-    if (t.shape[i] > 1) axes[n++] = i;
-  }
-  for (int k = 1; k < n; ++k) {  // insertion sort of at most 4 axes by stride
-    for (int m = k; m > 0 && t.strides[axes[m]] < t.strides[axes[m - 1]]; --m) {
-      std::swap(axes[m], axes[m - 1]);
-    }
-  }
-  int64_t reach = 0;
-  for (int k = 0; k < n; ++k) {
-    if (t.strides[axes[k]] <= reach) {
-      return error(std::string(name) + ": strides " + shape_str(t.strides.data(), t.rank) +
-                   " for shape " + shape_str(t.shape.data(), t.rank) +
-                   " make distinct elements overlap");
-    }
-    reach += t.strides[axes[k]] * (t.shape[axes[k]] - 1);
-  }
-  return Status::Ok();
-}
-
-#define FLASHCTE_DECODE_CHECK(expr)  \
-  do {                               \
-    Status status_ = (expr);         \
-    if (!status_.ok) return status_; \
-  } while (false)
 
 struct Extents {
   Extent q, k, v, positions, block_table, sink, out, lse;
@@ -140,19 +33,16 @@ Status check_inputs(const TensorView& q, const TensorView& k, const TensorView& 
   if (!q.present()) return error("q: is required");
   if (!k.present()) return error("k_cache: is required");
   if (!v.present()) return error("v_cache: is required");
-  FLASHCTE_DECODE_CHECK(check_view("q", q, 4, "(batch, q_heads, T, d)", &e->q));
-  FLASHCTE_DECODE_CHECK(check_view(
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("q", q, 4, "(batch, q_heads, T, d)", &e->q));
+  FLASHCTE_RETURN_IF_ERROR(check_tensor(
       "k_cache", k, 4,
       paged ? "(num_blocks, kv_heads, block_size, d)" : "(batch, kv_heads, max_len, d)", &e->k));
-  FLASHCTE_DECODE_CHECK(check_view(
+  FLASHCTE_RETURN_IF_ERROR(check_tensor(
       "v_cache", v, 4,
       paged ? "(num_blocks, kv_heads, block_size, dv)" : "(batch, kv_heads, max_len, dv)", &e->v));
-  if (!is_float_type(q.dtype)) {
-    return error(std::string("q: dtype must be float32, bfloat16 or float16, got ") +
-                 dtype_name(q.dtype));
-  }
-  FLASHCTE_DECODE_CHECK(expect_dtype("k_cache", k.dtype, q.dtype, "q's dtype"));
-  FLASHCTE_DECODE_CHECK(expect_dtype("v_cache", v.dtype, q.dtype, "q's dtype"));
+  FLASHCTE_RETURN_IF_ERROR(expect_attention_dtype("q", q.dtype));
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("k_cache", k.dtype, q.dtype, "q"));
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("v_cache", v.dtype, q.dtype, "q"));
   p->dtype = q.dtype;
   p->batch = q.shape[0];
   p->q_heads = q.shape[1];
@@ -165,19 +55,19 @@ Status check_inputs(const TensorView& q, const TensorView& k, const TensorView& 
     return error("q: head dim d = " + to_string(p->head_dim) + " must be in [1, " +
                  to_string(kMaxHeadDim) + "]");
   }
-  FLASHCTE_DECODE_CHECK(expect_dim("k_cache", k, 3, p->head_dim, "q's head dim d"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("k_cache", k, 3, p->head_dim, "q's head dim d"));
   if (paged) {
-    FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 0, k.shape[0], "k_cache's num_blocks"));
-    FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 2, k.shape[2], "k_cache's block_size"));
+    FLASHCTE_RETURN_IF_ERROR(expect_axis("v_cache", v, 0, k.shape[0], "k_cache's num_blocks"));
+    FLASHCTE_RETURN_IF_ERROR(expect_axis("v_cache", v, 2, k.shape[2], "k_cache's block_size"));
     if (k.shape[2] < 1) {
       return error("k_cache: block_size (axis 2 of a paged cache) is 0; a page holds >= 1 slot");
     }
   } else {
-    FLASHCTE_DECODE_CHECK(expect_dim("k_cache", k, 0, p->batch, "q's batch"));
-    FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 0, p->batch, "q's batch"));
-    FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 2, p->max_len, "k_cache's max_len"));
+    FLASHCTE_RETURN_IF_ERROR(expect_axis("k_cache", k, 0, p->batch, "q's batch"));
+    FLASHCTE_RETURN_IF_ERROR(expect_axis("v_cache", v, 0, p->batch, "q's batch"));
+    FLASHCTE_RETURN_IF_ERROR(expect_axis("v_cache", v, 2, p->max_len, "k_cache's max_len"));
   }
-  FLASHCTE_DECODE_CHECK(expect_dim("v_cache", v, 1, p->kv_heads, "k_cache's kv_heads"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("v_cache", v, 1, p->kv_heads, "k_cache's kv_heads"));
   if (p->value_dim < 1 || p->value_dim > kMaxHeadDim) {
     return error("v_cache: value head dim dv = " + to_string(p->value_dim) + " must be in [1, " +
                  to_string(kMaxHeadDim) + "]");
@@ -202,11 +92,12 @@ Status check_inputs(const TensorView& q, const TensorView& k, const TensorView& 
 // positions are then checked against.
 Status check_block_table_shape(const TensorView& t, int64_t block_size, DecodeProblem* p,
                                Extent* extent) {
-  FLASHCTE_DECODE_CHECK(check_view("block_table", t, 2, "(batch, max_blocks_per_seq)", extent));
+  FLASHCTE_RETURN_IF_ERROR(
+      check_tensor("block_table", t, 2, "(batch, max_blocks_per_seq)", extent));
   if (t.dtype != DType::kInt32) {
     return error(std::string("block_table: dtype must be int32, got ") + dtype_name(t.dtype));
   }
-  FLASHCTE_DECODE_CHECK(expect_dim("block_table", t, 0, p->batch, "q's batch"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("block_table", t, 0, p->batch, "q's batch"));
   if (__builtin_mul_overflow(t.shape[1], block_size, &p->max_len)) {
     return error("block_table: " + to_string(t.shape[1]) + " pages of " + to_string(block_size) +
                  " slots are more slots than fit in 64 bits");
@@ -252,12 +143,12 @@ Status check_block_table_entries(const TensorView& t, int64_t num_blocks, Decode
 // its own, and with a sliding window only the `window` most recent of them.
 Status check_positions(const TensorView& t, int64_t window, DecodeProblem* p, Extent* extent) {
   if (!t.present()) return error("positions: is required");
-  FLASHCTE_DECODE_CHECK(check_view("positions", t, 2, "(batch, T)", extent));
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("positions", t, 2, "(batch, T)", extent));
   if (t.dtype != DType::kInt64) {
     return error(std::string("positions: dtype must be int64, got ") + dtype_name(t.dtype));
   }
-  FLASHCTE_DECODE_CHECK(expect_dim("positions", t, 0, p->batch, "q's batch"));
-  FLASHCTE_DECODE_CHECK(expect_dim("positions", t, 1, p->tokens, "q's new tokens T"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("positions", t, 0, p->batch, "q's batch"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("positions", t, 1, p->tokens, "q's new tokens T"));
   p->slots.resize(static_cast<size_t>(p->batch * p->tokens));
   const auto* data = static_cast<const int64_t*>(t.data);
   for (int64_t b = 0; b < p->batch; ++b) {
@@ -279,7 +170,7 @@ Status check_options(const DecodeOptions& o, DecodeProblem* p, Extent* sink_exte
   if (o.sink.present()) {
     const TensorView& t = o.sink;
     const bool column = t.rank == 2;
-    FLASHCTE_DECODE_CHECK(check_view("sink", t, column ? 2 : 1, "(q_heads,)", sink_extent));
+    FLASHCTE_RETURN_IF_ERROR(check_tensor("sink", t, column ? 2 : 1, "(q_heads,)", sink_extent));
     if (t.dtype != DType::kFloat32) {
       return error(std::string("sink: dtype must be float32, got ") + dtype_name(t.dtype));
     }
@@ -318,25 +209,25 @@ Status check_options(const DecodeOptions& o, DecodeProblem* p, Extent* sink_exte
 Status check_outputs(const DecodeOutputs& outputs, DecodeProblem* p, Extents* e) {
   const MutableTensorView& out = outputs.out;
   if (!out.present()) return error("out: is required");
-  FLASHCTE_DECODE_CHECK(check_view("out", out, 4, "(batch, q_heads, T, dv)", &e->out));
-  FLASHCTE_DECODE_CHECK(expect_dtype("out", out.dtype, p->dtype, "q's dtype"));
-  FLASHCTE_DECODE_CHECK(expect_dim("out", out, 0, p->batch, "batch"));
-  FLASHCTE_DECODE_CHECK(expect_dim("out", out, 1, p->q_heads, "q_heads"));
-  FLASHCTE_DECODE_CHECK(expect_dim("out", out, 2, p->tokens, "T"));
-  FLASHCTE_DECODE_CHECK(expect_dim("out", out, 3, p->value_dim, "v_cache's dv"));
-  FLASHCTE_DECODE_CHECK(check_no_self_overlap("out", out));
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("out", out, 4, "(batch, q_heads, T, dv)", &e->out));
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("out", out.dtype, p->dtype, "q"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("out", out, 0, p->batch, "batch"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("out", out, 1, p->q_heads, "q_heads"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("out", out, 2, p->tokens, "T"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("out", out, 3, p->value_dim, "v_cache's dv"));
+  FLASHCTE_RETURN_IF_ERROR(check_no_self_overlap("out", out));
   p->out = out.data;
   std::copy_n(out.strides.begin(), 4, p->out_strides.begin());
   const MutableTensorView& lse = outputs.lse;
   if (!lse.present()) return Status::Ok();
-  FLASHCTE_DECODE_CHECK(check_view("lse", lse, 3, "(batch, q_heads, T)", &e->lse));
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("lse", lse, 3, "(batch, q_heads, T)", &e->lse));
   if (lse.dtype != DType::kFloat32) {
     return error(std::string("lse: dtype must be float32, got ") + dtype_name(lse.dtype));
   }
-  FLASHCTE_DECODE_CHECK(expect_dim("lse", lse, 0, p->batch, "batch"));
-  FLASHCTE_DECODE_CHECK(expect_dim("lse", lse, 1, p->q_heads, "q_heads"));
-  FLASHCTE_DECODE_CHECK(expect_dim("lse", lse, 2, p->tokens, "T"));
-  FLASHCTE_DECODE_CHECK(check_no_self_overlap("lse", lse));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 0, p->batch, "batch"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 1, p->q_heads, "q_heads"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 2, p->tokens, "T"));
+  FLASHCTE_RETURN_IF_ERROR(check_no_self_overlap("lse", lse));
   p->lse = static_cast<float*>(lse.data);
   std::copy_n(lse.strides.begin(), 3, p->lse_strides.begin());
   return Status::Ok();
@@ -374,19 +265,19 @@ Status validate_decode(const TensorView& q, const TensorView& k_cache, const Ten
   *problem = DecodeProblem{};
   Extents e;
   const bool paged = options.block_table.present();
-  FLASHCTE_DECODE_CHECK(check_inputs(q, k_cache, v_cache, paged, problem, &e));
+  FLASHCTE_RETURN_IF_ERROR(check_inputs(q, k_cache, v_cache, paged, problem, &e));
   if (paged) {
-    FLASHCTE_DECODE_CHECK(
+    FLASHCTE_RETURN_IF_ERROR(
         check_block_table_shape(options.block_table, k_cache.shape[2], problem, &e.block_table));
   }
-  FLASHCTE_DECODE_CHECK(check_options(options, problem, &e.sink));
-  FLASHCTE_DECODE_CHECK(
+  FLASHCTE_RETURN_IF_ERROR(check_options(options, problem, &e.sink));
+  FLASHCTE_RETURN_IF_ERROR(
       check_positions(positions, options.sliding_window, problem, &e.positions));
   if (paged) {
-    FLASHCTE_DECODE_CHECK(
+    FLASHCTE_RETURN_IF_ERROR(
         check_block_table_entries(options.block_table, k_cache.shape[0], problem));
   }
-  FLASHCTE_DECODE_CHECK(check_outputs(outputs, problem, &e));
+  FLASHCTE_RETURN_IF_ERROR(check_outputs(outputs, problem, &e));
   return check_aliasing(e);
 }
 

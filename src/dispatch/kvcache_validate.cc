@@ -20,18 +20,6 @@ using std::to_string;
 
 Status error(const std::string& message) { return Status::Error(message); }
 
-// A present view of exactly `rank` axes, checked as views.h does; `layout` names its axes.
-template <class View>
-Status check_tensor(const char* name, const View& t, int rank, const char* layout, Extent* extent) {
-  FLASHCTE_RETURN_IF_ERROR(check_view(name, t, false, extent));
-  return expect_rank(name, t.rank, rank, layout);
-}
-
-template <class View>
-Status expect_axis(const char* name, const View& t, int axis, int64_t want, const char* what) {
-  return expect_dim(name, t.shape.data(), t.rank, axis, want, what);
-}
-
 // A (batch,) int32 vector, copied out.
 Status read_int32_vector(const char* name, const TensorView& t, int64_t batch,
                          std::vector<int64_t>* values, Extent* extent) {

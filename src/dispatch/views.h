@@ -45,9 +45,23 @@ extern template Status check_view(const char*, const MutableTensorView&, bool, E
 // `rank` is `want`; `layout` names the axes in the message, e.g. "(bs, Sq, d)".
 Status expect_rank(const char* name, int rank, int want, const char* layout);
 
+// check_view (data required) and expect_rank: a view of exactly `rank` axes named by `layout`.
+template <class View>
+Status check_tensor(const char* name, const View& view, int rank, const char* layout,
+                    Extent* extent) {
+  FLASHCTE_RETURN_IF_ERROR(check_view(name, view, false, extent));
+  return expect_rank(name, view.rank, rank, layout);
+}
+
 // shape[axis] is `want`; `what` names the expected size in the message, e.g. "bs".
 Status expect_dim(const char* name, const int64_t* shape, int rank, int axis, int64_t want,
                   const char* what);
+
+// expect_dim on a view's own shape.
+template <class View>
+Status expect_axis(const char* name, const View& view, int axis, int64_t want, const char* what) {
+  return expect_dim(name, view.shape.data(), view.rank, axis, want, what);
+}
 
 // `dtype` is `want`, the dtype of the argument `reference` ("k: dtype ... differs from q's").
 Status expect_same_dtype(const char* name, DType dtype, DType want, const char* reference);
