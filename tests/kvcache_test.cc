@@ -410,6 +410,19 @@ std::vector<KvCase> accuracy_cases() {
   c.seqlen_q = 2, c.seqlen_new = 2, c.alibi = true, c.causal = true, c.leftpad = true;
   c.batch_idx = true, c.rotary_dim = 16, c.interleaved = false, c.batch = 3;
   shapes.push_back(c);
+  // Chunks longer than kDecodeMaxQueries run on attention_cte with the cache as its prior.
+  c = kv_case("prefill_q40_new40_page16_rotary", DType::kFloat32);
+  c.seqlen_q = 40, c.seqlen_new = 40, c.causal = true, c.page = 16, c.capacity = 120;
+  c.rotary_dim = 32, c.heads = 8, c.kv_heads = 2;
+  shapes.push_back(c);
+  c = kv_case("prefill_q24_leftpad_alibi_batch_idx", DType::kFloat32);
+  c.seqlen_q = 24, c.seqlen_new = 0, c.causal = true, c.leftpad = true, c.alibi = true;
+  c.batch_idx = true, c.capacity = 60;
+  shapes.push_back(c);
+  c = kv_case("prefill_q20_window_softcap_page5", DType::kFloat32);
+  c.seqlen_q = 20, c.seqlen_new = 20, c.left = 30, c.right = 3, c.softcap = 5.0f, c.page = 5;
+  c.capacity = 100;
+  shapes.push_back(c);
   std::vector<KvCase> cases;
   for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
     for (KvCase s : shapes) {
@@ -443,13 +456,16 @@ INSTANTIATE_TEST_SUITE_P(KvCache, KvCacheAccuracy, ::testing::ValuesIn(accuracy_
 // The same call over a paged cache (any page size) gives the bytes of the dense one, for any
 // thread count and SIMD target.
 TEST(KvCachePaged, BitwiseTheDenseResult) {
-  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+  for (auto [dtype, chunk] : {std::pair{DType::kFloat32, 2}, std::pair{DType::kBFloat16, 2},
+                              std::pair{DType::kFloat16, 2}, std::pair{DType::kFloat32, 40},
+                              std::pair{DType::kBFloat16, 40}}) {
     KvCase c = kv_case("paged", dtype);
-    c.batch = 3, c.heads = 8, c.kv_heads = 2, c.d = 64, c.seqlen_q = 2, c.seqlen_new = 2;
+    c.batch = 3, c.heads = 8, c.kv_heads = 2, c.d = 64, c.seqlen_q = chunk, c.seqlen_new = chunk;
     c.capacity = 1200, c.causal = true, c.rotary_dim = 32, c.left = 700, c.alibi = true;
     for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
       hwy::SetSupportedTargetsForTest(target);
-      SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + dtype_name(dtype));
+      SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + dtype_name(dtype) + ", chunk " +
+                   std::to_string(chunk));
       c.page = 0;
       KvInputs dense_in(c);
       const KvRun dense = run_kvcache(c, dense_in);
@@ -616,6 +632,140 @@ TEST(KvCacheValidation, EveryBadInputIsRefusedByNameWithTheCachesUntouched) {
     EXPECT_TRUE(call.in->k_cache.bytes() == k_before) << bad.what << ": k_cache written";
     EXPECT_TRUE(call.in->v_cache.bytes() == v_before) << bad.what << ": v_cache written";
   }
+}
+
+}  // namespace
+}  // namespace flashcte::test
+
+namespace flashcte::test {
+namespace {
+
+// ---- attention_cte over a paged prior (Options::prior_block_table) -----------------------------
+
+// One prefill call over a prior of `prior` tokens per sequence plus `skv` new keys, the prior
+// dense ((bs_kv, S_prior, d), tp_k) or in pages of `page` slots at shuffled places of a pool.
+struct PriorCall {
+  DType dtype;
+  int64_t batch = 2, heads = 8, kv_heads = 2, d = 64, sq = 33, skv = 33, prior = 150, page = 0;
+  HostTensor q, k, v, out, lse;
+  Tensor4 pool_k, pool_v;
+  HostTensor dense_k, dense_v;
+  std::vector<int32_t> table;
+  int64_t pages = 0;
+
+  PriorCall(DType dt, int64_t page_size)
+      : dtype(dt), page(page_size), pool_k(dt, {1, 1, 1, 1}), pool_v(dt, {1, 1, 1, 1}) {
+    std::mt19937_64 rng(11);
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    const int64_t bs = batch * heads, bs_kv = batch * kv_heads;
+    q = HostTensor(dtype, {bs, sq, d});
+    k = HostTensor(dtype, {bs_kv, skv, d});
+    v = HostTensor(dtype, {bs_kv, skv, d});
+    dense_k = HostTensor(dtype, {bs_kv, prior, d});
+    dense_v = HostTensor(dtype, {bs_kv, prior, d});
+    for (HostTensor* t : {&q, &k, &v, &dense_k, &dense_v}) {
+      for (int64_t a = 0; a < t->shape()[0]; ++a) {
+        for (int64_t b = 0; b < t->shape()[1]; ++b) {
+          for (int64_t x = 0; x < d; ++x) t->set(a, b, x, u(rng));
+        }
+      }
+    }
+    out = HostTensor(dtype, {bs, sq, d});
+    lse = HostTensor(DType::kFloat32, {bs, sq});
+    if (page == 0) return;
+    pages = (prior + page - 1) / page;
+    std::vector<int32_t> place(static_cast<size_t>(batch * pages + 1));
+    std::iota(place.begin(), place.end(), 0);
+    std::shuffle(place.begin(), place.end(), std::mt19937_64(5));
+    table.assign(place.begin(), place.begin() + batch * pages);
+    pool_k = Tensor4(dtype, {batch * pages + 1, kv_heads, page, d});
+    pool_v = Tensor4(dtype, {batch * pages + 1, kv_heads, page, d});
+    for (int64_t s = 0; s < batch; ++s) {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t j = 0; j < prior; ++j) {
+          const int64_t pg = table[s * pages + j / page];
+          for (int64_t x = 0; x < d; ++x) {
+            pool_k.set(pg, h, j % page, x, dense_k.get(s * kv_heads + h, j, x));
+            pool_v.set(pg, h, j % page, x, dense_v.get(s * kv_heads + h, j, x));
+          }
+        }
+      }
+    }
+  }
+  Options options() const {
+    Options o;
+    o.tp_k = true;
+    o.causal_mask = true;
+    o.scale = 0.125f;
+    o.prior_used_len = {prior, prior - 7, prior - 40, prior};  // per KV batch
+    if (page == 0) {
+      o.k_prior = dense_k.view();
+      o.v_prior = dense_v.view();
+    } else {
+      o.k_prior = pool_k.view();
+      o.v_prior = pool_v.view();
+      o.prior_block_table = TensorView::contiguous(table.data(), DType::kInt32, {batch, pages});
+    }
+    return o;
+  }
+  Status run(const Options& o) {
+    Outputs outputs;
+    outputs.out = out.mutable_view();
+    outputs.lse = lse.mutable_view();
+    return attention_cte(q.view(), k.view(), v.view(), outputs, o);
+  }
+};
+
+TEST(PagedPrior, BitwiseTheDensePriorAndTheReference) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    PriorCall dense(dtype, 0);
+    ASSERT_TRUE(dense.run(dense.options()).ok);
+    // The float64 oracle on the dense prior.
+    reference::Result exact;
+    ASSERT_TRUE(reference::attention(dense.q.view(), dense.k.view(), dense.v.view(),
+                                     dense.options(), &exact)
+                    .ok);
+    double worst = 0;
+    for (int64_t b = 0; b < dense.batch * dense.heads; ++b) {
+      for (int64_t i = 0; i < dense.sq; ++i) {
+        for (int64_t x = 0; x < dense.d; ++x) {
+          worst = std::max(worst, std::fabs(dense.out.get(b, i, x) - exact.out_at(b, i, x)));
+        }
+      }
+    }
+    EXPECT_LE(worst, 8 * unit_roundoff(dtype) + 1e-5) << dtype_name(dtype);
+    for (int64_t page : {1, 3, 16, 64}) {
+      PriorCall paged(dtype, page);
+      const Status s = paged.run(paged.options());
+      ASSERT_TRUE(s.ok) << s.message;
+      EXPECT_TRUE(paged.out.bytes() == dense.out.bytes()) << dtype_name(dtype) << " page " << page;
+      EXPECT_TRUE(paged.lse.bytes() == dense.lse.bytes()) << dtype_name(dtype) << " page " << page;
+    }
+  }
+}
+
+TEST(PagedPrior, BadTablesAreRefusedByName) {
+  PriorCall call(DType::kFloat32, 16);
+  Options o = call.options();
+  call.table[3] = static_cast<int32_t>(call.batch * call.pages + 1);  // past num_blocks
+  Status s = call.run(o);
+  EXPECT_FALSE(s.ok);
+  EXPECT_EQ(s.message.rfind("prior_block_table:", 0), 0u) << s.message;
+  call.table[3] = -1;
+  s = call.run(o);
+  EXPECT_EQ(s.message.rfind("prior_block_table:", 0), 0u) << s.message;
+  call.table[3] = 0;
+  o.prior_block_table.dtype = DType::kInt64;
+  s = call.run(o);
+  EXPECT_EQ(s.message.rfind("prior_block_table:", 0), 0u) << s.message;
+  o = call.options();
+  o.prior_block_table.shape[0] = 3;
+  s = call.run(o);
+  EXPECT_EQ(s.message.rfind("prior_block_table:", 0), 0u) << s.message;
+  o = call.options();
+  o.k_prior.rank = 3;
+  s = call.run(o);
+  EXPECT_EQ(s.message.rfind("k_prior:", 0), 0u) << s.message;
 }
 
 }  // namespace

@@ -52,7 +52,7 @@ struct DecodeOptions {
 
 struct DecodeOutputs {
   MutableTensorView out;  // (batch, q_heads, T, dv), the dtype of q
-  MutableTensorView lse;   // optional (batch, q_heads, T) float32: max + log(sum), sink included
+  MutableTensorView lse;  // optional (batch, q_heads, T) float32: max + log(sum), sink included
 };
 
 // Attention of the new tokens q against the cache:
@@ -73,9 +73,9 @@ struct DecodeOutputs {
 // attention_cte makes, FLASHCTE_BF16_DOT=widen turns it off), subnormal bfloat16 inputs count as
 // zero: a difference below 2^-126 per product.
 // Thread-safe; outputs are bitwise identical for any num_threads.
-Status decode_attention(const TensorView& q, const TensorView& k_cache,
-                        const TensorView& v_cache, const TensorView& positions,
-                        const DecodeOutputs& outputs, const DecodeOptions& options = {});
+Status decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                        const TensorView& positions, const DecodeOutputs& outputs,
+                        const DecodeOptions& options = {});
 
 }  // namespace flashcte
 

@@ -79,6 +79,13 @@ struct Options {
   // Empty: all of S_prior is valid. One value: the kernel's single length for the whole batch.
   // bs_kv values: one per KV batch (an extension of the kernel).
   std::vector<int64_t> prior_used_len;
+  // A paged prefix (a serving engine's KV cache): with this (bs_kv / kv_heads, max_blocks) int32
+  // table, k_prior and v_prior are pools of pages (num_blocks, kv_heads, block_size, d / dv),
+  // any block_size >= 1, and KV batch kv_b is head kv_b % kv_heads of sequence kv_b / kv_heads,
+  // whose prior slot j is row j % block_size of page table[sequence, j / block_size]
+  // (S_prior = max_blocks * block_size). Only the pages of the used prior are read, each in
+  // [0, num_blocks). Results are bitwise those over the same rows in a dense prior.
+  TensorView prior_block_table;
   TensorView sink;             // (bs, 1) float32: one extra logit per (batch*head), not scaled
   int64_t sliding_window = 0;  // 0: none; else keep the sw most recent positions (own included)
   bool tp_q = true;            // q is (bs, Sq, d); false: (bs, d, Sq)

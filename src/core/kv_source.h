@@ -44,13 +44,18 @@ struct KvSource {
     return static_cast<const unsigned char*>(data) + offset(b, head, j) * element_bytes();
   }
 
+  // The end of the run of slots from j (< hi) that lie strides[2] apart: the end of j's page.
+  int64_t run_end(int64_t j, int64_t hi) const {
+    return paged() ? std::min(hi, (j / block_size + 1) * block_size) : hi;
+  }
+
   // rows[j - lo] = row(b, head, j) for j in [lo, hi): one page lookup per page, not per slot.
   void fill_rows(int64_t b, int64_t head, int64_t lo, int64_t hi, const void** rows) const {
     const int64_t step = strides[2] * element_bytes();
     for (int64_t j = lo; j < hi;) {
-      const int64_t run_end = paged() ? std::min(hi, (j / block_size + 1) * block_size) : hi;
+      const int64_t end = run_end(j, hi);
       const unsigned char* p = row(b, head, j);
-      for (; j < run_end; ++j, p += step) rows[j - lo] = p;
+      for (; j < end; ++j, p += step) rows[j - lo] = p;
     }
   }
 };

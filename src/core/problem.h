@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "flashcte/flashcte.h"
+#include "src/core/kv_source.h"
 
 namespace flashcte::internal {
 
@@ -53,7 +54,11 @@ struct Problem {
   int64_t head_dim = 0;      // d of q and k
   int64_t value_dim = 0;     // d of v and out
 
-  View3 q, k, v, k_prior, v_prior;
+  View3 q, k, v;
+  // The prefix: dense (each KV batch its own sequence, prior_heads 1) or paged (KV batch kv_b is
+  // head kv_b % prior_heads of sequence kv_b / prior_heads). Rows: prior_row().
+  KvSource k_prior, v_prior;
+  int64_t prior_heads = 1;
   std::vector<int64_t> prior_used;  // per KV batch (size kv_batch); all zero without prefix
 
   const float* sink = nullptr;  // one logit per query batch, or null
@@ -89,6 +94,11 @@ struct Problem {
   TileConfig tile_request;
   int threads = 0;  // Options::num_threads: 0 = OpenMP's default (the schedule resolves it)
 
+  bool has_prior() const { return k_prior.data != nullptr; }
+  // The first element of prior row j of KV batch kv_b in `src` (k_prior or v_prior).
+  const unsigned char* prior_row(const KvSource& src, int64_t kv_b, int64_t j) const {
+    return src.row(kv_b / prior_heads, kv_b % prior_heads, j);
+  }
   int64_t kv_total(int64_t kv_b) const { return prior_used[kv_b] + seqlen_kv; }
   int64_t max_kv_total() const {
     int64_t longest = seqlen_kv;

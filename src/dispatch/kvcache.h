@@ -13,6 +13,12 @@
 
 namespace flashcte::internal {
 
+// Query rows per sequence up to which the decode kernel runs the call; longer chunks go to
+// attention_cte with the cache as its prior (decode.h: past ~16 new tokens the arithmetic per
+// cached byte outgrows the bandwidth, and the decode kernel keeps every query row of a KV head
+// resident). The prefill kernel packs whole tiles, so there every page of [0, seqlen_k) is read.
+inline constexpr int64_t kDecodeMaxQueries = 16;
+
 // The new keys and values, where they go, and the rotary embedding of them and of the queries.
 struct KvAppend {
   int64_t tokens = 0;          // seqlen_new; 0: nothing is written

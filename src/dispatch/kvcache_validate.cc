@@ -446,6 +446,7 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
       if (lo < hi) r = {std::min(r.lo, lo), std::max(r.hi, hi)};
     }
     written[b] = {seqlens[b], seqlen_k};
+    if (s.seqlen_q > kDecodeMaxQueries && seqlen_k > 0) r = {0, seqlen_k};  // whole tiles
   }
   if (paged || o.cache_batch_idx.present()) {
     if (!paged) s.pages_per_sequence = 1;

@@ -11,6 +11,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "src/dispatch/views.h"
@@ -129,6 +130,76 @@ Status read_prior_used(const std::vector<int64_t>& used, Problem* problem) {
   return Status::Ok();
 }
 
+// A paged prefix: k_prior / v_prior pages (num_blocks, kv_heads, block_size, d / dv), KV batch
+// kv_b = sequence * kv_heads + head, prior_block_table (bs_kv / kv_heads, max_blocks) int32; the
+// pages of every prior slot a KV batch uses are checked in range and copied.
+Status read_paged_prefix(const Options& options, bool shapes_only, Problem* problem) {
+  const TensorView& k = options.k_prior;
+  const TensorView& v = options.v_prior;
+  const TensorView& t = options.prior_block_table;
+  FLASHCTE_RETURN_IF_ERROR(
+      expect_rank("k_prior", k.rank, 4, "(num_blocks, kv_heads, block_size, d) with pages"));
+  FLASHCTE_RETURN_IF_ERROR(
+      expect_rank("v_prior", v.rank, 4, "(num_blocks, kv_heads, block_size, dv) with pages"));
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("k_prior", k.dtype, problem->dtype, "q"));
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("v_prior", v.dtype, problem->dtype, "q"));
+  FLASHCTE_RETURN_IF_ERROR(check_view("prior_block_table", t, shapes_only, nullptr));
+  FLASHCTE_RETURN_IF_ERROR(
+      expect_rank("prior_block_table", t.rank, 2, "(bs_kv / kv_heads, max_blocks)"));
+  if (t.dtype != DType::kInt32) {
+    return Status::Error(std::string("prior_block_table: dtype must be int32, got ") +
+                         dtype_name(t.dtype));
+  }
+  const int64_t heads = k.shape[1], block = k.shape[2], num_blocks = k.shape[0];
+  FLASHCTE_RETURN_IF_ERROR(expect_dim("k_prior", k.shape.data(), 4, 3, problem->head_dim, "d"));
+  FLASHCTE_RETURN_IF_ERROR(
+      expect_dim("v_prior", v.shape.data(), 4, 0, num_blocks, "k_prior's num_blocks"));
+  FLASHCTE_RETURN_IF_ERROR(
+      expect_dim("v_prior", v.shape.data(), 4, 1, heads, "k_prior's kv_heads"));
+  FLASHCTE_RETURN_IF_ERROR(
+      expect_dim("v_prior", v.shape.data(), 4, 2, block, "k_prior's block_size"));
+  FLASHCTE_RETURN_IF_ERROR(
+      expect_dim("v_prior", v.shape.data(), 4, 3, problem->value_dim, "dv of v"));
+  if (block < 1) return Status::Error("k_prior: block_size (axis 2) is 0; a page holds >= 1 slot");
+  if (heads < 1 || problem->kv_batch % heads != 0 || t.shape[0] != problem->kv_batch / heads) {
+    return Status::Error("prior_block_table: shape " + shape_str(t.shape.data(), 2) +
+                         " must have bs_kv / kv_heads = " + std::to_string(problem->kv_batch) +
+                         " / " + std::to_string(heads) + " rows (one per sequence)");
+  }
+  if (__builtin_mul_overflow(t.shape[1], block, &problem->seqlen_prior)) {
+    return Status::Error("prior_block_table: " + std::to_string(t.shape[1]) + " pages of " +
+                         std::to_string(block) + " slots are more than fit in 64 bits");
+  }
+  problem->prior_heads = heads;
+  for (auto [src, view] : {std::pair{&problem->k_prior, &k}, std::pair{&problem->v_prior, &v}}) {
+    src->data = view->data;
+    src->dtype = problem->dtype;
+    src->strides = view->strides;
+    src->block_size = block;
+    src->pages_per_sequence = t.shape[1];
+  }
+  FLASHCTE_RETURN_IF_ERROR(read_prior_used(options.prior_used_len, problem));
+  if (shapes_only && t.data == nullptr) return Status::Ok();
+  std::vector<int32_t> table(static_cast<size_t>(t.shape[0] * t.shape[1]), -1);
+  for (int64_t s = 0; s < t.shape[0]; ++s) {
+    int64_t used = 0;  // the longest prior of the sequence's heads
+    for (int64_t h = 0; h < heads; ++h) used = std::max(used, problem->prior_used[s * heads + h]);
+    for (int64_t i = 0; i * block < used; ++i) {
+      const int32_t page = static_cast<const int32_t*>(t.data)[s * t.strides[0] + i * t.strides[1]];
+      if (page < 0 || page >= num_blocks) {
+        return Status::Error(
+            "prior_block_table: [" + std::to_string(s) + ", " + std::to_string(i) +
+            "] = " + std::to_string(page) +
+            " must be a page of k_prior, in [0, num_blocks = " + std::to_string(num_blocks) + ")");
+      }
+      table[static_cast<size_t>(s * t.shape[1] + i)] = page;
+    }
+  }
+  problem->k_prior.table = table;
+  problem->v_prior.table = std::move(table);
+  return Status::Ok();
+}
+
 // Prefix caching: k_prior and v_prior, laid out like k and v, and prior_used_len.
 Status read_prefix(const Options& options, bool shapes_only, Problem* problem,
                    ViewExtents* extents) {
@@ -143,19 +214,27 @@ Status read_prefix(const Options& options, bool shapes_only, Problem* problem,
     if (!options.prior_used_len.empty()) {
       return Status::Error("prior_used_len: given without k_prior and v_prior");
     }
+    if (options.prior_block_table.present()) {
+      return Status::Error("prior_block_table: given without k_prior and v_prior");
+    }
     return Status::Ok();
   }
   FLASHCTE_RETURN_IF_ERROR(check_view("k_prior", k_prior, shapes_only, &extents->k_prior));
   FLASHCTE_RETURN_IF_ERROR(check_view("v_prior", v_prior, shapes_only, &extents->v_prior));
+  if (options.prior_block_table.present()) return read_paged_prefix(options, shapes_only, problem);
   FLASHCTE_RETURN_IF_ERROR(expect_rank("k_prior", k_prior.rank, 3, "laid out like k"));
   FLASHCTE_RETURN_IF_ERROR(expect_rank("v_prior", v_prior.rank, 3, "(bs_kv, S_prior, dv)"));
   FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("k_prior", k_prior.dtype, problem->dtype, "q"));
   FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("v_prior", v_prior.dtype, problem->dtype, "q"));
   const int k_seq = seq_axis(options.tp_k), k_channel = channel_axis(options.tp_k);
   problem->seqlen_prior = k_prior.shape[k_seq];
-  problem->k_prior = {k_prior.data, k_prior.strides[0], k_prior.strides[k_seq],
-                      k_prior.strides[k_channel]};
-  problem->v_prior = {v_prior.data, v_prior.strides[0], v_prior.strides[1], v_prior.strides[2]};
+  // Each KV batch its own sequence of one head.
+  problem->k_prior.data = k_prior.data;
+  problem->k_prior.strides = {k_prior.strides[0], 0, k_prior.strides[k_seq],
+                              k_prior.strides[k_channel]};
+  problem->v_prior.data = v_prior.data;
+  problem->v_prior.strides = {v_prior.strides[0], 0, v_prior.strides[1], v_prior.strides[2]};
+  problem->k_prior.dtype = problem->v_prior.dtype = problem->dtype;
   const int64_t* k_shape = k_prior.shape.data();
   const int64_t* v_shape = v_prior.shape.data();
   FLASHCTE_RETURN_IF_ERROR(expect_dim("k_prior", k_shape, 3, 0, problem->kv_batch, "bs_kv"));

@@ -69,23 +69,31 @@ const void* element(const View3& t, DType dtype, int64_t b, int64_t row) {
 void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
              int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp) {
   const int64_t prior = problem.prior_used[kv_b];
-  // The prior part [begin, min(end, prior)) and the new part [max(begin, prior), end).
-  for (int part = 0; part < 2; ++part) {
-    const int64_t j0 = part == 0 ? begin : std::max(begin, prior);
-    const int64_t j1 = part == 0 ? std::min(end, prior) : end;
-    if (j0 >= j1) continue;
-    const View3& kt = part == 0 ? problem.k_prior : problem.k;
-    const View3& vt = part == 0 ? problem.v_prior : problem.v;
-    const int64_t row0 = part == 0 ? j0 : j0 - prior;
-    pack_matrix(ops, element(kt, problem.dtype, kv_b, row0), problem.dtype, kt.row_stride,
-                kt.col_stride, j1 - j0, problem.head_dim, k + (j0 - base), 1, ldk, tmp);
+  // The prior part [begin, min(end, prior)), run by run of rows its source keeps together (a page
+  // of a paged prior), then the new part [max(begin, prior), end).
+  const KvSource& kp = problem.k_prior;
+  const KvSource& vp = problem.v_prior;
+  for (int64_t j0 = begin, j1 = 0; j0 < std::min(end, prior); j0 = j1) {
+    j1 = kp.run_end(j0, std::min(end, prior));
+    pack_matrix(ops, problem.prior_row(kp, kv_b, j0), problem.dtype, kp.strides[2], kp.strides[3],
+                j1 - j0, problem.head_dim, k + (j0 - base), 1, ldk, tmp);
     if (v == nullptr) continue;
-    pack_matrix(ops, element(vt, problem.dtype, kv_b, row0), problem.dtype, vt.row_stride,
-                vt.col_stride, j1 - j0, problem.value_dim, v + (j0 - base) * ldv, ldv, 1, tmp);
-    // MM2 runs over the padded width: keep the padding zero (stale values could be NaN).
-    for (int64_t j = j0; j < j1; ++j) {
-      std::fill(v + (j - base) * ldv + problem.value_dim, v + (j - base + 1) * ldv, 0.0f);
+    pack_matrix(ops, problem.prior_row(vp, kv_b, j0), problem.dtype, vp.strides[2], vp.strides[3],
+                j1 - j0, problem.value_dim, v + (j0 - base) * ldv, ldv, 1, tmp);
+  }
+  if (const int64_t j0 = std::max(begin, prior); j0 < end) {
+    const View3& kt = problem.k;
+    const View3& vt = problem.v;
+    pack_matrix(ops, element(kt, problem.dtype, kv_b, j0 - prior), problem.dtype, kt.row_stride,
+                kt.col_stride, end - j0, problem.head_dim, k + (j0 - base), 1, ldk, tmp);
+    if (v != nullptr) {
+      pack_matrix(ops, element(vt, problem.dtype, kv_b, j0 - prior), problem.dtype, vt.row_stride,
+                  vt.col_stride, end - j0, problem.value_dim, v + (j0 - base) * ldv, ldv, 1, tmp);
     }
+  }
+  // MM2 runs over the padded width: keep the padding zero (stale values could be NaN).
+  for (int64_t j = begin; v != nullptr && j < end; ++j) {
+    std::fill(v + (j - base) * ldv + problem.value_dim, v + (j - base + 1) * ldv, 0.0f);
   }
 }
 
@@ -138,10 +146,11 @@ void pack_pairs(const Problem& problem, const simd::Ops& ops, const TileWork* ti
 bool can_pack_pairs_directly(const Problem& problem) {
   if (problem.dtype != DType::kBFloat16) return false;
   // K with the keys of a channel contiguous (the Neuron (d, Skv) layout), V with the channels of
-  // a key contiguous ((Skv, dv)); the prior part, when there is one, alike.
-  const bool prior = problem.k_prior.data != nullptr;
+  // a key contiguous ((Skv, dv)); the prior part, when there is one, alike (a paged prior keeps
+  // a key's channels together, so it takes the float32 path).
   return problem.k.row_stride == 1 && problem.v.col_stride == 1 &&
-         (!prior || (problem.k_prior.row_stride == 1 && problem.v_prior.col_stride == 1));
+         (!problem.has_prior() || (!problem.k_prior.paged() && problem.k_prior.strides[2] == 1 &&
+                                   problem.v_prior.strides[3] == 1));
 }
 
 bool pack_pairs_directly(const Problem& problem, const simd::Ops& ops, int64_t kv_b,
@@ -151,12 +160,16 @@ bool pack_pairs_directly(const Problem& problem, const simd::Ops& ops, int64_t k
   const int64_t dv_pad = simd::padded(dv), prior = problem.prior_used[kv_b];
   const int64_t size = dtype_size(problem.dtype);
   // Element (key j, channel c) of the concatenated axis (prior part, then new), as bfloat16 bits.
-  auto at = [&](const View3& prior_part, const View3& new_part, int64_t j, int64_t c) {
-    const View3& t = j < prior ? prior_part : new_part;
-    const int64_t row = j < prior ? j : j - prior;
-    return reinterpret_cast<const uint16_t*>(
-        static_cast<const char*>(t.data) +
-        (kv_b * t.batch_stride + row * t.row_stride + c * t.col_stride) * size);
+  auto at = [&](const KvSource& prior_part, const View3& new_part, int64_t j, int64_t c) {
+    if (j < prior) {
+      return reinterpret_cast<const uint16_t*>(problem.prior_row(prior_part, kv_b, j) +
+                                               c * prior_part.strides[3] * size);
+    }
+    return reinterpret_cast<const uint16_t*>(static_cast<const char*>(new_part.data) +
+                                             (kv_b * new_part.batch_stride +
+                                              (j - prior) * new_part.row_stride +
+                                              c * new_part.col_stride) *
+                                                 size);
   };
   bool unusual = false;
   // K2[x][j] = (K[j][2x], K[j][2x + 1]): two channel rows, contiguous over the keys, paired;
@@ -201,12 +214,16 @@ const float* v_in_place(const Problem& problem, int64_t kv_b, int64_t begin, int
   const int64_t dv = problem.value_dim, prior = problem.prior_used[kv_b];
   if (problem.dtype != DType::kFloat32 || simd::padded(dv) != dv) return nullptr;
   if (begin < prior && end > prior) return nullptr;
-  const bool in_prior = begin < prior;
-  const View3& v = in_prior ? problem.v_prior : problem.v;
+  if (begin < prior) {  // in the prior: within one run of its rows (one page of a paged prior)
+    const KvSource& v = problem.v_prior;
+    if (v.strides[3] != 1 || v.run_end(begin, end) != end) return nullptr;
+    *ldv = v.strides[2];
+    return reinterpret_cast<const float*>(problem.prior_row(v, kv_b, begin));
+  }
+  const View3& v = problem.v;
   if (v.col_stride != 1) return nullptr;
   *ldv = v.row_stride;
-  return static_cast<const float*>(
-      element(v, problem.dtype, kv_b, in_prior ? begin : begin - prior));
+  return static_cast<const float*>(element(v, problem.dtype, kv_b, begin - prior));
 }
 
 PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
