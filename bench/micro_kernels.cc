@@ -118,22 +118,14 @@ void set_ns_per_slot(benchmark::State& state) {
       benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
-// The addresses of `slots` rows of `d` elements of `data`, back to back: a dense cache's table.
-std::vector<const void*> row_table(const std::vector<uint16_t>& data, int64_t slots, int64_t d) {
-  std::vector<const void*> rows(static_cast<size_t>(slots));
-  for (int64_t j = 0; j < slots; ++j) rows[j] = data.data() + j * d;
-  return rows;
-}
-
 void DecodeQkBf16(benchmark::State& state) {
   const Ops& ops = flashcte::simd::ops();
   const int64_t rows = state.range(0), d = kDecodeD, ld = flashcte::simd::leading_dim(kDecodeSlots);
   const std::vector<uint16_t> q = random_bf16(rows * d, 9), k = random_bf16(kDecodeSlots * d, 10);
-  const std::vector<const void*> k_rows = row_table(k, kDecodeSlots, d);
+  const auto k_rows = flashcte::simd::DecodeRows::strided(k.data(), 2 * d, kDecodeSlots);
   std::vector<float> s(rows * ld);
   for (auto _ : state) {
-    ops.decode_qk_bf16(q.data(), d, rows, {k_rows.data(), kDecodeSlots}, kDecodeSlots, d, 0.1f,
-                       s.data(), ld);
+    ops.decode_qk_bf16(q.data(), d, rows, k_rows, kDecodeSlots, d, 0.1f, s.data(), ld);
     benchmark::DoNotOptimize(s.data());
   }
   set_ns_per_slot(state);
@@ -149,11 +141,10 @@ void DecodePvBf16(benchmark::State& state) {
     std::memcpy(&p[i], &bits, sizeof bits);
   }
   const std::vector<uint16_t> v = random_bf16(kDecodeSlots * d, 12);
-  const std::vector<const void*> v_rows = row_table(v, kDecodeSlots, d);
+  const auto v_rows = flashcte::simd::DecodeRows::strided(v.data(), 2 * d, kDecodeSlots);
   std::vector<float> o(rows * d, 0.0f), alpha(rows, 0.5f);
   for (auto _ : state) {
-    ops.decode_pv_bf16(p.data(), ldp, rows, kDecodeSlots, {v_rows.data(), kDecodeSlots}, d,
-                       alpha.data(), o.data(), d);
+    ops.decode_pv_bf16(p.data(), ldp, rows, kDecodeSlots, v_rows, d, alpha.data(), o.data(), d);
     benchmark::DoNotOptimize(o.data());
   }
   set_ns_per_slot(state);

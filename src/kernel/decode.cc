@@ -17,8 +17,9 @@
 // A row only ever reads the scores, and P.V only the V rows, of the slots it attends: slots past
 // a token's position (the later new tokens of a chunk) or before its window may hold anything,
 // NaN included, without reaching its output. K and V are read where they are, converted in
-// registers, through a table of row addresses per chunk (KvSource::fill_rows): a paged cache and
-// a dense one differ only in that table, so their results are bitwise equal. A cache whose
+// registers: a dense cache's rows by their stride, a paged cache's through a table of row
+// addresses per chunk (KvSource::fill_rows), both through the same kernel code
+// (simd/decode_rows.h), so their results are bitwise equal. A cache whose
 // channel stride is not 1 is gathered one block at a time (in its own dtype, never widened)
 // before the same kernels.
 #include "src/kernel/decode.h"
@@ -139,25 +140,31 @@ void pack_q(const DecodeProblem& p, const simd::Ops& ops, const PairShape& ps, f
   }
 }
 
-// Fills the chunk's row tables, for caches read in place (unit channel stride).
+// Fills the chunk's row tables of the paged caches read in place (unit channel stride); a dense
+// cache's rows are addressed by their stride instead.
 void fill_chunk_rows(const DecodeProblem& p, const PairShape& ps, const SlotRange& slots,
                      DecodeScratch& sc) {
   const size_t n = static_cast<size_t>(slots.hi - slots.lo);
   for (auto [src, rows] : {std::pair{&p.k, &sc.k_rows}, std::pair{&p.v, &sc.v_rows}}) {
-    if (src->strides[3] != 1) continue;
+    if (!src->paged() || src->strides[3] != 1) continue;
     if (rows->size() < n) rows->resize(n);
     src->fill_rows(ps.b, ps.kv_head, slots.lo, slots.hi, rows->data());
   }
 }
 
-// Rows [lo, hi) of the chunk `slots` of a cache: their addresses in the chunk's table (with the
-// rest of the chunk to prefetch) when the channel stride is 1, else gathered into `buffer` in
-// their dtype, `channels` apart.
+// Rows [lo, hi) of the chunk `slots` of a cache, with the rest of the chunk to prefetch: read in
+// place when the channel stride is 1 (by stride in a dense cache, through the chunk's table in a
+// paged one), else gathered into `buffer` in their dtype, `channels` apart.
 simd::DecodeRows block_rows(const KvSource& src, const PairShape& ps, const SlotRange& slots,
                             const std::vector<const void*>& chunk_rows, int64_t channels,
                             int64_t lo, int64_t hi, std::vector<unsigned char>& buffer,
                             std::vector<const void*>& buffer_rows) {
-  if (src.strides[3] == 1) return {chunk_rows.data() + (lo - slots.lo), slots.hi - lo};
+  if (src.strides[3] == 1) {
+    if (src.paged())
+      return simd::DecodeRows::of_table(chunk_rows.data() + (lo - slots.lo), slots.hi - lo);
+    return simd::DecodeRows::strided(src.row(ps.b, ps.kv_head, lo),
+                                     src.strides[2] * src.element_bytes(), slots.hi - lo);
+  }
   const int64_t elem = src.element_bytes(), n = hi - lo;
   ensure(buffer, static_cast<size_t>(n * channels * elem));
   if (buffer_rows.size() < static_cast<size_t>(n)) buffer_rows.resize(static_cast<size_t>(n));
@@ -169,7 +176,7 @@ simd::DecodeRows block_rows(const KvSource& src, const PairShape& ps, const Slot
     }
     buffer_rows[j - lo] = dst;
   }
-  return {buffer_rows.data(), n};
+  return simd::DecodeRows::of_table(buffer_rows.data(), n);
 }
 
 // The slots of the block [j0, j1) row range `slots` leaves, relative to j0 (empty: lo >= hi).
@@ -241,15 +248,18 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
 
 // The first kStartPrefetchBytes of the chunk's K and V streams, into L2: the kernels prefetch
 // only ahead of where they read, so each chunk would start on demand misses.
-void prefetch_start(const DecodeProblem& p, const SlotRange& slots, const DecodeScratch& sc) {
+void prefetch_start(const DecodeProblem& p, const PairShape& ps, const SlotRange& slots,
+                    DecodeScratch& sc) {
   for (auto [src, rows, channels] :
        {std::tuple{&p.k, &sc.k_rows, p.head_dim}, std::tuple{&p.v, &sc.v_rows, p.value_dim}}) {
     if (src->strides[3] != 1) continue;
     const int64_t row_bytes = channels * src->element_bytes();
     const int64_t n =
         std::min(slots.hi - slots.lo, std::max<int64_t>(1, kStartPrefetchBytes / row_bytes));
+    const simd::DecodeRows in_place = block_rows(*src, ps, slots, *rows, channels, slots.lo,
+                                                 slots.lo + n, sc.gather_k, sc.gather_k_rows);
     for (int64_t j = 0; j < n; ++j) {
-      const auto* row = static_cast<const char*>((*rows)[static_cast<size_t>(j)]);
+      const auto* row = static_cast<const char*>(in_place.address(j));
       for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
     }
   }
@@ -313,7 +323,7 @@ void DecodeKernel::run(int64_t pair, int64_t chunk, float* partial) const {
   }
   const SlotRange slots = chunk_slots(ps.b, chunk);
   fill_chunk_rows(p, ps, slots, sc);
-  if (kStartPrefetchBytes > 0) prefetch_start(p, slots, sc);
+  if (kStartPrefetchBytes > 0) prefetch_start(p, ps, slots, sc);
   for (int64_t j0 = slots.lo; j0 < slots.hi; j0 += kBlockSlots) {
     attend_block(*this, ops_, ps, slots, j0, std::min(j0 + kBlockSlots, slots.hi), sc, state);
   }

@@ -72,7 +72,7 @@ HWY_INLINE int64_t PrefetchRows(int64_t width) {
 }
 
 // Requests the `bytes` at p into L2 (prefetcht1), one request per cache line; nothing for p = 0
-// (no row there: DecodeRows::prefetch_address).
+// (no row there: prefetch_address of decode_rows.h).
 HWY_INLINE void PrefetchToL2(uintptr_t p, int64_t bytes) {
 #if HWY_COMPILER_GCC || HWY_COMPILER_CLANG
   if (p == 0) return;
@@ -153,9 +153,9 @@ HWY_INLINE void DotRow(DF df, const float* const* qr, const T* HWY_RESTRICT krow
 
 // One QK tile: rows [r0, r0 + R) x keys [j0, j0 + N / R). Rows and keys past the ends are
 // computed on the last row / key (clamped pointers) and not stored.
-template <int64_t R, class T>
+template <int64_t R, class T, class Rows>
 HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, int64_t r0,
-                       const DecodeRows& k, int64_t n, int64_t j0, int64_t d, float scale,
+                       const Rows& k, int64_t n, int64_t j0, int64_t d, float scale,
                        float* HWY_RESTRICT s, int64_t lds) {
   const DF df;
   constexpr int64_t N = kMaxLanes, K = N / R;
@@ -170,7 +170,7 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
 #pragma GCC unroll 16
   for (int64_t c = 0; c < K; ++c) {
     PrefetchToL2(k.prefetch_address(j0 + c + ahead), row_bytes);
-    DotRow<R>(df, qr, k.at<T>(std::min(j0 + c, n - 1)), d, acc + c, K);
+    DotRow<R>(df, qr, k.template at<T>(std::min(j0 + c, n - 1)), d, acc + c, K);
   }
   HWY_ALIGN float sums[N];
 #if HWY_HAVE_SCALABLE
@@ -189,8 +189,8 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
   }
 }
 
-template <class T>
-void QkTyped(const float* q, int64_t ldq, int64_t rows, const DecodeRows& k, int64_t n, int64_t d,
+template <class T, class Rows>
+void QkTyped(const float* q, int64_t ldq, int64_t rows, const Rows& k, int64_t n, int64_t d,
              float scale, float* s, int64_t lds) {
   constexpr int64_t R = kDecodeQkRows;
   for (int64_t r0 = 0; r0 < rows; r0 += R) {
@@ -201,18 +201,18 @@ void QkTyped(const float* q, int64_t ldq, int64_t rows, const DecodeRows& k, int
       if (left <= 2) {
         if (left == 2) {
           for (int64_t j0 = 0; j0 < n; j0 += kMaxLanes / 2) {
-            QkTile<2, T>(q, ldq, rows, r0, k, n, j0, d, scale, s, lds);
+            QkTile<2, T, Rows>(q, ldq, rows, r0, k, n, j0, d, scale, s, lds);
           }
         } else {
           for (int64_t j0 = 0; j0 < n; j0 += kMaxLanes) {
-            QkTile<1, T>(q, ldq, rows, r0, k, n, j0, d, scale, s, lds);
+            QkTile<1, T, Rows>(q, ldq, rows, r0, k, n, j0, d, scale, s, lds);
           }
         }
         continue;
       }
     }
     for (int64_t j0 = 0; j0 < n; j0 += kMaxLanes / R) {
-      QkTile<R, T>(q, ldq, rows, r0, k, n, j0, d, scale, s, lds);
+      QkTile<R, T, Rows>(q, ldq, rows, r0, k, n, j0, d, scale, s, lds);
     }
   }
 }
@@ -222,13 +222,18 @@ void DecodeQk(const float* q, int64_t ldq, int64_t rows, DecodeRows k, DType dty
   if (rows <= 0 || n <= 0) return;
   switch (dtype) {
     case DType::kBFloat16:
-      QkTyped<hwy::bfloat16_t>(q, ldq, rows, k, n, d, scale, s, lds);
+      with_rows(k, [&](const auto& kr) HWY_ATTR {
+        QkTyped<hwy::bfloat16_t>(q, ldq, rows, kr, n, d, scale, s, lds);
+      });
       break;
     case DType::kFloat16:
-      QkTyped<hwy::float16_t>(q, ldq, rows, k, n, d, scale, s, lds);
+      with_rows(k, [&](const auto& kr) HWY_ATTR {
+        QkTyped<hwy::float16_t>(q, ldq, rows, kr, n, d, scale, s, lds);
+      });
       break;
     case DType::kFloat32:
-      QkTyped<float>(q, ldq, rows, k, n, d, scale, s, lds);
+      with_rows(k, [&](const auto& kr)
+                       HWY_ATTR { QkTyped<float>(q, ldq, rows, kr, n, d, scale, s, lds); });
       break;
     case DType::kInt32:
     case DType::kInt64:
@@ -239,8 +244,8 @@ void DecodeQk(const float* q, int64_t ldq, int64_t rows, DecodeRows k, DType dty
 // One PV tile: R rows x C vectors of columns starting at V column `col`; with kTail the last
 // vector holds only `tail` (< N) columns of V. With prefetch_bytes, each step also requests that
 // many bytes of the V row `ahead` rows on into L2.
-template <int64_t R, int64_t C, bool kTail, class T>
-HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, const DecodeRows& v,
+template <int64_t R, int64_t C, bool kTail, class T, class Rows>
+HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, const Rows& v,
                        int64_t col, int64_t tail, const float* alpha, float* HWY_RESTRICT o,
                        int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
   const DF df;
@@ -256,7 +261,7 @@ HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, cons
     }
   }
   for (int64_t j = 0; j < n; ++j) {
-    const T* row = v.at<T>(j) + col;
+    const T* row = v.template at<T>(j) + col;
     if (prefetch_bytes) PrefetchToL2(v.prefetch_address(j + ahead), prefetch_bytes);
     hn::Vec<DF> vv[C];
 #pragma GCC unroll 8
@@ -280,40 +285,41 @@ HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, cons
 
 // Rows [0, rows) of one panel of C vectors, in row blocks of the most rows the budget allows.
 // Only the first row block reads V from memory, and prefetches ahead; the others find it in L1.
-template <int64_t C, bool kTail, class T>
-HWY_INLINE void PvPanel(const float* p, int64_t ldp, int64_t rows, int64_t n, const DecodeRows& v,
+template <int64_t C, bool kTail, class T, class Rows>
+HWY_INLINE void PvPanel(const float* p, int64_t ldp, int64_t rows, int64_t n, const Rows& v,
                         int64_t col, int64_t tail, const float* alpha, float* o, int64_t ldo,
                         int64_t prefetch_bytes, int64_t ahead) {
   constexpr int64_t R = std::min<int64_t>(4, std::max<int64_t>(1, kDecodePvAcc / C));
   int64_t r = 0;
   for (; r + R <= rows; r += R) {
-    PvTile<R, C, kTail, T>(p + r * ldp, ldp, n, v, col, tail, alpha ? alpha + r : nullptr,
-                           o + r * ldo, ldo, r == 0 ? prefetch_bytes : 0, ahead);
+    PvTile<R, C, kTail, T, Rows>(p + r * ldp, ldp, n, v, col, tail, alpha ? alpha + r : nullptr,
+                                 o + r * ldo, ldo, r == 0 ? prefetch_bytes : 0, ahead);
   }
   RemainderBlock<R - 1>(rows - r, r, [&](auto block_rows, int64_t r1) HWY_ATTR {
     constexpr int64_t R1 = decltype(block_rows)::value;
-    PvTile<R1, C, kTail, T>(p + r1 * ldp, ldp, n, v, col, tail, alpha ? alpha + r1 : nullptr,
-                            o + r1 * ldo, ldo, r1 == 0 ? prefetch_bytes : 0, ahead);
+    PvTile<R1, C, kTail, T, Rows>(p + r1 * ldp, ldp, n, v, col, tail, alpha ? alpha + r1 : nullptr,
+                                  o + r1 * ldo, ldo, r1 == 0 ? prefetch_bytes : 0, ahead);
   });
 }
 
 // A panel of `vectors` (1..kDecodePvCols) vectors, the last one partial with kTail.
-template <int64_t C, bool kTail, class T>
+template <int64_t C, bool kTail, class T, class Rows>
 HWY_INLINE void PvPanelOf(int64_t vectors, const float* p, int64_t ldp, int64_t rows, int64_t n,
-                          const DecodeRows& v, int64_t col, int64_t tail, const float* alpha,
-                          float* o, int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
+                          const Rows& v, int64_t col, int64_t tail, const float* alpha, float* o,
+                          int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
   if constexpr (C >= 1) {
     if (vectors == C) {
-      PvPanel<C, kTail, T>(p, ldp, rows, n, v, col, tail, alpha, o, ldo, prefetch_bytes, ahead);
+      PvPanel<C, kTail, T, Rows>(p, ldp, rows, n, v, col, tail, alpha, o, ldo, prefetch_bytes,
+                                 ahead);
     } else {
-      PvPanelOf<C - 1, kTail, T>(vectors, p, ldp, rows, n, v, col, tail, alpha, o, ldo,
-                                 prefetch_bytes, ahead);
+      PvPanelOf<C - 1, kTail, T, Rows>(vectors, p, ldp, rows, n, v, col, tail, alpha, o, ldo,
+                                       prefetch_bytes, ahead);
     }
   }
 }
 
-template <class T>
-void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const DecodeRows& v, int64_t dv,
+template <class T, class Rows>
+void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const Rows& v, int64_t dv,
              const float* alpha, float* o, int64_t ldo) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
   const int64_t full = dv / N, tail = dv % N;
@@ -331,11 +337,11 @@ void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const DecodeR
     // The first panel prefetches whole rows ahead; the later ones find them in L2.
     const int64_t prefetch = c0 == 0 ? dv * static_cast<int64_t>(sizeof(T)) : 0;
     if (partial) {
-      PvPanelOf<kDecodePvCols, true, T>(width, p, ldp, rows, n, v, c0 * N, tail, alpha, oc, ldo,
-                                        prefetch, ahead);
+      PvPanelOf<kDecodePvCols, true, T, Rows>(width, p, ldp, rows, n, v, c0 * N, tail, alpha, oc,
+                                              ldo, prefetch, ahead);
     } else {
-      PvPanelOf<kDecodePvCols, false, T>(width, p, ldp, rows, n, v, c0 * N, 0, alpha, oc, ldo,
-                                         prefetch, ahead);
+      PvPanelOf<kDecodePvCols, false, T, Rows>(width, p, ldp, rows, n, v, c0 * N, 0, alpha, oc, ldo,
+                                               prefetch, ahead);
     }
   }
 }
@@ -345,13 +351,18 @@ void DecodePv(const float* p, int64_t ldp, int64_t rows, int64_t n, DecodeRows v
   if (rows <= 0) return;
   switch (dtype) {
     case DType::kBFloat16:
-      PvTyped<hwy::bfloat16_t>(p, ldp, rows, n, v, dv, alpha, o, ldo);
+      with_rows(v, [&](const auto& vr) HWY_ATTR {
+        PvTyped<hwy::bfloat16_t>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
+      });
       break;
     case DType::kFloat16:
-      PvTyped<hwy::float16_t>(p, ldp, rows, n, v, dv, alpha, o, ldo);
+      with_rows(v, [&](const auto& vr) HWY_ATTR {
+        PvTyped<hwy::float16_t>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
+      });
       break;
     case DType::kFloat32:
-      PvTyped<float>(p, ldp, rows, n, v, dv, alpha, o, ldo);
+      with_rows(v, [&](const auto& vr)
+                       HWY_ATTR { PvTyped<float>(p, ldp, rows, n, vr, dv, alpha, o, ldo); });
       break;
     case DType::kInt32:
     case DType::kInt64:

@@ -65,7 +65,7 @@ constexpr int64_t kLanes = 16;
 constexpr __mmask16 kAll = 0xFFFF;
 
 // One L2 prefetch (prefetcht1) per cache line of [p, p + bytes); nothing for p = 0 (no row
-// there: DecodeRows::prefetch_address).
+// there: prefetch_address of decode_rows.h).
 FLASHCTE_DECODE_BF16 inline void prefetch_row(uintptr_t p, int64_t bytes) {
   if (p == 0) return;
   for (uintptr_t a = p & ~uintptr_t{63}; a < p + static_cast<uintptr_t>(bytes); a += 64) {
@@ -107,10 +107,10 @@ FLASHCTE_DECODE_BF16 inline __m512 sum_ladder(__m512* v) {
 // One loop over the keys, so the per-step setup is only the K row pointers and their prefetch.
 // Zen 4, one thread, 4 rows, d = 128, K in L1 (bench/micro_kernels decode_qk_bf16/4): 10.4 ns
 // per key as one call per step with a memcpy of the sums, 7.7 ns as this loop (medians of 5).
-template <int64_t R>
+template <int64_t R, class Rows>
 FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t rows, int64_t r0,
-                                         const DecodeRows& k, int64_t n, int64_t d, float scale,
-                                         float* s, int64_t lds, int64_t ahead) {
+                                         const Rows& k, int64_t n, int64_t d, float scale, float* s,
+                                         int64_t lds, int64_t ahead) {
   constexpr int64_t K = kLanes / R;
   const uint16_t* qr[R];
 #pragma GCC unroll 16
@@ -125,7 +125,7 @@ FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t
     const uint16_t* kr[K];
 #pragma GCC unroll 16
     for (int64_t c = 0; c < K; ++c) {
-      kr[c] = k.at<uint16_t>(std::min(j0 + c, n - 1));
+      kr[c] = k.template at<uint16_t>(std::min(j0 + c, n - 1));
       prefetch_row(k.prefetch_address(j0 + c + ahead), row_bytes);
     }
     // Step by step along d, all K keys at once: R * K independent accumulator chains hide the
@@ -175,16 +175,18 @@ FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t
 FLASHCTE_DECODE_BF16 inline void Qk(const uint16_t* q, int64_t ldq, int64_t rows, DecodeRows k,
                                     int64_t n, int64_t d, float scale, float* s, int64_t lds) {
   const int64_t ahead = (decode_prefetch_bytes() + 2 * d - 1) / (2 * d);
-  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-    const int64_t left = rows - r0;  // 3 rows take a 4-row tile, as in decode-inl.h
-    if (left >= 3) {
-      qk_rows<4>(q, ldq, rows, r0, k, n, d, scale, s, lds, ahead);
-    } else if (left == 2) {
-      qk_rows<2>(q, ldq, rows, r0, k, n, d, scale, s, lds, ahead);
-    } else {
-      qk_rows<1>(q, ldq, rows, r0, k, n, d, scale, s, lds, ahead);
+  with_rows(k, [&](const auto& kr) FLASHCTE_DECODE_BF16 {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t left = rows - r0;  // 3 rows take a 4-row tile, as in decode-inl.h
+      if (left >= 3) {
+        qk_rows<4>(q, ldq, rows, r0, kr, n, d, scale, s, lds, ahead);
+      } else if (left == 2) {
+        qk_rows<2>(q, ldq, rows, r0, kr, n, d, scale, s, lds, ahead);
+      } else {
+        qk_rows<1>(q, ldq, rows, r0, kr, n, d, scale, s, lds, ahead);
+      }
     }
-  }
+  });
 }
 
 // Keys per pass of pv_tile: the P pairs of its rows for this many keys are packed first.
@@ -217,11 +219,11 @@ FLASHCTE_DECODE_BF16 inline void pack_p_pairs(const float* p, int64_t ldp, int64
 // register). Zen 4, one thread, 4 rows, d = 128, V in L1 (bench/micro_kernels decode_pv_bf16/4):
 // 6.5 ns per key with vpermt2w and pairs built in scalar code, 5.8 ns so (medians of 5; the
 // packed pairs alone gave 6.5). A key past n (odd n) has P = 0 and V = 0, never its row.
-template <int64_t R, int64_t G, bool kHalf>
-FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
-                                         const DecodeRows& v, int64_t col, int64_t last_cols,
-                                         const float* alpha, float* o, int64_t ldo,
-                                         int64_t prefetch_bytes, int64_t ahead) {
+template <int64_t R, int64_t G, bool kHalf, class Rows>
+FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n, const Rows& v,
+                                         int64_t col, int64_t last_cols, const float* alpha,
+                                         float* o, int64_t ldo, int64_t prefetch_bytes,
+                                         int64_t ahead) {
   constexpr int64_t C = 2 * G - (kHalf ? 1 : 0);    // accumulators per row
   constexpr int64_t kUnpacked = kHalf ? G - 1 : G;  // groups interleaved in-lane
   // O's order -> the accumulators' (lanes of O's 16-column halves x, y; >= 16 selects y) and back.
@@ -282,9 +284,9 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
     const int64_t keys = std::min(kPvKeys, n - j0), even = keys / 2 * 2;
     pack_p_pairs<R>(p + j0, ldp, keys, pairs);
     for (int64_t j = j0; j < j0 + even; j += 2) {
-      step(j, v.at<uint16_t>(j) + col, v.at<uint16_t>(j + 1) + col, (j - j0) / 2);
+      step(j, v.template at<uint16_t>(j) + col, v.template at<uint16_t>(j + 1) + col, (j - j0) / 2);
     }
-    if (even < keys) step(j0 + even, v.at<uint16_t>(j0 + even) + col, nullptr, even / 2);
+    if (even < keys) step(j0 + even, v.template at<uint16_t>(j0 + even) + col, nullptr, even / 2);
   }
 #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) {
@@ -300,15 +302,15 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
 }
 
 // Rows [0, rows) of a panel of `groups` (1..G) groups, rows in blocks of R.
-template <int64_t R, int64_t G, bool kHalf>
+template <int64_t R, int64_t G, bool kHalf, class Rows>
 FLASHCTE_DECODE_BF16 inline void pv_rows(int64_t groups, const float* p, int64_t ldp, int64_t rows,
-                                         int64_t n, const DecodeRows& v, int64_t col,
-                                         int64_t last_cols, const float* alpha, float* o,
-                                         int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
+                                         int64_t n, const Rows& v, int64_t col, int64_t last_cols,
+                                         const float* alpha, float* o, int64_t ldo,
+                                         int64_t prefetch_bytes, int64_t ahead) {
   if constexpr (G >= 1) {
     if (groups != G) {
-      pv_rows<R, G - 1, kHalf>(groups, p, ldp, rows, n, v, col, last_cols, alpha, o, ldo,
-                               prefetch_bytes, ahead);
+      pv_rows<R, G - 1, kHalf, Rows>(groups, p, ldp, rows, n, v, col, last_cols, alpha, o, ldo,
+                                     prefetch_bytes, ahead);
       return;
     }
     for (int64_t r = 0; r < rows; r += R) {
@@ -318,14 +320,14 @@ FLASHCTE_DECODE_BF16 inline void pv_rows(int64_t groups, const float* p, int64_t
       const float* pr = p + r * ldp;
       float* orow = o + r * ldo;
       if (left == R) {
-        pv_tile<R, G, kHalf>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
+        pv_tile<R, G, kHalf, Rows>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
       } else if constexpr (R == 4) {
         if (left == 3) {
-          pv_tile<3, G, kHalf>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
+          pv_tile<3, G, kHalf, Rows>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
         } else if (left == 2) {
-          pv_tile<2, G, kHalf>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
+          pv_tile<2, G, kHalf, Rows>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
         } else {
-          pv_tile<1, G, kHalf>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
+          pv_tile<1, G, kHalf, Rows>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
         }
       }
     }
@@ -333,10 +335,10 @@ FLASHCTE_DECODE_BF16 inline void pv_rows(int64_t groups, const float* p, int64_t
 }
 
 // O over [0, round_up(dv, 16)), V rows of bfloat16 read at [0, dv).
-template <int64_t R>
+template <int64_t R, class Rows>
 FLASHCTE_DECODE_BF16 inline void pv_with(const float* p, int64_t ldp, int64_t rows, int64_t n,
-                                         const DecodeRows& v, int64_t dv, const float* alpha,
-                                         float* o, int64_t ldo) {
+                                         const Rows& v, int64_t dv, const float* alpha, float* o,
+                                         int64_t ldo) {
   constexpr int64_t G = 8 / R;  // R * 2G = 16 accumulators
   const int64_t ahead = (decode_prefetch_bytes() + 2 * dv - 1) / (2 * dv);
   const int64_t groups = (dv + 31) / 32;
@@ -346,10 +348,11 @@ FLASHCTE_DECODE_BF16 inline void pv_with(const float* p, int64_t ldp, int64_t ro
     const int64_t pf = g0 == 0 ? 2 * dv : 0;  // the first panel prefetches whole rows
     float* og = o + 32 * g0;
     if (last_cols <= 16) {
-      pv_rows<R, G, true>(width, p, ldp, rows, n, v, 32 * g0, last_cols, alpha, og, ldo, pf, ahead);
+      pv_rows<R, G, true, Rows>(width, p, ldp, rows, n, v, 32 * g0, last_cols, alpha, og, ldo, pf,
+                                ahead);
     } else {
-      pv_rows<R, G, false>(width, p, ldp, rows, n, v, 32 * g0, last_cols, alpha, og, ldo, pf,
-                           ahead);
+      pv_rows<R, G, false, Rows>(width, p, ldp, rows, n, v, 32 * g0, last_cols, alpha, og, ldo, pf,
+                                 ahead);
     }
   }
 }
@@ -359,13 +362,15 @@ FLASHCTE_DECODE_BF16 inline void Pv(const float* p, int64_t ldp, int64_t rows, i
                                     int64_t ldo) {
   if (rows <= 0) return;
   // Every row block at 4 rows (or all the rows): a V pair is interleaved once per 4 rows.
-  if (rows >= 3) {
-    pv_with<4>(p, ldp, rows, n, v, dv, alpha, o, ldo);
-  } else if (rows == 2) {
-    pv_with<2>(p, ldp, rows, n, v, dv, alpha, o, ldo);
-  } else {
-    pv_with<1>(p, ldp, rows, n, v, dv, alpha, o, ldo);
-  }
+  with_rows(v, [&](const auto& vr) FLASHCTE_DECODE_BF16 {
+    if (rows >= 3) {
+      pv_with<4>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
+    } else if (rows == 2) {
+      pv_with<2>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
+    } else {
+      pv_with<1>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
+    }
+  });
 }
 
 }  // namespace flashcte::simd::decode_bf16

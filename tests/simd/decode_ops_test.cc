@@ -26,8 +26,9 @@ namespace {
 constexpr DType kDtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
 
 // `rows` cache rows of `cols` values of `dtype`, `ld` elements apart, as a KV cache holds them,
-// handed to the kernels as a table of row addresses; `reversed` stores row j in the place of row
-// rows - 1 - j, as pages of a paged cache may lie in any order. Every element outside the rows'
+// handed to the kernels by their stride (a dense cache), or, `reversed`, stored row j in the place
+// of row rows - 1 - j and handed over as a table of row addresses, as pages of a paged cache may
+// lie in any order. Every element outside the rows'
 // [0, cols) (row padding and a guard zone after the last row) is a NaN canary, and the buffer ends
 // right after the guard.
 class CacheRows {
@@ -43,7 +44,10 @@ class CacheRows {
       table_.push_back(&bytes_[static_cast<size_t>(place(j) * elem_)]);
   }
   // Every row to the kernels, all of them read (none left only to prefetch).
-  simd::DecodeRows rows() const { return {table_.data(), rows_}; }
+  simd::DecodeRows rows() const {
+    if (reversed_) return simd::DecodeRows::of_table(table_.data(), rows_);
+    return simd::DecodeRows::strided(bytes_.data(), ld_ * elem_, rows_);
+  }
   // Stores x rounded to the dtype and returns the value stored.
   double set(int64_t r, int64_t c, float x) {
     const int64_t i = place(r) + c;
