@@ -54,8 +54,8 @@ struct KvSource {
     const int64_t step = strides[2] * element_bytes();
     for (int64_t j = lo; j < hi;) {
       const int64_t end = run_end(j, hi);
-      const unsigned char* p = row(b, head, j);
-      for (; j < end; ++j, p += step) rows[j - lo] = p;
+      const unsigned char* first = row(b, head, j);
+      for (const int64_t j0 = j; j < end; ++j) rows[j - lo] = first + (j - j0) * step;
     }
   }
 };

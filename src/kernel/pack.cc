@@ -209,6 +209,11 @@ bool pack_pairs_directly(const Problem& problem, const simd::Ops& ops, int64_t k
 // K keeps its copy: K in place too gained nothing more at Skv=4000 (0.999 against V alone, 6
 // pairs) and less at 4096 (1.016 against the copy, 8 pairs), whose 16 KiB channel stride maps a
 // K panel onto a few cache sets.
+// Only rows that lie back to back (row stride dv) are read in place: FlashAttention's (batch, S,
+// heads, dv) layout puts a head's rows heads * dv apart (4 KiB at 8 x 128 floats), and MM2 over
+// rows 4 KiB apart ran slower than over the copy (AMD EPYC Zen 5, AVX3, 2 threads, a 2048-query
+// chunk over an 8192-token prior, 32/8 heads, d = 128: the same rows copied from 16-slot pages
+// 1.35x faster, 5 rounds, bench/paged_prefill.py).
 const float* v_in_place(const Problem& problem, int64_t kv_b, int64_t begin, int64_t end,
                         int64_t* ldv) {
   const int64_t dv = problem.value_dim, prior = problem.prior_used[kv_b];
@@ -216,12 +221,12 @@ const float* v_in_place(const Problem& problem, int64_t kv_b, int64_t begin, int
   if (begin < prior && end > prior) return nullptr;
   if (begin < prior) {  // in the prior: within one run of its rows (one page of a paged prior)
     const KvSource& v = problem.v_prior;
-    if (v.strides[3] != 1 || v.run_end(begin, end) != end) return nullptr;
+    if (v.strides[3] != 1 || v.strides[2] != dv || v.run_end(begin, end) != end) return nullptr;
     *ldv = v.strides[2];
     return reinterpret_cast<const float*>(problem.prior_row(v, kv_b, begin));
   }
   const View3& v = problem.v;
-  if (v.col_stride != 1) return nullptr;
+  if (v.col_stride != 1 || v.row_stride != dv) return nullptr;
   *ldv = v.row_stride;
   return static_cast<const float*>(element(v, problem.dtype, kv_b, begin - prior));
 }
