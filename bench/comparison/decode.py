@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from .common import DTYPES, median
-from .peers import TorchDecodeImpl
+from .peers import TorchDecodeImpl, TorchPagedDecodeImpl
 from .peers.cli import cli_json, decode_command
 from .worker import rotated_rounds
 
@@ -38,7 +38,8 @@ def kv_bytes(p: dict) -> int:
 
 
 def decode_name(p: dict) -> str:
-    return (f"{DTYPES[p['dtype']]} B={p['batch']} N={p['cached']} heads={p['heads']}:"
+    cache = f" pages={p['block_size']}" if p.get("block_size") else ""
+    return (f"{DTYPES[p['dtype']]} B={p['batch']} N={p['cached']}{cache} heads={p['heads']}:"
             f"{p['kv_heads']} d={p['d']} threads={p['threads']}")
 
 
@@ -74,7 +75,8 @@ def set_up_torch(p: dict, res: dict):
         return None
     try:
         data = decode_inputs(p)
-        impl = TorchDecodeImpl("torch", p, data)
+        paged = p.get("block_size", 0) > 0
+        impl = (TorchPagedDecodeImpl if paged else TorchDecodeImpl)("torch", p, data)
         impl.setup()
         res.update(impl.extra)
         t0 = time.perf_counter()

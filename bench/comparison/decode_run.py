@@ -20,7 +20,8 @@ from .points import plan_decode_points
 from .report import load_version_bullets, run_bullets
 
 IMPLS = ("flashcte", "torch")
-CSV_COLUMNS = ["dtype", "batch", "cached", "new", "heads", "kv_heads", "d", "threads", "impl",
+CSV_COLUMNS = ["dtype", "batch", "cached", "block_size", "new", "heads", "kv_heads", "d",
+               "threads", "impl",
                "status", "median_ms", "min_ms", "kv_bytes", "kv_gbps", "ratio_to_bandwidth",
                "torch_over_flashcte", "read_gbps_during", "bandwidth_before_point",
                "max_err_vs_float64", "tolerance",
@@ -59,15 +60,16 @@ def cell(r: dict, key: str, nd: int) -> str:
 
 def table(records: list[dict], bw: float | None) -> list[str]:
     """The decode table (results.md's, and what docs/benchmarks/README.md quotes)."""
-    md = ["| dtype | batch | N | K/V MB | flashcte ms | torch ms | torch/flashcte | "
+    md = ["| dtype | batch | N | cache | K/V MB | flashcte ms | torch ms | torch/flashcte | "
           "flashcte GB/s | torch GB/s | flashcte/bw | torch/bw | bw during point GB/s | load |",
-          "|" + "---|" * 13]
+          "|" + "---|" * 14]
     for rec in records:
         p, fl, tr = rec["point"], rec["impls"].get("flashcte", {}), rec["impls"].get("torch", {})
         x = ratios(rec, bw)
         during = fl.get("read_gbps_during") or []
+        cache = f"pages of {p['block_size']}" if p.get("block_size") else "dense"
         md.append(f"| {DTYPES[p['dtype']]} | {p['batch']} | "
-                  f"{p['cached']} | {fmt(rec['summary'].get('kv_bytes', 0) / 1e6)} | "
+                  f"{p['cached']} | {cache} | {fmt(rec['summary'].get('kv_bytes', 0) / 1e6)} | "
                   f"{cell(fl, 'median_ms', 2)} | {cell(tr, 'median_ms', 2)} | "
                   f"{fmt(x['torch_over_flashcte'], 2)} | {cell(fl, 'kv_gbps', 1)} | "
                   f"{cell(tr, 'kv_gbps', 1)} | {fmt(x['flashcte'], 2)} | {fmt(x['torch'], 2)} | "
@@ -146,7 +148,8 @@ def write_csv(path: Path, meta: dict, records: list[dict]) -> None:
             for i in IMPLS:
                 r = rec["impls"].get(i, {"status": "missing"})
                 during = r.get("read_gbps_during") or []
-                w.writerow([p["dtype"], p["batch"], p["cached"], p["new"], p["heads"],
+                w.writerow([p["dtype"], p["batch"], p["cached"], p.get("block_size", 0),
+                            p["new"], p["heads"],
                             p["kv_heads"], p["d"], p["threads"], i, r["status"],
                             fmt(r.get("median_ms"), 4), fmt(r.get("min_ms"), 4),
                             rec["summary"].get("kv_bytes", ""), fmt(r.get("kv_gbps"), 3),

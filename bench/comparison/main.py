@@ -32,6 +32,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, nargs="+", help="--decode: batch sizes (default 1 8)")
     ap.add_argument("--cached", type=int, nargs="+",
                     help="--decode: cached tokens N (default 4096 32768)")
+    ap.add_argument("--block-size", type=int, nargs="+",
+                    help="--decode: the cache dense (0, the default) or paged with pages of this "
+                         "many slots (vLLM's layout, pages shuffled); torch then gathers the "
+                         "pages before SDPA, as transformers' paged cache does on the CPU")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                     help="--decode: before each point wait (at most SECONDS) until the CPUs "
                          "were 90%% idle over 5 s, for a shared machine (default 0: no wait)")
@@ -79,8 +83,8 @@ def parse_args(argv, doc: str):
         if not_decode:
             ap.error(f"{', '.join(not_decode)}: not used by --decode")
         preset = DECODE_PRESET
-    elif args.batch or args.cached or args.wait_idle:
-        ap.error("--batch, --cached, --wait-idle: only with --decode")
+    elif args.batch or args.cached or args.wait_idle or args.block_size:
+        ap.error("--batch, --cached, --wait-idle, --block-size: only with --decode")
     else:
         preset = PRESETS[args.mode]
     args.reps = args.reps or preset["reps"]

@@ -28,7 +28,7 @@ PRESETS = {
 
 # --decode (issue 13's decode targets): one new token per sequence against N cached ones.
 DECODE_PRESET = dict(dtypes=["bfloat16", "float32"], cached=[4096, 32768], batch=[1, 8], d=[128],
-                     heads=["32:8"], reps=5)
+                     heads=["32:8"], block_size=[0], reps=5)
 
 # The target points of each dtype and mask, in the order the table lists them.
 TARGET_DTYPE_TAGS = (("fp32-nc", "fp32 non-causal"), ("fp32-c", "fp32 causal"),
@@ -108,10 +108,11 @@ def plan_decode_points(args) -> list[dict]:
     where not), one new token each, on --threads threads."""
     pr = DECODE_PRESET
     points = []
-    for dtype, d, hc, n, b in itertools.product(
+    for dtype, d, hc, n, b, block in itertools.product(
             [DTYPE_ALIASES[x] for x in (args.dtypes or pr["dtypes"])], args.d or pr["d"],
-            args.heads or pr["heads"], args.cached or pr["cached"], args.batch or pr["batch"]):
+            args.heads or pr["heads"], args.cached or pr["cached"], args.batch or pr["batch"],
+            args.block_size or pr["block_size"]):
         h, kvh = (int(x) for x in hc.split(":"))
         points.append(dict(dtype=dtype, batch=b, cached=n, new=1, d=d, heads=h, kv_heads=kvh,
-                           threads=args.threads, causal=False))
+                           threads=args.threads, causal=False, block_size=block))
     return points

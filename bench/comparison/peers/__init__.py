@@ -9,10 +9,10 @@ from .flashcte_py import FlashImpl
 from .ggml_flash import GgmlF16Impl, GgmlF32Impl
 from .onnxruntime_ops import OrtImpl
 from .openvino_sdpa import OpenVinoImpl
-from .torch_sdpa import TorchDecodeImpl, TorchImpl
+from .torch_sdpa import TorchDecodeImpl, TorchImpl, TorchPagedDecodeImpl
 
 PY_IMPLS = {"flashcte": FlashImpl, "torch": TorchImpl, "ort-mha": OrtImpl, "ort-gqa": OrtImpl,
             "ort-attention": OrtImpl, "openvino": OpenVinoImpl, "ggml-f16": GgmlF16Impl,
             "ggml-f32": GgmlF32Impl}
 
-__all__ = ["PY_IMPLS", "PyImpl", "Skipped", "TorchDecodeImpl", "Unsupported", "np_dtype"]
+__all__ = ["PY_IMPLS", "PyImpl", "Skipped", "TorchDecodeImpl", "TorchPagedDecodeImpl", "Unsupported", "np_dtype"]

@@ -33,10 +33,13 @@ def last_json(stdout: str) -> dict:
 def decode_command(cli: str, p: dict, reps: int) -> list[str]:
     """`flashcte bench --decode --json` of decode point p (decode.py), --reps calls, each after a
     timed streaming pass that evicts the caches (--cold, the default)."""
+    # With a block size the CLI times the paged call too, interleaved with the dense one; its
+    # last JSON line (cli_json's) is the paged call's.
+    paged = ["--block-size", str(p["block_size"])] if p.get("block_size") else []
     return [cli, "bench", "--decode", "--batch", str(p["batch"]), "--heads", str(p["heads"]),
             "--kv-heads", str(p["kv_heads"]), "--d", str(p["d"]), "--cached", str(p["cached"]),
             "--new", str(p["new"]), "--dtype", p["dtype"], "--threads", str(p["threads"]),
-            "--reps", str(reps), "--json"]
+            "--reps", str(reps), *paged, "--json"]
 
 
 def cli_json(cmd: list[str], timeout: float) -> dict:

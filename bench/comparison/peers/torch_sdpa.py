@@ -87,8 +87,48 @@ class TorchDecodeImpl(TorchImpl):
     def run(self):
         kw = {"enable_gqa": True} if self.gqa else {}
         with self.torch.inference_mode():
-            return self.F.scaled_dot_product_attention(self.q, self.k, self.v,
-                                                       scale=self.p["scale"], **kw)
+            k, v = self.kv()
+            return self.F.scaled_dot_product_attention(self.q, k, v, scale=self.p["scale"], **kw)
+
+    def kv(self):
+        return self.k, self.v
 
     def as_numpy(self, out):
         return out.float().numpy().reshape(-1, out.shape[2], out.shape[3])
+
+
+class TorchPagedDecodeImpl(TorchDecodeImpl):
+    """The decode step over a paged cache the way transformers' paged cache runs on the CPU: the
+    sequences' pages (point["block_size"] slots, vLLM's (num_blocks, kv_heads, block_size, d),
+    at shuffled places in the pool) gathered into dense K/V by index_select, then SDPA; the
+    gather is part of every timed call."""
+
+    def setup(self):
+        import torch
+        super().setup()
+        B, Hk, L, d = self.k.shape
+        block = self.p["block_size"]
+        pages = -(-L // block)
+        self.L = L
+        order = torch.randperm(B * pages, generator=torch.Generator().manual_seed(7))
+        self.table = order.view(B, pages)
+        pad = pages * block - L
+        pools = []
+        for t in (self.k, self.v):
+            padded = torch.nn.functional.pad(t, (0, 0, 0, pad))  # (B, Hk, pages * block, d)
+            paged = padded.view(B, Hk, pages, block, d).permute(0, 2, 1, 3, 4)
+            pool = torch.empty((B * pages, Hk, block, d), dtype=t.dtype)
+            pool[order] = paged.reshape(B * pages, Hk, block, d)
+            pools.append(pool)
+        self.pool_k, self.pool_v = pools
+        self.extra["paged"] = f"index_select of {block}-slot pages, then SDPA"
+
+    def kv(self):
+        B, pages = self.table.shape
+        out = []
+        for pool in (self.pool_k, self.pool_v):
+            g = pool.index_select(0, self.table.reshape(-1))  # (B * pages, Hk, block, d)
+            Hk, block, d = g.shape[1:]
+            out.append(g.view(B, pages, Hk, block, d).permute(0, 2, 1, 3, 4)
+                       .reshape(B, Hk, pages * block, d)[:, :, : self.L])
+        return out
