@@ -37,16 +37,6 @@ struct ValidCall {
   Status run() { return run(q.view(), k.view()); }
 };
 
-// The message names the argument first ("<argument>: <rule>").
-::testing::AssertionResult rejected_for(const Status& s, const std::string& argument) {
-  if (s.ok) return ::testing::AssertionFailure() << "accepted; expected an error on " << argument;
-  if (s.message.rfind(argument + ":", 0) != 0) {
-    return ::testing::AssertionFailure()
-           << "message \"" << s.message << "\" does not start with \"" << argument << ":\"";
-  }
-  return ::testing::AssertionSuccess();
-}
-
 TEST(Validation, TheValidCallSucceeds) {
   ValidCall call;
   const Status s = call.run();
@@ -56,13 +46,13 @@ TEST(Validation, TheValidCallSucceeds) {
 TEST(Validation, WrongRankIsAnError) {
   ValidCall call;
   HostTensor q2(DType::kFloat32, {16, 8});
-  EXPECT_TRUE(rejected_for(call.run(q2.view(), call.k.view()), "q"));
+  EXPECT_TRUE(refused_for(call.run(q2.view(), call.k.view()), "q"));
 }
 
 TEST(Validation, MixedDtypesAreAnError) {
   ValidCall call;
   HostTensor k16(DType::kBFloat16, {2, 8, 16});
-  EXPECT_TRUE(rejected_for(call.run(call.q.view(), k16.view()), "k"));
+  EXPECT_TRUE(refused_for(call.run(call.q.view(), k16.view()), "k"));
 }
 
 TEST(Validation, BatchNotAMultipleOfKvBatchIsAnError) {
@@ -70,20 +60,20 @@ TEST(Validation, BatchNotAMultipleOfKvBatchIsAnError) {
   HostTensor q3(DType::kFloat32, {3, 16, 8});
   HostTensor out3(DType::kFloat32, {3, 16, 8});
   call.outputs.out = out3.mutable_view();
-  EXPECT_TRUE(rejected_for(call.run(q3.view(), call.k.view()), "q"));
+  EXPECT_TRUE(refused_for(call.run(q3.view(), call.k.view()), "q"));
 }
 
 TEST(Validation, CacheSoftmaxWithoutStatisticsIsAnError) {
   ValidCall call;
   call.options.cache_softmax = true;
-  EXPECT_TRUE(rejected_for(call.run(), "neg_max"));
+  EXPECT_TRUE(refused_for(call.run(), "neg_max"));
 }
 
 TEST(Validation, HalfAPairOfBoundsIsAnError) {
   ValidCall call;
   HostTensor lo(DType::kInt32, {16, 1});
   call.options.bound_min = lo.view();
-  EXPECT_TRUE(rejected_for(call.run(), "bound_max"));
+  EXPECT_TRUE(refused_for(call.run(), "bound_max"));
 }
 
 TEST(Validation, OutputAliasingAnInputIsAnError) {
@@ -91,7 +81,7 @@ TEST(Validation, OutputAliasingAnInputIsAnError) {
   MutableTensorView alias = call.out.mutable_view();
   alias.data = const_cast<void*>(call.v.view().data);
   call.outputs.out = alias;
-  EXPECT_TRUE(rejected_for(call.run(), "out"));
+  EXPECT_TRUE(refused_for(call.run(), "out"));
 }
 
 // ---- plan_attention ----------------------------------------------------------------------------
@@ -254,7 +244,7 @@ TEST(Plan, InvalidArgumentsAreAnError) {
   PlanSummary s;
   Status st;
   EXPECT_NO_THROW(st = plan(p, &s));
-  EXPECT_TRUE(rejected_for(st, "sliding_window"));
+  EXPECT_TRUE(refused_for(st, "sliding_window"));
 }
 
 // The automatic tiles (src/kernel/plan.cc): 768 query rows per packed K/V tile, so 384-row

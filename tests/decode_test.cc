@@ -386,15 +386,7 @@ std::vector<DecodeCase> accuracy_cases() {
   strided.strided = true;
   add(strided);
 
-  std::vector<DecodeCase> cases;
-  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-    for (DecodeCase c : shapes) {
-      c.dtype = dtype;
-      c.name += std::string("_") + dtype_name(dtype);
-      cases.push_back(c);
-    }
-  }
-  return cases;
+  return in_every_dtype(shapes);
 }
 
 class DecodeAccuracy : public ::testing::TestWithParam<DecodeCase> {};
@@ -588,16 +580,6 @@ struct ValidDecode {
     return s;
   }
 };
-
-// The message names the argument first ("<argument>: <rule>").
-::testing::AssertionResult refused_for(const Status& s, const std::string& argument) {
-  if (s.ok) return ::testing::AssertionFailure() << "accepted; expected an error on " << argument;
-  if (s.message.rfind(argument + ":", 0) != 0) {
-    return ::testing::AssertionFailure()
-           << "message \"" << s.message << "\" does not start with \"" << argument << ":\"";
-  }
-  return ::testing::AssertionSuccess() << s.message;
-}
 
 TEST(DecodeValidation, TheValidCallSucceeds) {
   ValidDecode call;

@@ -616,4 +616,13 @@ bool long_tests_enabled() {
 TileConfig neuron_tiles() { return TileConfig{128, 512, 8192, 10240}; }
 TileConfig odd_tiles() { return TileConfig{5, 24, 48, 0}; }
 
+::testing::AssertionResult refused_for(const Status& s, const std::string& argument) {
+  if (s.ok) return ::testing::AssertionFailure() << "accepted; expected an error on " << argument;
+  if (s.message.rfind(argument + ":", 0) != 0) {
+    return ::testing::AssertionFailure()
+           << "message \"" << s.message << "\" does not start with \"" << argument << ":\"";
+  }
+  return ::testing::AssertionSuccess() << s.message;
+}
+
 }  // namespace flashcte::test

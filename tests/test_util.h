@@ -152,6 +152,25 @@ bool long_tests_enabled();
 TileConfig neuron_tiles();
 TileConfig odd_tiles();
 
+// A failed Status whose message names `argument` first ("<argument>: <rule>"), as every entry
+// point's errors do.
+::testing::AssertionResult refused_for(const Status& s, const std::string& argument);
+
+// Each case of `shapes` once per attention dtype (float32, bfloat16, float16), its name suffixed
+// with the dtype's ("<name>_bfloat16"); Case has `name` and `dtype`.
+template <class Case>
+std::vector<Case> in_every_dtype(const std::vector<Case>& shapes) {
+  std::vector<Case> cases;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (Case c : shapes) {
+      c.dtype = dtype;
+      c.name += std::string("_") + dtype_name(dtype);
+      cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
 // An owned rank-4 tensor in any float dtype, row-major; strided: channel stride 2 and padded rows.
 class Tensor4 {
  public:

@@ -210,3 +210,17 @@ def test_readme_serving_example_runs_as_written():
     assert scope["out"].shape == (2, 1, 8, 64) and scope["lens"].tolist() == [35, 35]
     # Request B read A's prompt pages: its cache is A's prompt plus its own 3 tokens.
     assert np.array_equal(scope["pool_k"][0], scope["prompt_k"][0, :16])
+
+
+def test_the_flash_attn_drop_in_serves_it(rng):
+    """Engine code written against FlashAttention imports the call from flash_attn."""
+    import importlib
+
+    import flashcte.integrations.flash_attn as fa
+
+    with fa.install(replace=True):
+        interface = importlib.import_module("flash_attn.flash_attn_interface")
+        assert interface.flash_attn_with_kvcache is flashcte.flash_attn_with_kvcache
+        assert importlib.import_module("flash_attn").flash_attn_with_kvcache is (
+            flashcte.flash_attn_with_kvcache
+        )

@@ -25,8 +25,9 @@ FlashAttention) and ``window_size_left`` / ``window_size_right`` find the latter
 that accept both the 4-tuple and older versions' 8-tuple take the 4-tuple.
 
 :func:`install` puts a ``flash_attn`` package into ``sys.modules`` (``flash_attn`` with
-``flash_attn_func`` and ``flash_attn_varlen_func``, and ``flash_attn.flash_attn_interface`` with
-those and the private functions), so ``import flash_attn`` and
+``flash_attn_func``, ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache``, and
+``flash_attn.flash_attn_interface`` with those and the private functions), so
+``import flash_attn`` and
 ``from flash_attn.flash_attn_interface import _flash_attn_forward`` resolve to flashcte:
 
     import flashcte.integrations.flash_attn as fa
@@ -46,6 +47,7 @@ import types
 from typing import Any
 
 from .._flash_attn import flash_attn_func, flash_attn_varlen_func
+from .._kvcache import flash_attn_with_kvcache
 
 ArrayLike = Any
 
@@ -163,6 +165,7 @@ _flash_attn_varlen_backward = _no_backward
 _INTERFACE = {
     "flash_attn_func": flash_attn_func,
     "flash_attn_varlen_func": flash_attn_varlen_func,
+    "flash_attn_with_kvcache": flash_attn_with_kvcache,
     "_flash_attn_forward": _flash_attn_forward,
     "_flash_attn_varlen_forward": _flash_attn_varlen_forward,
     "_flash_attn_backward": _flash_attn_backward,
