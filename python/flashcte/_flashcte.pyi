@@ -17,34 +17,11 @@ def attention_cte(
     neg_max: object | None,
     sum_recip: object | None,
     lse: object | None,
-    k_prior: object | None,
-    v_prior: object | None,
-    prior_used_len: Sequence[int],
-    sink: object | None,
-    scale: float,
-    causal_mask: bool,
-    sliding_window: int,
-    tp_q: bool,
-    tp_k: bool,
-    tp_out: bool,
-    cache_softmax: bool,
-    cp_offset: int | None,
-    global_cp_deg: int | None,
-    cp_strided_q_slicing: bool,
-    bound_min: object | None,
-    bound_max: object | None,
-    num_threads: int,
-    tiles: Sequence[int],
-    softcap: float,
-    alibi_slopes: object | None,
-    key_bias: object | None,
-    window_left: int,
-    window_right: int,
-    bottom_right: bool,
     bf16_bits: bool,
+    **options: object,
 ) -> None:
     """
-    attention_cte into caller-allocated outputs (all tensors as numpy arrays or DLPack tensors, read in place). Raises TypeError/ValueError with the library's message.
+    attention_cte into caller-allocated outputs (all tensors as numpy arrays or DLPack tensors, read in place); the other arguments are Options' fields by name. Raises TypeError/ValueError with the library's message.
     """
 
 def merge_attn_states(

@@ -185,16 +185,108 @@ struct Imports {
   throw nb::value_error(s.message.c_str());
 }
 
+// ---- options by name -------------------------------------------------------------------------
+
+// How one Python keyword lands in an options struct (flashcte::Options, KvCacheOptions). The
+// tables below are the only place an option is named on this side: a new field is one line in
+// its table and one keyword in Python.
+template <class O>
+using Setter = void (*)(Imports&, O&, nb::handle);
+template <class O>
+using OptionTable = std::pair<const char*, Setter<O>>;
+
+// A tensor option (None: absent), and a value option (None: the struct's default).
+#define FLASHCTE_TENSOR_OPTION(O, field)                                          \
+  OptionTable<O> {                                                                \
+#field, [](Imports & im, O & o, nb::handle h) { o.field = im.in(#field, h); } \
+  }
+#define FLASHCTE_VALUE_OPTION(O, field, type)           \
+  OptionTable<O> {                                      \
+#field, [](Imports&, O& o, nb::handle h) {            \
+      if (!h.is_none()) o.field = nb::cast<type>(h);      \
+    } \
+  }
+
+// Sets every keyword of `options` in `o` through `table`; an unknown keyword is a TypeError.
+template <class O, size_t N>
+void set_options(Imports& im, O& o, const nb::kwargs& options, const OptionTable<O> (&table)[N],
+                 const char* call) {
+  for (auto [key, value] : options) {
+    const std::string name = nb::cast<std::string>(key);
+    const auto* entry = std::find_if(std::begin(table), std::end(table),
+                                     [&](const OptionTable<O>& e) { return name == e.first; });
+    if (entry == std::end(table)) {
+      throw nb::type_error((std::string(call) + ": unknown option " + name).c_str());
+    }
+    entry->second(im, o, value);
+  }
+}
+
+const OptionTable<flashcte::Options> kAttentionOptions[] = {
+    FLASHCTE_TENSOR_OPTION(flashcte::Options, k_prior),
+    FLASHCTE_TENSOR_OPTION(flashcte::Options, v_prior),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, prior_used_len, std::vector<int64_t>),
+    FLASHCTE_TENSOR_OPTION(flashcte::Options, prior_block_table),
+    FLASHCTE_TENSOR_OPTION(flashcte::Options, sink),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, scale, float),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, causal_mask, bool),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, sliding_window, int64_t),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, tp_q, bool),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, tp_k, bool),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, tp_out, bool),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, cache_softmax, bool),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, cp_offset, int64_t),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, global_cp_deg, int64_t),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, cp_strided_q_slicing, bool),
+    FLASHCTE_TENSOR_OPTION(flashcte::Options, bound_min),
+    FLASHCTE_TENSOR_OPTION(flashcte::Options, bound_max),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, num_threads, int),
+    // (q_block, kv_tile, section, section_threshold), or empty for the kernel's choice.
+    OptionTable<flashcte::Options>{"tiles",
+                                   [](Imports&, flashcte::Options& o, nb::handle h) {
+                                     const auto t = nb::cast<std::vector<int64_t>>(h);
+                                     if (t.empty()) return;
+                                     if (t.size() != 4) {
+                                       throw nb::value_error(
+                                           "tiles: must hold (q_block, kv_tile, section, "
+                                           "section_threshold)");
+                                     }
+                                     o.tiles = {t[0], t[1], t[2], t[3]};
+                                   }},
+    FLASHCTE_VALUE_OPTION(flashcte::Options, softcap, float),
+    FLASHCTE_TENSOR_OPTION(flashcte::Options, alibi_slopes),
+    FLASHCTE_TENSOR_OPTION(flashcte::Options, key_bias),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, window_left, int64_t),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, window_right, int64_t),
+    FLASHCTE_VALUE_OPTION(flashcte::Options, bottom_right, bool),
+};
+
+const OptionTable<flashcte::KvCacheOptions> kKvCacheOptions[] = {
+    FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, k),
+    FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, v),
+    FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, rotary_cos),
+    FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, rotary_sin),
+    FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, rotary_interleaved, bool),
+    FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, cache_seqlens),
+    FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, cache_batch_idx),
+    FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, cache_leftpad),
+    FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, block_table),
+    FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, alibi_slopes),
+    FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, softmax_scale, float),
+    FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, causal, bool),
+    FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, window_left, int64_t),
+    FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, window_right, int64_t),
+    FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, softcap, float),
+    FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, num_threads, int),
+};
+#undef FLASHCTE_TENSOR_OPTION
+#undef FLASHCTE_VALUE_OPTION
+
+// attention_cte into caller-allocated outputs; every other argument by keyword, as Options names
+// it.
 void attention_cte(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle neg_max,
-                   nb::handle sum_recip, nb::handle lse, nb::handle k_prior, nb::handle v_prior,
-                   std::vector<int64_t> prior_used_len, nb::handle sink, float scale,
-                   bool causal_mask, int64_t sliding_window, bool tp_q, bool tp_k, bool tp_out,
-                   bool cache_softmax, std::optional<int64_t> cp_offset,
-                   std::optional<int64_t> global_cp_deg, bool cp_strided_q_slicing,
-                   nb::handle bound_min, nb::handle bound_max, int num_threads,
-                   std::vector<int64_t> tiles, float softcap, nb::handle alibi_slopes,
-                   nb::handle key_bias, int64_t window_left, int64_t window_right,
-                   bool bottom_right, bool bf16_bits) {
+                   nb::handle sum_recip, nb::handle lse, bool bf16_bits,
+                   const nb::kwargs& options) {
   Imports im;
   im.bf16_bits = bf16_bits;
   const flashcte::TensorView qv = im.in("q", q);
@@ -205,38 +297,8 @@ void attention_cte(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb:
   outputs.neg_max = im.out("neg_max", neg_max);
   outputs.sum_recip = im.out("sum_recip", sum_recip);
   outputs.lse = im.out("lse", lse);
-
   flashcte::Options o;
-  o.scale = scale;
-  o.causal_mask = causal_mask;
-  o.k_prior = im.in("k_prior", k_prior);
-  o.v_prior = im.in("v_prior", v_prior);
-  o.prior_used_len = std::move(prior_used_len);
-  o.sink = im.in("sink", sink);
-  o.sliding_window = sliding_window;
-  o.tp_q = tp_q;
-  o.tp_k = tp_k;
-  o.tp_out = tp_out;
-  o.cache_softmax = cache_softmax;
-  o.cp_offset = cp_offset;
-  o.global_cp_deg = global_cp_deg;
-  o.cp_strided_q_slicing = cp_strided_q_slicing;
-  o.bound_min = im.in("bound_min", bound_min);
-  o.bound_max = im.in("bound_max", bound_max);
-  o.num_threads = num_threads;
-  if (!tiles.empty()) {
-    if (tiles.size() != 4) {
-      throw nb::value_error("tiles: must hold (q_block, kv_tile, section, section_threshold)");
-    }
-    o.tiles = {tiles[0], tiles[1], tiles[2], tiles[3]};
-  }
-  o.softcap = softcap;
-  o.alibi_slopes = im.in("alibi_slopes", alibi_slopes);
-  o.key_bias = im.in("key_bias", key_bias);
-  o.window_left = window_left;
-  o.window_right = window_right;
-  o.bottom_right = bottom_right;
-
+  set_options(im, o, options, kAttentionOptions, "attention_cte");
   flashcte::Status status;
   {
     nb::gil_scoped_release release;
@@ -244,45 +306,6 @@ void attention_cte(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb:
   }
   if (!status.ok) raise_status(status);
 }
-
-// ---- flash_attn_with_kvcache: its options by name -----------------------------------------------
-
-// How one Python keyword lands in KvCacheOptions. The table below is the only place an option is
-// named on this side: a new field of KvCacheOptions is one line here and one keyword in Python.
-using KvCacheSetter = void (*)(Imports&, flashcte::KvCacheOptions&, nb::handle);
-
-#define FLASHCTE_KV_TENSOR(field)                            \
-  {                                                          \
-#field, [](Imports & im, flashcte::KvCacheOptions & o,   \
-               nb::handle h) { o.field = im.in(#field, h); } \
-  }
-#define FLASHCTE_KV_VALUE(field, type)                                     \
-  {                                                                        \
-#field, [](Imports&, flashcte::KvCacheOptions& o, nb::handle h) {        \
-     if (!h.is_none()) o.field = nb::cast<type>(h);                         \
-   } \
-  }
-
-const std::pair<const char*, KvCacheSetter> kKvCacheOptions[] = {
-    FLASHCTE_KV_TENSOR(k),
-    FLASHCTE_KV_TENSOR(v),
-    FLASHCTE_KV_TENSOR(rotary_cos),
-    FLASHCTE_KV_TENSOR(rotary_sin),
-    FLASHCTE_KV_VALUE(rotary_interleaved, bool),
-    FLASHCTE_KV_TENSOR(cache_seqlens),
-    FLASHCTE_KV_TENSOR(cache_batch_idx),
-    FLASHCTE_KV_TENSOR(cache_leftpad),
-    FLASHCTE_KV_TENSOR(block_table),
-    FLASHCTE_KV_TENSOR(alibi_slopes),
-    FLASHCTE_KV_VALUE(softmax_scale, float),
-    FLASHCTE_KV_VALUE(causal, bool),
-    FLASHCTE_KV_VALUE(window_left, int64_t),
-    FLASHCTE_KV_VALUE(window_right, int64_t),
-    FLASHCTE_KV_VALUE(softcap, float),
-    FLASHCTE_KV_VALUE(num_threads, int),
-};
-#undef FLASHCTE_KV_TENSOR
-#undef FLASHCTE_KV_VALUE
 
 // flash_attn_with_kvcache (flashcte/kvcache.h) into caller-allocated outputs, the caches written
 // in place; every other argument by keyword, as KvCacheOptions names it.
@@ -295,15 +318,7 @@ void flash_attn_with_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cach
   const flashcte::MutableTensorView vc = im.out("v_cache", v_cache);
   const flashcte::MutableTensorView ov = im.out("out", out), lv = im.out("lse", lse);
   flashcte::KvCacheOptions o;
-  for (auto [key, value] : options) {
-    const std::string name = nb::cast<std::string>(key);
-    const auto* entry = std::find_if(std::begin(kKvCacheOptions), std::end(kKvCacheOptions),
-                                     [&](const auto& e) { return name == e.first; });
-    if (entry == std::end(kKvCacheOptions)) {
-      throw nb::type_error(("flash_attn_with_kvcache: unknown option " + name).c_str());
-    }
-    entry->second(im, o, value);
-  }
+  set_options(im, o, options, kKvCacheOptions, "flash_attn_with_kvcache");
   flashcte::Status status;
   {
     nb::gil_scoped_release release;
@@ -569,16 +584,10 @@ NB_MODULE(_flashcte, m) {
       "signature is private and may change.";
   m.def("attention_cte", &attention_cte, nb::kw_only(), nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("out"), nb::arg("neg_max").none(), nb::arg("sum_recip").none(),
-        nb::arg("lse").none(), nb::arg("k_prior").none(), nb::arg("v_prior").none(),
-        nb::arg("prior_used_len"), nb::arg("sink").none(), nb::arg("scale"), nb::arg("causal_mask"),
-        nb::arg("sliding_window"), nb::arg("tp_q"), nb::arg("tp_k"), nb::arg("tp_out"),
-        nb::arg("cache_softmax"), nb::arg("cp_offset").none(), nb::arg("global_cp_deg").none(),
-        nb::arg("cp_strided_q_slicing"), nb::arg("bound_min").none(), nb::arg("bound_max").none(),
-        nb::arg("num_threads"), nb::arg("tiles"), nb::arg("softcap"),
-        nb::arg("alibi_slopes").none(), nb::arg("key_bias").none(), nb::arg("window_left"),
-        nb::arg("window_right"), nb::arg("bottom_right"), nb::arg("bf16_bits"),
+        nb::arg("lse").none(), nb::arg("bf16_bits"), nb::arg("options"),
         "attention_cte into caller-allocated outputs (all tensors as numpy arrays or DLPack "
-        "tensors, read in place). Raises TypeError/ValueError with the library's message.");
+        "tensors, read in place); the other arguments are Options' fields by name. Raises "
+        "TypeError/ValueError with the library's message.");
   m.def("merge_attn_states", &merge_attn_states, nb::kw_only(), nb::arg("out_a"), nb::arg("lse_a"),
         nb::arg("out_b"), nb::arg("lse_b"), nb::arg("out"), nb::arg("lse").none(),
         nb::arg("bf16_bits"),
