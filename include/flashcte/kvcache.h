@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "flashcte/decode.h"
 #include "flashcte/flashcte.h"
@@ -79,6 +80,59 @@ struct KvCacheOptions {
 Status flash_attn_with_kvcache(const TensorView& q, const MutableTensorView& k_cache,
                                const MutableTensorView& v_cache, const MutableTensorView& out,
                                const MutableTensorView& lse, const KvCacheOptions& options = {});
+
+// Where the time of a call's parallel region went: each thread's seconds inside work items and
+// merges, and the region's wall time, fork to join. busy_seconds[i] / wall_seconds is thread i's
+// busy share; a balanced call keeps every share near 1.
+struct ThreadProfile {
+  std::vector<double> busy_seconds;
+  double wall_seconds = 0;
+};
+
+// Everything of flash_attn_varlen_kvcache besides q, the caches and the outputs.
+struct VarlenKvCacheOptions {
+  // (batch + 1,) int32, from 0, non-decreasing, ending at total_q: sequence b's queries are rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and out. Required.
+  TensorView cu_seqlens_q;
+  // (batch,) int32: the keys in sequence b's cache, its queries' own included (they are its last
+  // seqlen_q(b) tokens: bottom-right alignment). Required.
+  TensorView seqused_k;
+  // A paged cache, as in KvCacheOptions: (batch, max_blocks_per_seq) int32; the caches are then
+  // (num_blocks, page_block_size, kv_heads, d). Absent: dense caches (batch, seqlen_cache,
+  // kv_heads, d), row b for sequence b.
+  TensorView block_table;
+  // (heads,) or (batch, heads) float32, as in KvCacheOptions.
+  TensorView alibi_slopes;
+  // (heads,) float32: an attention sink per query head, a logit that joins every row's softmax
+  // without a value (gpt-oss); its share of the weight is dropped.
+  TensorView sinks;
+  std::optional<float> softmax_scale;  // default 1 / sqrt(d)
+  bool causal = false;                 // bottom-right aligned
+  int64_t window_left = -1;            // as KvCacheOptions
+  int64_t window_right = -1;
+  float softcap = 0.0f;
+  int num_threads = 0;  // 0: OpenMP's default. Results are bitwise identical for any count.
+  ThreadProfile* profile = nullptr;  // when set, receives the call's per-thread busy time
+};
+
+// A serving engine's mixed batch in one call: variable-length query chunks (FlashAttention's
+// flash_attn_varlen_func with block_table and seqused_k; vLLM's attention over query_start_loc
+// and seq_lens) over each sequence's cache, read only:
+//   q       (total_q, heads, d), float32, bfloat16 or float16
+//   k_cache, v_cache  (batch, seqlen_cache, kv_heads, d / dv) or, with options.block_table, pages
+//           (num_blocks, page_block_size, kv_heads, d / dv), any page_block_size >= 1; q's dtype.
+//           The queries' own keys and values are already in the cache (seqused_k counts them).
+//   out     (total_q, heads, dv), q's dtype
+//   lse     optional (heads, total_q) float32
+// Query i of sequence b (seqlen_q(b) queries, seqlen_k = seqused_k[b]) sits at position
+// seqlen_k - seqlen_q(b) + i and sees the keys flash_attn_with_kvcache's would. Sequences with a
+// few queries (decoding) run on the decode kernel, longer chunks (prefill) on attention_cte, all
+// in one parallel region whose work is split by estimated cost, so threads that finish a long
+// chunk's share take decode work instead of waiting. Each sequence's result is bitwise what
+// flash_attn_with_kvcache gives it alone, for any thread count, paged or dense.
+Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
+                                 const TensorView& v_cache, const MutableTensorView& out,
+                                 const MutableTensorView& lse, const VarlenKvCacheOptions& options);
 
 }  // namespace flashcte
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "flashcte/kvcache.h"
+#include "src/core/problem.h"
 #include "src/kernel/decode.h"
 
 namespace flashcte::internal {
@@ -38,6 +39,15 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
                         const MutableTensorView& v_cache, const MutableTensorView& out,
                         const MutableTensorView& lse, const KvCacheOptions& options,
                         DecodeProblem* problem, KvAppend* append);
+
+// Sequence b of a validated call whose queries run on attention_cte: its query heads as the
+// batch, the cache (its pages, or its cache row) as the prior of length seqlen_k with no new
+// keys, FlashAttention's masks as a window relative to bottom-right aligned positions, left
+// padding as packing bounds, the sinks as attention_cte's. The problem reads only the caller's
+// tensors and its own copies.
+Status prefill_problem(const DecodeProblem& p, const KvAppend& a, const MutableTensorView& k_cache,
+                       const MutableTensorView& v_cache, const KvCacheOptions& o, int64_t b,
+                       Problem* problem);
 
 }  // namespace flashcte::internal
 

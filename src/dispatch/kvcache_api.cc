@@ -16,9 +16,11 @@
 #include "flashcte/kvcache.h"
 #include "src/core/convert.h"
 #include "src/dispatch/kvcache.h"
+#include "src/dispatch/validate.h"
 #include "src/dispatch/views.h"
 #include "src/kernel/decode.h"
 #include "src/schedule/decode_schedule.h"
+#include "src/schedule/region.h"
 
 namespace flashcte::internal {
 namespace {
@@ -130,93 +132,90 @@ void append(const DecodeProblem& p, const KvAppend& a) {
                    });
 }
 
-// The call as attention_cte calls, one per sequence: its query heads as the batch, the cache
-// (pages, or its cache row) as the prior of length seqlen_k with no new keys, FlashAttention's
-// masks as a window relative to bottom-right aligned positions, left padding as packing bounds.
-Status run_prefill(const DecodeProblem& p, const KvAppend& a, const MutableTensorView& k_cache,
-                   const MutableTensorView& v_cache, const KvCacheOptions& o) {
+}  // namespace
+
+Status prefill_problem(const DecodeProblem& p, const KvAppend& a, const MutableTensorView& k_cache,
+                       const MutableTensorView& v_cache, const KvCacheOptions& o, int64_t b,
+                       Problem* problem) {
   const bool paged = o.block_table.present();
   const int64_t elem = dtype_size(p.dtype), kv_heads = p.kv_heads;
-  std::vector<int64_t> lo_bound(static_cast<size_t>(p.tokens)), hi_bound(lo_bound.size());
-  for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t seqlen_k = a.start[b] + a.tokens;
-    const auto* q = static_cast<const unsigned char*>(p.q) + b * p.q_strides[0] * elem;
-    const TensorView qv{q,
-                        p.dtype,
-                        3,
-                        {p.q_heads, p.tokens, p.head_dim},
-                        {p.q_strides[1], p.q_strides[2], p.q_strides[3]}};
-    const TensorView none_k{q, p.dtype, 3, {kv_heads, 0, p.head_dim}, {p.head_dim, p.head_dim, 1}};
-    const TensorView none_v{
-        q, p.dtype, 3, {kv_heads, 0, p.value_dim}, {p.value_dim, p.value_dim, 1}};
-    Options opt;
-    opt.tp_k = true;
-    opt.causal_mask = false;
-    opt.bottom_right = true;
-    opt.scale = p.scale;
-    opt.softcap = p.softcap;
-    opt.window_left = o.window_left;
-    opt.window_right = o.causal ? 0 : o.window_right;
-    opt.num_threads = p.threads;
-    opt.prior_used_len = {seqlen_k};
-    // The cache as the prior: its pages with this sequence's row of the table, or its cache row.
-    for (auto [prior, cache] :
-         {std::pair{&opt.k_prior, &k_cache}, std::pair{&opt.v_prior, &v_cache}}) {
-      const auto& st = cache->strides;
-      if (paged) {
-        *prior = {cache->data,
-                  p.dtype,
-                  4,
-                  {cache->shape[0], cache->shape[2], cache->shape[1], cache->shape[3]},
-                  {st[0], st[2], st[1], st[3]}};
-      } else {
-        const int64_t row = p.k.paged() ? p.k.table[static_cast<size_t>(b)] : b;
-        *prior = {static_cast<const unsigned char*>(cache->data) + row * st[0] * elem,
-                  p.dtype,
-                  3,
-                  {kv_heads, cache->shape[1], cache->shape[3]},
-                  {st[2], st[1], st[3]}};
-      }
-    }
+  const int64_t seqlen_k = a.start[b] + a.tokens;
+  const auto* q = static_cast<const unsigned char*>(p.q) + b * p.q_strides[0] * elem;
+  const TensorView qv{q,
+                      p.dtype,
+                      3,
+                      {p.q_heads, p.tokens, p.head_dim},
+                      {p.q_strides[1], p.q_strides[2], p.q_strides[3]}};
+  const TensorView none_k{q, p.dtype, 3, {kv_heads, 0, p.head_dim}, {p.head_dim, p.head_dim, 1}};
+  const TensorView none_v{q, p.dtype, 3, {kv_heads, 0, p.value_dim}, {p.value_dim, p.value_dim, 1}};
+  Options opt;
+  opt.tp_k = true;
+  opt.causal_mask = false;
+  opt.bottom_right = true;
+  opt.scale = p.scale;
+  opt.softcap = p.softcap;
+  opt.window_left = o.window_left;
+  opt.window_right = o.causal ? 0 : o.window_right;
+  opt.num_threads = p.threads;
+  opt.prior_used_len = {seqlen_k};
+  // The cache as the prior: its pages with this sequence's row of the table, or its cache row.
+  for (auto [prior, cache] :
+       {std::pair{&opt.k_prior, &k_cache}, std::pair{&opt.v_prior, &v_cache}}) {
+    const auto& st = cache->strides;
     if (paged) {
-      const TensorView& t = o.block_table;
-      opt.prior_block_table = {static_cast<const int32_t*>(t.data) + b * t.strides[0],
-                               DType::kInt32,
-                               2,
-                               {1, t.shape[1]},
-                               {t.shape[1] * t.strides[1], t.strides[1]}};
+      *prior = {cache->data,
+                p.dtype,
+                4,
+                {cache->shape[0], cache->shape[2], cache->shape[1], cache->shape[3]},
+                {st[0], st[2], st[1], st[3]}};
+    } else {
+      const int64_t row = p.k.paged() ? p.k.table[static_cast<size_t>(b)] : b;
+      *prior = {static_cast<const unsigned char*>(cache->data) + row * st[0] * elem,
+                p.dtype,
+                3,
+                {kv_heads, cache->shape[1], cache->shape[3]},
+                {st[2], st[1], st[3]}};
     }
-    if (o.cache_leftpad.present()) {
-      const TensorView& t = o.cache_leftpad;
-      const int64_t pad = static_cast<const int32_t*>(t.data)[b * t.strides[0]];
-      std::fill(lo_bound.begin(), lo_bound.end(), pad);
-      std::fill(hi_bound.begin(), hi_bound.end(), seqlen_k);
-      opt.bound_min = TensorView::contiguous(lo_bound.data(), DType::kInt64, {p.tokens});
-      opt.bound_max = TensorView::contiguous(hi_bound.data(), DType::kInt64, {p.tokens});
-    }
-    if (p.alibi) {
-      opt.alibi_slopes = {
-          p.alibi + b * p.alibi_strides[0], DType::kFloat32, 1, {p.q_heads}, {p.alibi_strides[1]}};
-    }
-    Outputs out;
-    out.out = {static_cast<unsigned char*>(p.out) + b * p.out_strides[0] * elem,
-               p.dtype,
-               3,
-               {p.q_heads, p.tokens, p.value_dim},
-               {p.out_strides[1], p.out_strides[2], p.out_strides[3]}};
-    if (p.lse) {
-      out.lse = {p.lse + b * p.lse_strides[0],
-                 DType::kFloat32,
-                 2,
-                 {p.q_heads, p.tokens},
-                 {p.lse_strides[1], p.lse_strides[2]}};
-    }
-    FLASHCTE_RETURN_IF_ERROR(attention_cte(qv, none_k, none_v, out, opt));
   }
-  return Status::Ok();
+  if (paged) {
+    const TensorView& t = o.block_table;
+    opt.prior_block_table = {static_cast<const int32_t*>(t.data) + b * t.strides[0],
+                             DType::kInt32,
+                             2,
+                             {1, t.shape[1]},
+                             {t.shape[1] * t.strides[1], t.strides[1]}};
+  }
+  // Left padding as packing bounds (copied by the validation).
+  std::vector<int64_t> lo_bound, hi_bound;
+  if (o.cache_leftpad.present()) {
+    const TensorView& t = o.cache_leftpad;
+    lo_bound.assign(static_cast<size_t>(p.tokens),
+                    static_cast<const int32_t*>(t.data)[b * t.strides[0]]);
+    hi_bound.assign(lo_bound.size(), seqlen_k);
+    opt.bound_min = TensorView::contiguous(lo_bound.data(), DType::kInt64, {p.tokens});
+    opt.bound_max = TensorView::contiguous(hi_bound.data(), DType::kInt64, {p.tokens});
+  }
+  if (p.alibi) {
+    opt.alibi_slopes = {
+        p.alibi + b * p.alibi_strides[0], DType::kFloat32, 1, {p.q_heads}, {p.alibi_strides[1]}};
+  }
+  if (p.sink) opt.sink = {p.sink, DType::kFloat32, 2, {p.q_heads, 1}, {p.sink_stride, 1}};
+  Outputs out;
+  out.out = {static_cast<unsigned char*>(p.out) + b * p.out_strides[0] * elem,
+             p.dtype,
+             3,
+             {p.q_heads, p.tokens, p.value_dim},
+             {p.out_strides[1], p.out_strides[2], p.out_strides[3]}};
+  if (p.lse) {
+    out.lse = {p.lse + b * p.lse_strides[0],
+               DType::kFloat32,
+               2,
+               {p.q_heads, p.tokens},
+               {p.lse_strides[1], p.lse_strides[2]}};
+  }
+  return validate(qv, none_k, none_v, out, opt, false, problem);
 }
 
-}  // namespace
 }  // namespace flashcte::internal
 
 namespace flashcte {
@@ -237,12 +236,21 @@ Status flash_attn_with_kvcache(const TensorView& q, const MutableTensorView& k_c
     saved = internal::save_slots(problem, append);
     appended = true;
     internal::append(problem, append);
-    if (problem.tokens > internal::kDecodeMaxQueries) {
-      s = internal::run_prefill(problem, append, k_cache, v_cache, options);
-      if (!s.ok) internal::restore_slots(problem, append, saved);
-      return s;
+    if (problem.tokens <= internal::kDecodeMaxQueries) {
+      internal::run_decode(internal::DecodeKernel(problem));
+      return Status::Ok();
     }
-    internal::run_decode(internal::DecodeKernel(problem));
+    // Longer chunks: one attention_cte problem per sequence, all in one parallel region.
+    std::vector<internal::Problem> prefills(static_cast<size_t>(problem.batch));
+    for (int64_t b = 0; b < problem.batch; ++b) {
+      s = internal::prefill_problem(problem, append, k_cache, v_cache, options, b, &prefills[b]);
+      if (!s.ok) {
+        internal::restore_slots(problem, append, saved);
+        return s;
+      }
+    }
+    const std::vector<internal::AttentionKernel> kernels(prefills.begin(), prefills.end());
+    internal::run_kernels(internal::addresses(kernels), {}, problem.threads);
     return Status::Ok();
   } catch (const std::exception& e) {
     if (appended) internal::restore_slots(problem, append, saved);

@@ -14,15 +14,21 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <vector>
+
+#include "flashcte/kvcache.h"
 
 namespace flashcte::internal {
 
 template <class RunItem, class Merge>
 void run_then_merge(int threads, int64_t items, const RunItem& run_item, int64_t merges,
-                    const Merge& merge) {
+                    const Merge& merge, ThreadProfile* profile = nullptr) {
+  const double start = profile ? omp_get_wtime() : 0.0;
+  if (profile) profile->busy_seconds.assign(static_cast<size_t>(threads), 0.0);
   if (threads == 1) {
     for (int64_t i = 0; i < items; ++i) run_item(i);
     for (int64_t i = 0; i < merges; ++i) merge(i);
+    if (profile) profile->busy_seconds[0] = profile->wall_seconds = omp_get_wtime() - start;
     return;
   }
   std::exception_ptr failure;
@@ -39,11 +45,20 @@ void run_then_merge(int threads, int64_t items, const RunItem& run_item, int64_t
   };
 #pragma omp parallel num_threads(threads)
   {
+    double busy = 0;
+    const auto timed = [&](auto&& body) {
+      if (!profile) return guarded(body);
+      const double t0 = omp_get_wtime();
+      guarded(body);
+      busy += omp_get_wtime() - t0;
+    };
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; ++i) guarded([&] { run_item(i); });
+    for (int64_t i = 0; i < items; ++i) timed([&] { run_item(i); });
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < merges; ++i) guarded([&] { merge(i); });
+    for (int64_t i = 0; i < merges; ++i) timed([&] { merge(i); });
+    if (profile) profile->busy_seconds[static_cast<size_t>(omp_get_thread_num())] = busy;
   }
+  if (profile) profile->wall_seconds = omp_get_wtime() - start;
   if (failure) std::rethrow_exception(failure);
 }
 

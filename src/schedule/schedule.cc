@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "src/core/math.h"
-#include "src/schedule/parallel.h"
+#include "src/schedule/region.h"
 
 namespace flashcte::internal {
 namespace {
@@ -58,26 +58,7 @@ int resolve_threads(int requested, int64_t num_items) {
 }
 
 void run_all(const AttentionKernel& kernel) {
-  const std::vector<WorkItem> items = make_work_items(kernel);
-  const int64_t n = static_cast<int64_t>(items.size());
-  const int64_t splits = kv_splits(kernel);
-  const int64_t merged = kernel.num_items(), partial_floats = kernel.partial_floats();
-  // Split items park their unnormalized state here until every split of their item is done.
-  std::vector<float> partials;
-  if (splits > 1) partials.resize(static_cast<size_t>(merged * splits * partial_floats));
-  const auto run_item = [&](int64_t i) {
-    const WorkItem& it = items[i];
-    float* partial = nullptr;
-    if (splits > 1) partial = partials.data() + (it.item * splits + it.split) * partial_floats;
-    kernel.run(it.item, it.kv_begin, it.kv_end, partial);
-  };
-  const auto merge = [&](int64_t i) {
-    kernel.merge(i, partials.data() + i * splits * partial_floats, splits);
-  };
-  // Largest first with dynamic hand-out: the longest-processing-time rule, which keeps the
-  // causal triangle's long rows from landing on one thread at the end.
-  run_then_merge(resolve_threads(kernel.problem().threads, n), n, run_item, splits > 1 ? merged : 0,
-                 merge);
+  run_kernels({&kernel}, {}, kernel.problem().threads);
 }
 
 }  // namespace flashcte::internal

@@ -1,0 +1,292 @@
+// flash_attn_varlen_kvcache (include/flashcte/kvcache.h): a mixed batch of variable-length query
+// chunks over each sequence's cache. The call is checked as a whole (the varlen offsets, the
+// lengths against the cache, every page read, the outputs against everything read); then each
+// sequence becomes the flash_attn_with_kvcache call of batch 1 it is, validated by that
+// validator, and its problem goes to the kernel its length calls for: the decode kernel for a
+// few queries, attention_cte for a longer chunk. Every kernel's work runs in one parallel region
+// (src/schedule/region.h), split by estimated cost.
+#include <cmath>
+#include <exception>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "flashcte/kvcache.h"
+#include "src/dispatch/kvcache.h"
+#include "src/dispatch/views.h"
+#include "src/kernel/attention.h"
+#include "src/kernel/decode.h"
+#include "src/schedule/region.h"
+
+namespace flashcte::internal {
+namespace {
+
+using std::to_string;
+
+Status error(const std::string& message) { return Status::Error(message); }
+
+// An int32 vector of `n` entries, copied out.
+Status read_int32(const char* name, const TensorView& t, int64_t n, const char* layout,
+                  std::vector<int64_t>* values, Extent* extent) {
+  if (!t.present()) return error(std::string(name) + ": is required");
+  FLASHCTE_RETURN_IF_ERROR(check_tensor(name, t, 1, layout, extent));
+  if (t.dtype != DType::kInt32) {
+    return error(std::string(name) + ": dtype must be int32, got " + dtype_name(t.dtype));
+  }
+  if (n >= 0) FLASHCTE_RETURN_IF_ERROR(expect_axis(name, t, 0, n, "the batch"));
+  values->resize(static_cast<size_t>(t.shape[0]));
+  const auto* data = static_cast<const int32_t*>(t.data);
+  for (int64_t i = 0; i < t.shape[0]; ++i) (*values)[i] = data[i * t.strides[0]];
+  return Status::Ok();
+}
+
+// The call's sizes and the tensors of sequence b as flash_attn_with_kvcache takes them.
+struct Varlen {
+  int64_t batch = 0, total_q = 0, heads = 0;
+  std::vector<int64_t> starts;   // cu_seqlens_q
+  std::vector<int64_t> seqused;  // seqused_k
+};
+
+// Checks what no per-sequence call can see: q's and the outputs' shapes, the offsets and lengths,
+// every page each sequence reads, the sinks, and that the outputs touch nothing read.
+Status check_call(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                  const MutableTensorView& out, const MutableTensorView& lse,
+                  const VarlenKvCacheOptions& o, Varlen* c) {
+  if (!q.present()) return error("q: is required");
+  Extent eq, ek, ev, eout, e_lse, ecu, eused, etable, ealibi, esinks;
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("q", q, 3, "(total_q, heads, d)", &eq));
+  c->total_q = q.shape[0];
+  c->heads = q.shape[1];
+  FLASHCTE_RETURN_IF_ERROR(
+      read_int32("cu_seqlens_q", o.cu_seqlens_q, -1, "(batch + 1,)", &c->starts, &ecu));
+  if (c->starts.empty()) return error("cu_seqlens_q: must have batch + 1 >= 1 entries, got 0");
+  c->batch = static_cast<int64_t>(c->starts.size()) - 1;
+  if (c->starts[0] != 0) {
+    return error("cu_seqlens_q: [0] = " + to_string(c->starts[0]) + " must be 0");
+  }
+  for (int64_t b = 0; b < c->batch; ++b) {
+    if (c->starts[b + 1] < c->starts[b]) {
+      return error("cu_seqlens_q: must be non-decreasing; [" + to_string(b + 1) +
+                   "] = " + to_string(c->starts[b + 1]) + " < [" + to_string(b) +
+                   "] = " + to_string(c->starts[b]));
+    }
+  }
+  if (c->starts.back() != c->total_q) {
+    return error("cu_seqlens_q: last entry " + to_string(c->starts.back()) +
+                 " must be q's total_q = " + to_string(c->total_q));
+  }
+  FLASHCTE_RETURN_IF_ERROR(
+      read_int32("seqused_k", o.seqused_k, c->batch, "(batch,)", &c->seqused, &eused));
+  if (!k_cache.present()) return error("k_cache: is required");
+  if (!v_cache.present()) return error("v_cache: is required");
+  const bool paged = o.block_table.present();
+  FLASHCTE_RETURN_IF_ERROR(check_tensor(
+      "k_cache", k_cache, 4,
+      paged ? "(num_blocks, page_block_size, kv_heads, d)" : "(batch, seqlen_cache, kv_heads, d)",
+      &ek));
+  FLASHCTE_RETURN_IF_ERROR(check_tensor(
+      "v_cache", v_cache, 4,
+      paged ? "(num_blocks, page_block_size, kv_heads, dv)" : "(batch, seqlen_cache, kv_heads, dv)",
+      &ev));
+  const int64_t page_slots = k_cache.shape[1];
+  if (paged && page_slots < 1) {
+    return error("k_cache: page_block_size (axis 1 of a paged cache) is 0; a page holds >= 1 slot");
+  }
+  int64_t capacity = page_slots;
+  if (paged) {
+    const TensorView& t = o.block_table;
+    FLASHCTE_RETURN_IF_ERROR(
+        check_tensor("block_table", t, 2, "(batch, max_blocks_per_seq)", &etable));
+    if (t.dtype != DType::kInt32) {
+      return error(std::string("block_table: dtype must be int32, got ") + dtype_name(t.dtype));
+    }
+    FLASHCTE_RETURN_IF_ERROR(expect_axis("block_table", t, 0, c->batch, "the batch"));
+    if (__builtin_mul_overflow(t.shape[1], page_slots, &capacity)) {
+      return error("block_table: " + to_string(t.shape[1]) + " pages of " + to_string(page_slots) +
+                   " slots are more than fit in 64 bits");
+    }
+  } else {
+    FLASHCTE_RETURN_IF_ERROR(expect_axis("k_cache", k_cache, 0, c->batch, "the batch"));
+  }
+  for (int64_t b = 0; b < c->batch; ++b) {
+    const int64_t used = c->seqused[b];
+    if (used < 0 || used > capacity) {
+      return error("seqused_k: [" + to_string(b) + "] = " + to_string(used) + " must be in [0, " +
+                   to_string(capacity) + "], the slots of a sequence's " +
+                   (paged ? "pages (max_blocks_per_seq x page_block_size)" : "cache row"));
+    }
+    if (!paged) continue;
+    // Every page of the used slots is in range (a stricter rule than the pages each query
+    // reads: an engine's table always covers its sequence).
+    const TensorView& t = o.block_table;
+    for (int64_t i = 0; i * page_slots < used; ++i) {
+      const int32_t page = static_cast<const int32_t*>(t.data)[b * t.strides[0] + i * t.strides[1]];
+      if (page < 0 || page >= k_cache.shape[0]) {
+        return error("block_table: [" + to_string(b) + ", " + to_string(i) +
+                     "] = " + to_string(page) +
+                     " must be in [0, num_blocks = " + to_string(k_cache.shape[0]) + ")");
+      }
+    }
+  }
+  if (o.sinks.present()) {
+    FLASHCTE_RETURN_IF_ERROR(check_tensor("sinks", o.sinks, 1, "(heads,)", &esinks));
+    FLASHCTE_RETURN_IF_ERROR(expect_float32("sinks", o.sinks.dtype));
+    FLASHCTE_RETURN_IF_ERROR(expect_axis("sinks", o.sinks, 0, c->heads, "q's heads"));
+    for (int64_t h = 0; h < c->heads; ++h) {
+      const float sink = static_cast<const float*>(o.sinks.data)[h * o.sinks.strides[0]];
+      if (std::isnan(sink) || sink == INFINITY) {
+        return error("sinks: [" + to_string(h) + "] = " + to_string(sink) +
+                     " must not be NaN or +inf (-inf: no sink)");
+      }
+    }
+  }
+  if (o.alibi_slopes.present()) {
+    FLASHCTE_RETURN_IF_ERROR(check_view("alibi_slopes", o.alibi_slopes, false, &ealibi));
+    // (batch, heads) is read row by row; the rest of the shape rule is each sequence's call's.
+    if (o.alibi_slopes.rank == 2) {
+      FLASHCTE_RETURN_IF_ERROR(
+          expect_axis("alibi_slopes", o.alibi_slopes, 0, c->batch, "the batch"));
+    }
+  }
+  if (!out.present()) return error("out: is required");
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("out", out, 3, "(total_q, heads, dv)", &eout));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("out", out, 0, c->total_q, "q's total_q"));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("out", out, 1, c->heads, "q's heads"));
+  if (lse.present()) {
+    FLASHCTE_RETURN_IF_ERROR(check_tensor("lse", lse, 2, "(heads, total_q)", &e_lse));
+    FLASHCTE_RETURN_IF_ERROR(expect_float32("lse", lse.dtype));
+    FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 0, c->heads, "q's heads"));
+    FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 1, c->total_q, "q's total_q"));
+  }
+  // The per-sequence calls check their own rows; across sequences only this sees the whole.
+  struct Named {
+    const char* name;
+    Extent extent;
+  };
+  const Named inputs[] = {{"q", eq},
+                          {"k_cache", ek},
+                          {"v_cache", ev},
+                          {"cu_seqlens_q", ecu},
+                          {"seqused_k", eused},
+                          {"block_table", etable},
+                          {"alibi_slopes", ealibi},
+                          {"sinks", esinks}};
+  for (const Named& w : {Named{"out", eout}, Named{"lse", e_lse}}) {
+    for (const Named& in : inputs) {
+      if (overlaps(w.extent, in.extent)) {
+        return error(std::string(w.name) + ": overlaps the input " + in.name +
+                     ", which the call reads while it writes " + w.name);
+      }
+    }
+  }
+  if (overlaps(eout, e_lse)) return error("lse: overlaps the output out");
+  return Status::Ok();
+}
+
+// Rows [first, first + rows) of a (total, ...) view as a view of batch 1 with one more axis,
+// (1, rows, ...); a stride-`axis` view keeps that axis' stride.
+template <class View>
+View rows_of(const View& v, int axis, int64_t first, int64_t rows) {
+  View r = v;
+  r.rank = v.rank + 1;
+  auto* base =
+      static_cast<const unsigned char*>(v.data) + first * v.strides[axis] * dtype_size(v.dtype);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): MutableTensorView's data is writable
+  r.data = const_cast<unsigned char*>(base);
+  r.shape[0] = 1;
+  r.strides[0] = 0;
+  for (int i = 0; i < v.rank; ++i) {
+    r.shape[i + 1] = i == axis ? rows : v.shape[i];
+    r.strides[i + 1] = v.strides[i];
+  }
+  return r;
+}
+
+// Entry b of a batch-leading view, as a view of batch 1 (same rank).
+template <class View>
+View entry(const View& v, int64_t b) {
+  View r = v;
+  auto* base = static_cast<const unsigned char*>(v.data) + b * v.strides[0] * dtype_size(v.dtype);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): MutableTensorView's data is writable
+  r.data = const_cast<unsigned char*>(base);
+  r.shape[0] = 1;
+  return r;
+}
+
+MutableTensorView writable(const TensorView& v) {
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the call appends nothing, so the
+  // cache is only read through it
+  return {const_cast<void*>(v.data), v.dtype, v.rank, v.shape, v.strides};
+}
+
+}  // namespace
+}  // namespace flashcte::internal
+
+namespace flashcte {
+
+Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
+                                 const TensorView& v_cache, const MutableTensorView& out,
+                                 const MutableTensorView& lse,
+                                 const VarlenKvCacheOptions& options) {
+  using internal::entry;
+  using internal::rows_of;
+  try {
+    internal::Varlen c;
+    Status s = internal::check_call(q, k_cache, v_cache, out, lse, options, &c);
+    if (!s.ok) return s;
+    const bool paged = options.block_table.present();
+    KvCacheOptions o;
+    o.softmax_scale = options.softmax_scale;
+    o.causal = options.causal;
+    o.window_left = options.window_left;
+    o.window_right = options.window_right;
+    o.softcap = options.softcap;
+    o.num_threads = options.num_threads;
+    // Each sequence's problem: decode problems and attention_cte problems, kept until the run.
+    std::vector<internal::DecodeProblem> decodes;
+    std::vector<internal::Problem> prefills;
+    decodes.reserve(static_cast<size_t>(c.batch));
+    prefills.reserve(static_cast<size_t>(c.batch));
+    for (int64_t b = 0; b < c.batch; ++b) {
+      const int64_t first = c.starts[b], rows = c.starts[b + 1] - first;
+      if (rows == 0) continue;
+      const MutableTensorView k_b = internal::writable(paged ? k_cache : entry(k_cache, b));
+      const MutableTensorView v_b = internal::writable(paged ? v_cache : entry(v_cache, b));
+      o.cache_seqlens = entry(options.seqused_k, b);
+      if (paged) o.block_table = entry(options.block_table, b);
+      o.alibi_slopes = options.alibi_slopes;
+      if (o.alibi_slopes.present() && o.alibi_slopes.rank == 2) {
+        o.alibi_slopes = entry(options.alibi_slopes, b);  // (batch, heads): row b
+      }
+      MutableTensorView lse_b;
+      if (lse.present()) lse_b = rows_of(lse, 1, first, rows);
+      internal::DecodeProblem p;
+      internal::KvAppend a;
+      s = internal::validate_kvcache(rows_of(q, 0, first, rows), k_b, v_b,
+                                     rows_of(out, 0, first, rows), lse_b, o, &p, &a);
+      if (!s.ok) return Status::Error(s.message + " (sequence " + std::to_string(b) + ")");
+      if (options.sinks.present()) {
+        p.sink = static_cast<const float*>(options.sinks.data);
+        p.sink_stride = options.sinks.strides[0];
+      }
+      if (rows <= internal::kDecodeMaxQueries) {
+        decodes.push_back(std::move(p));
+        continue;
+      }
+      prefills.emplace_back();
+      s = internal::prefill_problem(p, a, k_b, v_b, o, 0, &prefills.back());
+      if (!s.ok) return Status::Error(s.message + " (sequence " + std::to_string(b) + ")");
+    }
+    const std::vector<internal::AttentionKernel> prefill_kernels(prefills.begin(), prefills.end());
+    const std::vector<internal::DecodeKernel> decode_kernels(decodes.begin(), decodes.end());
+    internal::run_kernels(internal::addresses(prefill_kernels), internal::addresses(decode_kernels),
+                          options.num_threads, options.profile);
+    return Status::Ok();
+  } catch (const std::bad_alloc&) {
+    return Status::Error("memory: allocation of the call's scratch failed");
+  } catch (const std::exception& e) {
+    return Status::Error(std::string("internal: ") + e.what());
+  }
+}
+
+}  // namespace flashcte

@@ -1,0 +1,486 @@
+// flash_attn_varlen_kvcache (include/flashcte/kvcache.h), a serving engine's mixed batch: every
+// sequence's rows against the float64 oracle (src/reference: its query heads over the cache
+// slots [0, seqused_k) with FlashAttention's masks as packing bounds, the sinks as attention_cte's
+// sink), with FlashAttention's rule (3x a plain same-precision implementation, plus 1e-5); paged
+// results bitwise the dense ones and the same for any thread count; each sequence bitwise what
+// flash_attn_with_kvcache gives it alone; bad input refused by name.
+#include <gtest/gtest.h>
+#include <hwy/targets.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashcte/kvcache.h"
+#include "tests/test_util.h"
+
+namespace flashcte::test {
+namespace {
+
+struct VarlenCase {
+  std::string name;
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> q_lens;  // per sequence; 0: a sequence without queries this step
+  std::vector<int64_t> used;    // seqused_k per sequence
+  int64_t heads = 4, kv_heads = 2, d = 32, dv = 0;
+  int64_t capacity = 0;  // slots per sequence (0: the longest used)
+  int64_t page = 0;      // > 0: a paged cache
+  bool causal = true;
+  int64_t left = -1, right = -1;
+  float softcap = 0.0f;
+  int alibi = 0;  // 0 none, 1 (heads,), 2 (batch, heads)
+  bool sinks = false;
+  int threads = 0;
+  uint64_t seed = 1;
+
+  int64_t batch() const { return static_cast<int64_t>(q_lens.size()); }
+  int64_t value_dim() const { return dv > 0 ? dv : d; }
+  int64_t total_q() const { return std::accumulate(q_lens.begin(), q_lens.end(), int64_t{0}); }
+  int64_t longest() const {
+    return std::max<int64_t>(capacity, *std::max_element(used.begin(), used.end()));
+  }
+  int64_t slots() const { return page > 0 ? (longest() + page - 1) / page * page : longest(); }
+  int64_t pages_per_sequence() const { return page > 0 ? slots() / page : 1; }
+};
+
+void PrintTo(const VarlenCase& c, std::ostream* os) { *os << c.name; }
+
+struct VarlenInputs {
+  std::vector<int32_t> cu, used, table;
+  HostTensor q, slopes, sinks;
+  Tensor4 k_cache, v_cache;
+  std::vector<std::vector<double>> logical_k, logical_v;  // [b][(j * kv_heads + h) * d + x]
+
+  explicit VarlenInputs(const VarlenCase& c)
+      : q(c.dtype, {c.total_q(), c.heads, c.d}),
+        k_cache(c.dtype, cache_shape(c, c.d)),
+        v_cache(c.dtype, cache_shape(c, c.value_dim())) {
+    std::mt19937_64 rng(c.seed), placement(c.seed + 1000);
+    std::uniform_real_distribution<double> u(-1.0, 1.0), u01(0.0, 1.0);
+    cu.push_back(0);
+    for (int64_t b = 0; b < c.batch(); ++b) {
+      cu.push_back(static_cast<int32_t>(cu.back() + c.q_lens[b]));
+      used.push_back(static_cast<int32_t>(c.used[b]));
+    }
+    // The same values for the dense and the paged forms of a case: the slots past the longest
+    // sequence (the rest of a last page) hold zeros.
+    const int64_t slots = c.slots(), dv = c.value_dim(), drawn = c.longest();
+    for (int64_t b = 0; b < c.batch(); ++b) {
+      logical_k.emplace_back(static_cast<size_t>(slots * c.kv_heads * c.d));
+      logical_v.emplace_back(static_cast<size_t>(slots * c.kv_heads * dv));
+      for (int64_t i = 0; i < drawn * c.kv_heads * c.d; ++i) {
+        logical_k.back()[i] = reference::round_to_dtype(u(rng), c.dtype);
+      }
+      for (int64_t i = 0; i < drawn * c.kv_heads * dv; ++i) {
+        logical_v.back()[i] = reference::round_to_dtype(u(rng), c.dtype);
+      }
+    }
+    for (int64_t i = 0; i < c.total_q(); ++i) {
+      for (int64_t h = 0; h < c.heads; ++h) {
+        for (int64_t x = 0; x < c.d; ++x) q.set(i, h, x, u(rng));
+      }
+    }
+    if (c.alibi > 0) {
+      slopes = HostTensor(DType::kFloat32, c.alibi == 1 ? std::vector<int64_t>{c.heads}
+                                                        : std::vector<int64_t>{c.batch(), c.heads});
+      for (int64_t b = 0; b < (c.alibi == 1 ? 1 : c.batch()); ++b) {
+        for (int64_t h = 0; h < c.heads; ++h) {
+          if (c.alibi == 1) slopes.set(h, 0, 0, 0.5 * u01(rng));
+          if (c.alibi == 2) slopes.set(b, h, 0, 0.5 * u01(rng));
+        }
+      }
+    }
+    if (c.sinks) {
+      sinks = HostTensor(DType::kFloat32, {c.heads});
+      for (int64_t h = 0; h < c.heads; ++h) sinks.set(h, 0, 0, 2.0 * u(rng));
+    }
+    if (c.page > 0) {
+      std::vector<int32_t> place(static_cast<size_t>(c.batch() * c.pages_per_sequence() + 3));
+      std::iota(place.begin(), place.end(), 0);
+      std::shuffle(place.begin(), place.end(), placement);
+      table.assign(place.begin(), place.begin() + c.batch() * c.pages_per_sequence());
+    }
+    for (int64_t b = 0; b < c.batch(); ++b) {
+      for (int64_t j = 0; j < slots; ++j) {
+        const auto [row, slot] = where(c, b, j);
+        for (int64_t h = 0; h < c.kv_heads; ++h) {
+          for (int64_t x = 0; x < c.d; ++x) {
+            k_cache.set(row, slot, h, x, logical_k[b][(j * c.kv_heads + h) * c.d + x]);
+          }
+          for (int64_t x = 0; x < dv; ++x) {
+            v_cache.set(row, slot, h, x, logical_v[b][(j * c.kv_heads + h) * dv + x]);
+          }
+        }
+      }
+    }
+  }
+
+  static std::array<int64_t, 4> cache_shape(const VarlenCase& c, int64_t channels) {
+    if (c.page > 0) return {c.batch() * c.pages_per_sequence() + 3, c.page, c.kv_heads, channels};
+    return {c.batch(), c.slots(), c.kv_heads, channels};
+  }
+  std::array<int64_t, 2> where(const VarlenCase& c, int64_t b, int64_t j) const {
+    if (c.page > 0) return {table[b * c.pages_per_sequence() + j / c.page], j % c.page};
+    return {b, j};
+  }
+
+  VarlenKvCacheOptions options(const VarlenCase& c) const {
+    VarlenKvCacheOptions o;
+    o.cu_seqlens_q = TensorView::contiguous(cu.data(), DType::kInt32, {c.batch() + 1});
+    o.seqused_k = TensorView::contiguous(used.data(), DType::kInt32, {c.batch()});
+    if (c.page > 0) {
+      o.block_table =
+          TensorView::contiguous(table.data(), DType::kInt32, {c.batch(), c.pages_per_sequence()});
+    }
+    if (c.alibi > 0) o.alibi_slopes = slopes.view();
+    if (c.sinks) o.sinks = sinks.view();
+    o.causal = c.causal;
+    o.window_left = c.left;
+    o.window_right = c.right;
+    o.softcap = c.softcap;
+    o.num_threads = c.threads;
+    return o;
+  }
+};
+
+struct VarlenRun {
+  Status status;
+  HostTensor out;
+  std::vector<float> lse;
+};
+
+VarlenRun run_varlen(const VarlenCase& c, const VarlenInputs& in) {
+  VarlenRun r{Status::Ok(), HostTensor(c.dtype, {c.total_q(), c.heads, c.value_dim()}),
+              std::vector<float>(static_cast<size_t>(c.heads * c.total_q()), 7.0f)};
+  r.status = flash_attn_varlen_kvcache(
+      in.q.view(), in.k_cache.view(), in.v_cache.view(), r.out.mutable_view(),
+      MutableTensorView::contiguous(r.lse.data(), DType::kFloat32, {c.heads, c.total_q()}),
+      in.options(c));
+  return r;
+}
+
+double max_err(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isinf(a[i]) && a[i] == b[i]) continue;
+    m = std::max(m, std::fabs(a[i] - b[i]));
+  }
+  return m;
+}
+
+// Every sequence's rows against attention_cte's float64 oracle on its logical cache.
+void check_against_reference(const VarlenCase& c, const VarlenInputs& in, const VarlenRun& r) {
+  const int64_t dv = c.value_dim();
+  std::vector<double> got, exact, plain, got_lse, exact_lse, plain_lse;
+  for (int64_t b = 0; b < c.batch(); ++b) {
+    const int64_t rows = c.q_lens[b], seqlen_k = c.used[b], first = in.cu[b];
+    if (rows == 0) continue;
+    // A sequence with no key at all: every row is 0 (the sink takes the whole weight) with lse
+    // -inf, or log(exp(sink)) = sink with a sink.
+    const int64_t keys = std::max<int64_t>(seqlen_k, 1);
+    HostTensor qr(c.dtype, {c.heads, rows, c.d}), kr(c.dtype, {c.kv_heads, keys, c.d});
+    HostTensor vr(c.dtype, {c.kv_heads, keys, dv});
+    HostTensor lo(DType::kInt64, {rows, 1}), hi(DType::kInt64, {rows, 1});
+    for (int64_t h = 0; h < c.heads; ++h) {
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t x = 0; x < c.d; ++x) qr.set(h, i, x, in.q.get(first + i, h, x));
+      }
+    }
+    for (int64_t h = 0; h < c.kv_heads; ++h) {
+      for (int64_t j = 0; j < seqlen_k; ++j) {
+        for (int64_t x = 0; x < c.d; ++x)
+          kr.set(h, j, x, in.logical_k[b][(j * c.kv_heads + h) * c.d + x]);
+        for (int64_t x = 0; x < dv; ++x)
+          vr.set(h, j, x, in.logical_v[b][(j * c.kv_heads + h) * dv + x]);
+      }
+    }
+    // FlashAttention's construct_local_mask: bottom-right alignment, the window.
+    const int64_t right = c.causal ? 0 : c.right;
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t diagonal = seqlen_k - rows + i;
+      int64_t lo_i = 0, end = seqlen_k;
+      if (right >= 0) end = std::min(end, diagonal + right + 1);
+      if (c.left >= 0) lo_i = std::max(lo_i, diagonal - c.left);
+      end = std::max<int64_t>(end, 0);
+      lo.set_raw_int(i, 0, std::min(lo_i, end));
+      hi.set_raw_int(i, 0, end);
+    }
+    Options o;
+    o.tp_k = true;
+    o.causal_mask = false;
+    o.bottom_right = true;
+    o.prior_used_len = {};
+    o.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+    o.softcap = c.softcap;
+    o.bound_min = lo.view();
+    o.bound_max = hi.view();
+    HostTensor slopes(DType::kFloat32, {c.heads}), sink(DType::kFloat32, {c.heads, 1});
+    if (c.alibi > 0) {
+      for (int64_t h = 0; h < c.heads; ++h) {
+        slopes.set(h, 0, 0, c.alibi == 1 ? in.slopes.get(h) : in.slopes.get(b, h));
+      }
+      o.alibi_slopes = slopes.view();
+    }
+    if (c.sinks) {
+      for (int64_t h = 0; h < c.heads; ++h) sink.set(h, 0, 0, in.sinks.get(h));
+      o.sink = sink.view();
+    }
+    // The oracle sees keys.size() >= 1; a cache of 0 keys is one key masked for every row.
+    reference::Result e, p;
+    ASSERT_TRUE(reference::attention(qr.view(), kr.view(), vr.view(), o, &e).ok);
+    ASSERT_TRUE(reference::attention_plain(qr.view(), kr.view(), vr.view(), o, &p).ok);
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t h = 0; h < c.heads; ++h) {
+        for (int64_t x = 0; x < dv; ++x) {
+          got.push_back(r.out.get(first + i, h, x));
+          exact.push_back(e.out_at(h, i, x));
+          plain.push_back(p.out_at(h, i, x));
+        }
+        got_lse.push_back(r.lse[h * c.total_q() + first + i]);
+        exact_lse.push_back(e.lse[h * rows + i]);
+        plain_lse.push_back(p.lse[h * rows + i]);
+      }
+    }
+  }
+  EXPECT_LE(max_err(got, exact), 3 * max_err(plain, exact) + 1e-5) << "out";
+  EXPECT_LE(max_err(got_lse, exact_lse), 3 * max_err(plain_lse, exact_lse) + 1e-5) << "lse";
+  for (size_t i = 0; i < got_lse.size(); ++i) {
+    ASSERT_EQ(std::isinf(got_lse[i]), std::isinf(exact_lse[i])) << "lse row " << i << ": empty";
+  }
+}
+
+VarlenCase mixed(std::string name, std::vector<int64_t> q_lens, std::vector<int64_t> used) {
+  VarlenCase c;
+  c.name = std::move(name);
+  c.q_lens = std::move(q_lens);
+  c.used = std::move(used);
+  return c;
+}
+
+// Decoding sequences (1 to 16 queries), prefill chunks (17 and more), empty sequences and empty
+// caches in one batch.
+std::vector<VarlenCase> shapes() {
+  std::vector<VarlenCase> s;
+  s.push_back(mixed("decode_and_prefill", {1, 300, 1, 3, 17}, {500, 300, 77, 3, 640}));
+  s.push_back(mixed("empty_sequences", {0, 1, 0, 40, 2}, {9, 0, 0, 40, 1}));
+  VarlenCase c = mixed("paged16_window", {1, 64, 5, 1}, {700, 900, 300, 1});
+  c.page = 16, c.left = 100;
+  s.push_back(c);
+  c = mixed("paged1_gqa4", {2, 20, 1}, {33, 60, 19});
+  c.page = 1, c.heads = 8, c.kv_heads = 2;
+  s.push_back(c);
+  c = mixed("paged3_mqa_softcap_alibi", {1, 33, 4}, {100, 90, 4});
+  c.page = 3, c.heads = 4, c.kv_heads = 1, c.softcap = 5.0f, c.alibi = 1;
+  s.push_back(c);
+  c = mixed("paged256_sinks_alibi_per_batch", {1, 280, 1}, {600, 700, 2});
+  c.page = 256, c.sinks = true, c.alibi = 2;
+  s.push_back(c);
+  c = mixed("not_causal_window_both_sides_dv", {3, 50}, {200, 120});
+  c.causal = false, c.left = 30, c.right = 7, c.dv = 48, c.page = 16;
+  s.push_back(c);
+  c = mixed("more_queries_than_keys", {8, 40}, {5, 30});
+  s.push_back(c);
+  return s;
+}
+
+class VarlenAccuracy : public ::testing::TestWithParam<VarlenCase> {};
+
+TEST_P(VarlenAccuracy, MatchesTheReference) {
+  const VarlenCase& c = GetParam();
+  const VarlenInputs in(c);
+  const VarlenRun r = run_varlen(c, in);
+  ASSERT_TRUE(r.status.ok) << r.status.message;
+  check_against_reference(c, in, r);
+}
+
+std::string case_name(const ::testing::TestParamInfo<VarlenCase>& param) {
+  return param.param.name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Varlen, VarlenAccuracy, ::testing::ValuesIn(in_every_dtype(shapes())),
+                         case_name);
+
+// The same batch paged (pages of 1, 3, 16, 256) and dense, on 1 and 3 threads, on every target:
+// bitwise one result.
+TEST(VarlenPaged, BitwiseTheDenseResultForAnyThreadCount) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    VarlenCase c = mixed("bitwise", {1, 130, 0, 2, 1, 40}, {1100, 200, 5, 700, 0, 300});
+    c.dtype = dtype, c.heads = 8, c.kv_heads = 2, c.d = 64, c.left = 600, c.alibi = 1;
+    c.sinks = true;
+    for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+      hwy::SetSupportedTargetsForTest(target);
+      SCOPED_TRACE(std::string(hwy::TargetName(target)) + " " + dtype_name(dtype));
+      c.page = 0;
+      const VarlenInputs dense_in(c);
+      const VarlenRun dense = run_varlen(c, dense_in);
+      ASSERT_TRUE(dense.status.ok) << dense.status.message;
+      for (int64_t page : {1, 3, 16, 256}) {
+        for (int threads : {1, 3}) {
+          c.page = page, c.threads = threads;
+          const VarlenInputs in(c);
+          const VarlenRun paged = run_varlen(c, in);
+          ASSERT_TRUE(paged.status.ok) << paged.status.message;
+          EXPECT_TRUE(paged.out.bytes() == dense.out.bytes()) << "page " << page << ": out";
+          EXPECT_TRUE(paged.lse == dense.lse) << "page " << page << ": lse";
+        }
+      }
+      c.threads = 0;
+    }
+    hwy::SetSupportedTargetsForTest(0);
+  }
+}
+
+// Each sequence of the mixed batch is bitwise what flash_attn_with_kvcache computes for it alone
+// (the decode kernel for its few queries, attention_cte for its long chunk).
+TEST(VarlenMixed, EachSequenceBitwiseItsOwnCall) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    VarlenCase c = mixed("alone", {1, 200, 16, 17, 1}, {900, 250, 40, 17, 1});
+    c.dtype = dtype, c.page = 16, c.heads = 8, c.kv_heads = 2, c.softcap = 20.0f;
+    const VarlenInputs in(c);
+    const VarlenRun all = run_varlen(c, in);
+    ASSERT_TRUE(all.status.ok) << all.status.message;
+    for (int64_t b = 0; b < c.batch(); ++b) {
+      const int64_t rows = c.q_lens[b];
+      const TensorView qv = in.q.view();
+      const TensorView q_b{
+          static_cast<const unsigned char*>(qv.data) + in.cu[b] * qv.strides[0] * dtype_size(dtype),
+          dtype,
+          4,
+          {1, rows, c.heads, c.d},
+          {0, qv.strides[0], qv.strides[1], qv.strides[2]}};
+      Tensor4 out(dtype, {1, rows, c.heads, c.d});
+      std::vector<float> lse(static_cast<size_t>(c.heads * rows));
+      KvCacheOptions o;
+      o.cache_seqlens = TensorView::contiguous(&in.used[b], DType::kInt32, {1});
+      o.block_table = TensorView::contiguous(&in.table[b * c.pages_per_sequence()], DType::kInt32,
+                                             {1, c.pages_per_sequence()});
+      o.causal = true;
+      o.softcap = c.softcap;
+      Tensor4 k_cache = in.k_cache, v_cache = in.v_cache;
+      const Status s = flash_attn_with_kvcache(
+          q_b, k_cache.mutable_view(), v_cache.mutable_view(), out.mutable_view(),
+          MutableTensorView::contiguous(lse.data(), DType::kFloat32, {1, c.heads, rows}), o);
+      ASSERT_TRUE(s.ok) << s.message;
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t h = 0; h < c.heads; ++h) {
+          for (int64_t x = 0; x < c.d; ++x) {
+            ASSERT_EQ(out.get(0, i, h, x), all.out.get(in.cu[b] + i, h, x))
+                << dtype_name(dtype) << " sequence " << b << " row " << i;
+          }
+          ASSERT_EQ(lse[h * rows + i], all.lse[h * c.total_q() + in.cu[b] + i]);
+        }
+      }
+    }
+  }
+}
+
+// The call's per-thread profile: every thread ran and the busy times fit in the wall time.
+TEST(VarlenMixed, ReportsEachThreadsBusyTime) {
+  VarlenCase c = mixed("profile", {1, 1, 1, 200}, {1000, 2000, 300, 400});
+  c.threads = 2;
+  const VarlenInputs in(c);
+  HostTensor out(c.dtype, {c.total_q(), c.heads, c.d});
+  VarlenKvCacheOptions o = in.options(c);
+  ThreadProfile profile;
+  o.profile = &profile;
+  ASSERT_TRUE(flash_attn_varlen_kvcache(in.q.view(), in.k_cache.view(), in.v_cache.view(),
+                                        out.mutable_view(), {}, o)
+                  .ok);
+  ASSERT_EQ(profile.busy_seconds.size(), 2u);
+  EXPECT_GT(profile.wall_seconds, 0.0);
+  for (double busy : profile.busy_seconds) {
+    EXPECT_GT(busy, 0.0);
+    EXPECT_LE(busy, profile.wall_seconds);
+  }
+}
+
+// ---- bad input ------------------------------------------------------------------------------
+
+TEST(VarlenValidation, EveryBadInputIsRefusedByName) {
+  VarlenCase c = mixed("valid", {1, 20}, {10, 30});
+  c.page = 4;
+  VarlenInputs in(c);
+  HostTensor out(c.dtype, {c.total_q(), c.heads, c.d});
+  std::vector<float> lse(static_cast<size_t>(c.heads * c.total_q()));
+  const MutableTensorView lse_view =
+      MutableTensorView::contiguous(lse.data(), DType::kFloat32, {c.heads, c.total_q()});
+  const auto run = [&](const VarlenKvCacheOptions& o, const TensorView& q) {
+    return flash_attn_varlen_kvcache(q, in.k_cache.view(), in.v_cache.view(), out.mutable_view(),
+                                     lse_view, o);
+  };
+  ASSERT_TRUE(run(in.options(c), in.q.view()).ok);
+  struct Bad {
+    const char* argument;
+    std::vector<int32_t> cu, used, table;
+    float sink = 0.0f;
+  };
+  const std::vector<int32_t> t = in.table;
+  std::vector<int32_t> out_of_range = t, negative = t;
+  out_of_range[1] = 1000;
+  negative[c.pages_per_sequence()] = -1;
+  const Bad bad[] = {
+      {"cu_seqlens_q", {1, 2, 21}, in.used, t},  // not from 0
+      {"cu_seqlens_q", {0, 2, 1}, in.used, t},   // decreasing
+      {"cu_seqlens_q", {0, 1, 20}, in.used, t},  // not ending at total_q
+      {"seqused_k", in.cu, {10, 33}, t},         // past the pages
+      {"seqused_k", in.cu, {-1, 30}, t},         // negative
+      {"block_table", in.cu, in.used, out_of_range},
+      {"block_table", in.cu, in.used, negative},
+  };
+  for (const Bad& b : bad) {
+    VarlenKvCacheOptions o = in.options(c);
+    o.cu_seqlens_q = TensorView::contiguous(b.cu.data(), DType::kInt32, {c.batch() + 1});
+    o.seqused_k = TensorView::contiguous(b.used.data(), DType::kInt32, {c.batch()});
+    o.block_table =
+        TensorView::contiguous(b.table.data(), DType::kInt32, {c.batch(), c.pages_per_sequence()});
+    EXPECT_TRUE(refused_for(run(o, in.q.view()), b.argument));
+  }
+  std::vector<int64_t> wide_used(in.used.begin(), in.used.end());
+  VarlenKvCacheOptions o = in.options(c);
+  o.seqused_k = TensorView::contiguous(wide_used.data(), DType::kInt64, {c.batch()});
+  EXPECT_TRUE(refused_for(run(o, in.q.view()), "seqused_k")) << "int64 lengths";
+  o = in.options(c);
+  o.cu_seqlens_q = {};
+  EXPECT_TRUE(refused_for(run(o, in.q.view()), "cu_seqlens_q")) << "missing";
+  o = in.options(c);
+  std::vector<int64_t> wide_table(in.table.begin(), in.table.end());
+  o.block_table =
+      TensorView::contiguous(wide_table.data(), DType::kInt64, {c.batch(), c.pages_per_sequence()});
+  EXPECT_TRUE(refused_for(run(o, in.q.view()), "block_table")) << "int64 table";
+  o = in.options(c);
+  HostTensor sinks(DType::kFloat32, {c.heads});
+  sinks.set(1, 0, 0, std::numeric_limits<double>::quiet_NaN());
+  o.sinks = sinks.view();
+  EXPECT_TRUE(refused_for(run(o, in.q.view()), "sinks")) << "NaN sink";
+  o = in.options(c);
+  HostTensor short_sinks(DType::kFloat32, {c.heads - 1});
+  o.sinks = short_sinks.view();
+  EXPECT_TRUE(refused_for(run(o, in.q.view()), "sinks")) << "too few sinks";
+  o = in.options(c);
+  HostTensor slopes(DType::kFloat32, {c.batch() + 1, c.heads});
+  o.alibi_slopes = slopes.view();
+  EXPECT_TRUE(refused_for(run(o, in.q.view()), "alibi_slopes")) << "a row per sequence and more";
+  o = in.options(c);
+  o.window_left = -2;
+  EXPECT_TRUE(refused_for(run(o, in.q.view()), "window_size"));
+  HostTensor q_bf16(DType::kBFloat16, {c.total_q(), c.heads, c.d});
+  EXPECT_TRUE(refused_for(run(in.options(c), q_bf16.view()), "k_cache")) << "dtype mismatch";
+  HostTensor q_heads(c.dtype, {c.total_q(), 3, c.d});
+  EXPECT_TRUE(
+      refused_for(flash_attn_varlen_kvcache(q_heads.view(), in.k_cache.view(), in.v_cache.view(),
+                                            out.mutable_view(), {}, in.options(c)),
+                  "out"));
+  // out over q: refused before anything is read or written.
+  const TensorView qv = in.q.view();
+  const MutableTensorView aliased{const_cast<void*>(qv.data), qv.dtype, 3, qv.shape, qv.strides};
+  EXPECT_TRUE(refused_for(flash_attn_varlen_kvcache(qv, in.k_cache.view(), in.v_cache.view(),
+                                                    aliased, {}, in.options(c)),
+                          "out"));
+}
+
+}  // namespace
+}  // namespace flashcte::test
