@@ -118,6 +118,11 @@ std::vector<FlagSpec> DecodeBenchFlagSpecs() {
       {"new", FlagKind::kInt, "--decode: new tokens per sequence, T (default 1)", 1, 4096},
       {"cold", FlagKind::kBool,
        "--decode: evict the caches from L3 before each call (default true)"},
+      {"mixed", FlagKind::kInt,
+       "--decode: time a mixed batch instead, one N-token prefill chunk plus --batch decoding "
+       "sequences in one flash_attn_varlen_kvcache call, against the two calls (paged, "
+       "--block-size default 16; bfloat16 unless --dtype)",
+       1, int64_t{1} << 20},
       {"block-size", FlagKind::kInt,
        "--decode: also time the call on a paged copy of the cache, pages of N slots, "
        "interleaved with the dense one (default 0: dense only)",
@@ -131,6 +136,7 @@ int DecodeBench(const ParsedFlags& f) {
       return UsageError(kCommand, std::string("--") + kNotForDecode[i] + ": not used by --decode");
     }
   }
+  if (f.has("mixed")) return MixedBench(f);
   DecodeConfig c;
   c.batch = f.integer("batch", 1);
   c.heads = f.integer("heads", 32);

@@ -17,6 +17,10 @@ extern const int kNotForDecodeCount;
 // Runs the decode bench with the parsed `bench` flags; returns the exit code.
 int DecodeBench(const ParsedFlags& flags);
 
+// `flashcte bench --decode --mixed P` (bench_mixed.cc): a P-token prefill chunk and a decode
+// batch in one flash_attn_varlen_kvcache call against the two calls; returns the exit code.
+int MixedBench(const ParsedFlags& flags);
+
 // `flashcte bench --impl bandwidth`: the read bandwidth alone, on 1 and `threads` threads.
 int BandwidthBench(int threads, int reps, bool json);
 
