@@ -6,6 +6,9 @@ Functions:
     flash_attn_func, flash_attn_varlen_func: FlashAttention's interface on top of it.
     flash_attn_with_kvcache: FlashAttention's serving call: append to a dense or paged KV cache
         in place (rotary included) and attend it.
+    paged_attention: a mixed batch (prefill chunks and decoding sequences) over a paged cache in
+        vLLM's shapes, in one call; flash_attn_varlen_func(block_table=...) is the same call in
+        FlashAttention's.
     simd_target: the SIMD instruction set the library dispatched to on this machine.
     layer_gemm_backend: the GEMM library the layer's projections run on.
 
@@ -23,7 +26,7 @@ kind of ``q``. Errors raise TypeError (dtypes) or ValueError with the library's
 from ._attention import attention_cte
 from ._flash_attn import flash_attn_func, flash_attn_varlen_func
 from ._flashcte import simd_target
-from ._kvcache import flash_attn_with_kvcache
+from ._kvcache import flash_attn_with_kvcache, paged_attention
 from ._layer import AttentionLayer, KvCache, layer_gemm_backend
 
 __version__ = "0.1.0"
@@ -35,5 +38,6 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "layer_gemm_backend",
+    "paged_attention",
     "simd_target",
 ]

@@ -273,6 +273,8 @@ def flash_attn_varlen_func(
     alibi_slopes: ArrayLike | None = None,
     return_softmax_lse: bool = False,
     *,
+    block_table: ArrayLike | None = None,
+    seqused_k: ArrayLike | None = None,
     num_threads: int | None = None,
 ) -> ArrayLike | tuple[ArrayLike, ArrayLike]:
     """FlashAttention's ``flash_attn_varlen_func`` on the CPU: packed variable-length sequences.
@@ -292,6 +294,15 @@ def flash_attn_varlen_func(
         alibi_slopes: ``(heads,)`` or ``(batch, heads)``, ``batch`` the number of sequences;
             the distances are taken within each sequence, ``|i + seqlen_k - seqlen_q - j|`` with
             ``i``, ``j`` and the lengths those of the sequence, as in :func:`flash_attn_func`.
+        block_table: ``(batch, max_blocks_per_seq)`` int32: ``k`` and ``v`` are then a paged KV
+            cache, ``(num_blocks, page_block_size, heads_k, d / dv)`` with any
+            ``page_block_size`` from 1, and sequence ``s`` has ``seqused_k[s]`` keys (else
+            ``cu_seqlens_k[s + 1] - cu_seqlens_k[s]``, which may then be None) in its pages. This
+            is the serving engine's mixed batch: prefill chunks and decoding sequences in one
+            call and one parallel region, each sequence's queries the last of its keys.
+        seqused_k: ``(batch,)`` int32, with ``block_table``: the keys of each sequence in its
+            pages (FlashAttention 3's ``seqused_k``; not taken with packed ``k``, where
+            ``cu_seqlens_k`` says it).
 
     Returns:
         ``out`` ``(total_q, heads, dv)``, or ``(out, lse)`` with ``lse`` float32
@@ -304,6 +315,31 @@ def flash_attn_varlen_func(
     all sequences (self-attention with ``cu_seqlens_q == cu_seqlens_k``, for one) and the slopes
     are the same for all sequences; otherwise ALiBi runs one call per sequence.
     """
+    if block_table is not None:
+        from ._kvcache import varlen_over_cache
+
+        if seqused_k is None:
+            if cu_seqlens_k is None:
+                raise ValueError("seqused_k: with block_table, seqused_k or cu_seqlens_k gives each sequence's keys")
+            seqused_k = np.diff(_cu_seqlens("cu_seqlens_k", cu_seqlens_k)).astype(np.int32)
+        return varlen_over_cache(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            seqused_k,
+            block_table,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            None,
+            return_softmax_lse,
+            num_threads,
+        )
+    if seqused_k is not None:
+        raise ValueError("seqused_k: is taken with block_table (a paged cache) only; cu_seqlens_k gives packed keys")
     qt, kt, vt = _inputs(q, k, v, 3, "(total, {h}, head_dim)")
     _check_heads(qt, kt, vt, 1)
     total_q, heads, d = qt.shape

@@ -52,6 +52,20 @@ def flash_attn_with_kvcache(
     flash_attn_with_kvcache into caller-allocated outputs, the caches appended in place; the other arguments are KvCacheOptions' fields by name. Raises TypeError/ValueError with the library's message.
     """
 
+def flash_attn_varlen_kvcache(
+    *,
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    out: object,
+    lse: object | None,
+    bf16_bits: bool,
+    **options: object,
+) -> None:
+    """
+    flash_attn_varlen_kvcache into caller-allocated outputs, the caches read only; the other arguments are VarlenKvCacheOptions' fields by name. Raises TypeError/ValueError with the library's message.
+    """
+
 def simd_target() -> str:
     """
     The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.

@@ -16,19 +16,25 @@ import numpy as np
 
 from . import _flashcte
 from ._flash_attn import _alibi, _softcap, _window
-from ._tensors import NUMPY, Tensor, empty, give_back, is_bf16_numpy, native
+from ._tensors import NUMPY, Tensor, empty, give_back, is_bf16_numpy, native, transpose
 
 ArrayLike = Any
 
 
-def _cache(name: str, x: Any) -> Tensor:
-    """A cache the call writes in place: refused if reading it would take a copy."""
+def _writable(name: str, x: Any, why: str) -> Tensor:
+    """An argument the call writes in place: refused if reaching it would take a copy."""
     t = Tensor(name, x)
     if t.kind == NUMPY and (t.arr is not x or not t.arr.flags.writeable):
         raise ValueError(
             f"{name}: must be a writable array the library can address in place (no negative "
-            "strides, native byte order); new k and v are appended into it"
+            f"strides, native byte order); {why}"
         )
+    return t
+
+
+def _cache(name: str, x: Any) -> Tensor:
+    """A cache the call writes in place."""
+    t = _writable(name, x, "new k and v are appended into it")
     if t.ndim != 4:
         raise ValueError(
             f"{name}: must have rank 4 (batch_cache, seqlen_cache, heads_k, head_dim) or, with "
@@ -167,3 +173,146 @@ def flash_attn_with_kvcache(
     if return_softmax_lse:
         return give_back(qt, out), give_back(qt, lse)
     return give_back(qt, out)
+
+
+def _cache_view(name: str, x: Any) -> Tensor:
+    """A cache the call only reads: (num_blocks, page_block_size, heads_k, d) or dense rows."""
+    t = Tensor(name, x)
+    if t.ndim != 4:
+        raise ValueError(
+            f"{name}: must have rank 4 (num_blocks, page_block_size, heads_k, head_dim) with "
+            f"block_table, else (batch, seqlen_cache, heads_k, head_dim); got shape {t.shape}"
+        )
+    return t
+
+
+def varlen_over_cache(
+    q: ArrayLike,
+    k_cache: ArrayLike,
+    v_cache: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    seqused_k: ArrayLike,
+    block_table: ArrayLike | None,
+    softmax_scale: float | None,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: ArrayLike | None,
+    sinks: ArrayLike | None,
+    return_softmax_lse: bool,
+    num_threads: int | None,
+    out: ArrayLike | None = None,
+) -> ArrayLike | tuple[ArrayLike, ArrayLike]:
+    """The mixed batch (flashcte/kvcache.h, flash_attn_varlen_kvcache): varlen queries
+    ``(total_q, heads, d)`` over each sequence's cache (pages with ``block_table``), every
+    sequence's queries the last ``seqlen_q`` of its ``seqused_k`` keys; one parallel region.
+    ``out``, when given, is written in place (and returned)."""
+    qt = Tensor("q", q)
+    if qt.ndim != 3:
+        raise ValueError(f"q: must have rank 3 (total_q, heads, head_dim), got shape {qt.shape}")
+    total_q, heads, _ = qt.shape
+    kc, vc = _cache_view("k_cache", k_cache), _cache_view("v_cache", v_cache)
+    bf16 = is_bf16_numpy(qt.arr) or is_bf16_numpy(kc.arr)
+    cu = _int32("cu_seqlens_q", cu_seqlens_q)
+    batch = int(cu.shape[0]) - 1 if cu is not None and len(cu.shape) == 1 else 0
+    left, right = _window(window_size, causal)
+    if out is None:
+        result = empty(qt, (total_q, heads, vc.shape[3]))
+    else:
+        result = _writable("output", out, "the call writes its result there")
+    lse = empty(qt, (heads, total_q), "float32") if return_softmax_lse else None
+    sink_values = None
+    if sinks is not None:
+        sink_values = native(Tensor("sinks", sinks))
+    _flashcte.flash_attn_varlen_kvcache(
+        q=native(qt),
+        k_cache=native(kc),
+        v_cache=native(vc),
+        out=native(result),
+        lse=native(lse),
+        bf16_bits=bf16,
+        cu_seqlens_q=cu,
+        seqused_k=_int32("seqused_k", seqused_k),
+        block_table=_int32("block_table", block_table),
+        alibi_slopes=_alibi(alibi_slopes, batch, heads),
+        sinks=sink_values,
+        softmax_scale=None if softmax_scale is None else float(softmax_scale),
+        causal=bool(causal),
+        window_left=left,
+        window_right=right,
+        softcap=_softcap(softcap),
+        num_threads=0 if num_threads is None else int(num_threads),
+    )
+    o = give_back(qt, result) if out is None else out
+    if return_softmax_lse:
+        return o, give_back(qt, lse)
+    return o
+
+
+def paged_attention(
+    query: ArrayLike,
+    key_cache: ArrayLike,
+    value_cache: ArrayLike,
+    block_table: ArrayLike,
+    seq_lens: ArrayLike,
+    query_start_loc: ArrayLike,
+    scale: float,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    output: ArrayLike | None = None,
+    *,
+    kv_layout: str = "HND",
+    num_threads: int | None = None,
+) -> ArrayLike:
+    """Attention over a paged KV cache in vLLM's shapes, for engines that keep vLLM's layout: one
+    call for a whole mixed batch of prefill chunks and decoding sequences.
+
+    Args:
+        query: ``(num_tokens, heads, d)``, every sequence's new tokens back to back.
+        key_cache, value_cache: vLLM's ``(num_blocks, heads_k, block_size, d)`` (``kv_layout``
+            "HND", the default) or FlashAttention's ``(num_blocks, block_size, heads_k, d)``
+            ("NHD"); any ``block_size`` from 1. The new tokens' keys and values are already in it
+            (vLLM writes them first, with ``reshape_and_cache``).
+        block_table: ``(num_seqs, max_blocks_per_seq)`` int32.
+        seq_lens: ``(num_seqs,)`` int32, each sequence's tokens in the cache, new ones included.
+        query_start_loc: ``(num_seqs + 1,)`` int32: sequence ``s`` is rows
+            ``[query_start_loc[s], query_start_loc[s + 1])`` of ``query``, the last tokens of
+            its ``seq_lens[s]``.
+        scale: the softmax scale.
+        causal: bottom-right aligned causal mask (vLLM's decoder attention).
+        window: ``(left, right)`` as FlashAttention's ``window_size``, ``-1`` unbounded.
+        softcap: ``> 0``: logit soft cap before ALiBi.
+        alibi_slopes: ``(heads,)`` float32.
+        sinks: ``(heads,)`` float32: an attention sink logit per head (gpt-oss).
+        output: ``(num_tokens, heads, dv)`` written in place when given, else allocated.
+
+    Returns:
+        ``output``. Results are the ones :func:`flash_attn_with_kvcache` gives each sequence,
+        bitwise, for any thread count and page size.
+    """
+    if kv_layout not in ("HND", "NHD"):
+        raise ValueError(f"kv_layout: must be 'HND' (vLLM) or 'NHD' (FlashAttention), got {kv_layout!r}")
+    caches = []
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        t = _cache_view(name, cache)
+        caches.append(transpose(t.arr, 1, 2) if kv_layout == "HND" else t.arr)
+    return varlen_over_cache(
+        query,
+        caches[0],
+        caches[1],
+        query_start_loc,
+        seq_lens,
+        block_table,
+        scale,
+        causal,
+        window,
+        softcap,
+        alibi_slopes,
+        sinks,
+        False,
+        num_threads,
+        out=output,
+    )

@@ -279,6 +279,19 @@ const OptionTable<flashcte::KvCacheOptions> kKvCacheOptions[] = {
     FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, softcap, float),
     FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, num_threads, int),
 };
+const OptionTable<flashcte::VarlenKvCacheOptions> kVarlenKvCacheOptions[] = {
+    FLASHCTE_TENSOR_OPTION(flashcte::VarlenKvCacheOptions, cu_seqlens_q),
+    FLASHCTE_TENSOR_OPTION(flashcte::VarlenKvCacheOptions, seqused_k),
+    FLASHCTE_TENSOR_OPTION(flashcte::VarlenKvCacheOptions, block_table),
+    FLASHCTE_TENSOR_OPTION(flashcte::VarlenKvCacheOptions, alibi_slopes),
+    FLASHCTE_TENSOR_OPTION(flashcte::VarlenKvCacheOptions, sinks),
+    FLASHCTE_VALUE_OPTION(flashcte::VarlenKvCacheOptions, softmax_scale, float),
+    FLASHCTE_VALUE_OPTION(flashcte::VarlenKvCacheOptions, causal, bool),
+    FLASHCTE_VALUE_OPTION(flashcte::VarlenKvCacheOptions, window_left, int64_t),
+    FLASHCTE_VALUE_OPTION(flashcte::VarlenKvCacheOptions, window_right, int64_t),
+    FLASHCTE_VALUE_OPTION(flashcte::VarlenKvCacheOptions, softcap, float),
+    FLASHCTE_VALUE_OPTION(flashcte::VarlenKvCacheOptions, num_threads, int),
+};
 #undef FLASHCTE_TENSOR_OPTION
 #undef FLASHCTE_VALUE_OPTION
 
@@ -323,6 +336,27 @@ void flash_attn_with_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cach
   {
     nb::gil_scoped_release release;
     status = flashcte::flash_attn_with_kvcache(qv, kc, vc, ov, lv, o);
+  }
+  if (!status.ok) raise_status(status);
+}
+
+// flash_attn_varlen_kvcache (flashcte/kvcache.h) into caller-allocated outputs, the caches only
+// read; every other argument by keyword, as VarlenKvCacheOptions names it.
+void flash_attn_varlen_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache,
+                               nb::handle out, nb::handle lse, bool bf16_bits,
+                               const nb::kwargs& options) {
+  Imports im;
+  im.bf16_bits = bf16_bits;
+  const flashcte::TensorView qv = im.in("q", q);
+  const flashcte::TensorView kc = im.in("k_cache", k_cache);
+  const flashcte::TensorView vc = im.in("v_cache", v_cache);
+  const flashcte::MutableTensorView ov = im.out("out", out), lv = im.out("lse", lse);
+  flashcte::VarlenKvCacheOptions o;
+  set_options(im, o, options, kVarlenKvCacheOptions, "flash_attn_varlen_kvcache");
+  flashcte::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = flashcte::flash_attn_varlen_kvcache(qv, kc, vc, ov, lv, o);
   }
   if (!status.ok) raise_status(status);
 }
@@ -598,6 +632,12 @@ NB_MODULE(_flashcte, m) {
         nb::arg("bf16_bits"), nb::arg("options"),
         "flash_attn_with_kvcache into caller-allocated outputs, the caches appended in place; "
         "the other arguments are KvCacheOptions' fields by name. Raises TypeError/ValueError "
+        "with the library's message.");
+  m.def("flash_attn_varlen_kvcache", &flash_attn_varlen_kvcache, nb::kw_only(), nb::arg("q"),
+        nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"), nb::arg("lse").none(),
+        nb::arg("bf16_bits"), nb::arg("options"),
+        "flash_attn_varlen_kvcache into caller-allocated outputs, the caches read only; the "
+        "other arguments are VarlenKvCacheOptions' fields by name. Raises TypeError/ValueError "
         "with the library's message.");
   m.def("simd_target", &flashcte::simd_target,
         "The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.");
