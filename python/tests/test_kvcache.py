@@ -207,7 +207,8 @@ def test_readme_serving_example_runs_as_written():
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     scope: dict = {}
     exec(compile(code, "README.md (serving)", "exec"), scope)
-    assert scope["out"].shape == (2, 1, 8, 64) and scope["lens"].tolist() == [35, 35]
+    assert scope["lens"].tolist() == [35, 35]
+    assert scope["out"].shape == (22, 8, 64) and np.all(np.isfinite(scope["out"]))
     # Request B read A's prompt pages: its cache is A's prompt plus its own 3 tokens.
     assert np.array_equal(scope["pool_k"][0], scope["prompt_k"][0, :16])
 
