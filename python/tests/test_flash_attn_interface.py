@@ -137,12 +137,32 @@ def test_forward_only_errors():
     with pytest.raises(NotImplementedError, match="forward only"):
         fa._flash_attn_backward(q, q, q, q, q, q, q, q, q, 0.0, 1.0, False)
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="block_table: paged"):
+    with pytest.raises(NotImplementedError, match="leftpad_k: left-padded"):
         fa._flash_attn_varlen_forward(
-            q[0], q[0], q[0], cu, cu, 4, 4, 0.0, None, False, block_table=cu
+            q[0], q[0], q[0], cu, cu, 4, 4, 0.0, None, False, leftpad_k=cu
         )
     with pytest.raises(ValueError, match="v: has 2 heads"):  # the library's checks still apply
         fa._flash_attn_forward(q, torch.zeros(1, 4, 3, 8), q, 0.0, None, False)
+
+
+def test_varlen_forward_over_pages():
+    """block_table and seqused_k reach the mixed batch: each sequence as flash_attn_with_kvcache
+    computes it alone."""
+    gen = torch.Generator().manual_seed(0)
+    pool_k, pool_v = (torch.randn(6, 4, 2, 8, generator=gen) for _ in range(2))
+    table = torch.tensor([[3, 0], [5, 1]], dtype=torch.int32)
+    used = torch.tensor([6, 3], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 4], dtype=torch.int32)
+    q = torch.randn(4, 4, 8, generator=gen)
+    out, lse, _, _ = fa._flash_attn_varlen_forward(
+        q, pool_k, pool_v, cu, None, 3, 6, 0.0, None, True, block_table=table, seqused_k=used
+    )
+    for s, rows in ((0, slice(0, 1)), (1, slice(1, 4))):
+        want, want_lse = fa.flash_attn_with_kvcache(
+            q[None, rows], pool_k, pool_v, cache_seqlens=used[s : s + 1],
+            block_table=table[s : s + 1], causal=True, return_softmax_lse=True,
+        )
+        assert torch.equal(out[rows], want[0]) and torch.equal(lse[:, rows], want_lse[0])
 
 
 def test_install_and_restore():

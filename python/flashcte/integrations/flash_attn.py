@@ -36,7 +36,8 @@ that accept both the 4-tuple and older versions' 8-tuple take the 4-tuple.
     out = ring_flash_attn_func(q, k, v, causal=True, group=group)
 
 Forward only: the backward functions raise NotImplementedError, as do dropout, returned attention
-probabilities and the paged/left-padded varlen arguments.
+probabilities and the left-padded varlen argument (``leftpad_k``); the paged one (``block_table``
+with ``seqused_k`` or ``cu_seqlens_k``) runs the mixed batch of ``flash_attn_varlen_func``.
 """
 
 from __future__ import annotations
@@ -127,13 +128,8 @@ def _flash_attn_varlen_forward(
     ``(total, heads, d)`` with ``cu_seqlens``; returns ``(out, softmax_lse, None, None)`` with
     ``softmax_lse`` float32 ``(heads, total_q)``."""
     _check_forward_only(dropout_p, return_softmax)
-    for name, value in (
-        ("block_table", block_table),
-        ("leftpad_k", leftpad_k),
-        ("seqused_k", seqused_k),
-    ):
-        if value is not None:
-            raise NotImplementedError(f"{name}: paged or left-padded KV is not supported")
+    if leftpad_k is not None:
+        raise NotImplementedError("leftpad_k: left-padded varlen KV is not supported")
     out, lse = flash_attn_varlen_func(
         q,
         k,
@@ -148,6 +144,8 @@ def _flash_attn_varlen_forward(
         softcap=0.0 if softcap is None else softcap,
         alibi_slopes=alibi_slopes,
         return_softmax_lse=True,
+        block_table=block_table,
+        seqused_k=seqused_k,
     )
     return out, lse, None, None
 
