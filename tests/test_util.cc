@@ -616,6 +616,15 @@ bool long_tests_enabled() {
 TileConfig neuron_tiles() { return TileConfig{128, 512, 8192, 10240}; }
 TileConfig odd_tiles() { return TileConfig{5, 24, 48, 0}; }
 
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isinf(a[i]) && a[i] == b[i]) continue;
+    m = std::max(m, std::fabs(a[i] - b[i]));
+  }
+  return m;
+}
+
 ::testing::AssertionResult refused_for(const Status& s, const std::string& argument) {
   if (s.ok) return ::testing::AssertionFailure() << "accepted; expected an error on " << argument;
   if (s.message.rfind(argument + ":", 0) != 0) {

@@ -156,6 +156,9 @@ TileConfig odd_tiles();
 // point's errors do.
 ::testing::AssertionResult refused_for(const Status& s, const std::string& argument);
 
+// The largest |a[i] - b[i]|, equal infinities (an empty row's lse) counting as no error.
+double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b);
+
 // Each case of `shapes` once per attention dtype (float32, bfloat16, float16), its name suffixed
 // with the dtype's ("<name>_bfloat16"); Case has `name` and `dtype`.
 template <class Case>

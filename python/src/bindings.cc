@@ -342,9 +342,8 @@ void flash_attn_with_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cach
 
 // flash_attn_varlen_kvcache (flashcte/kvcache.h) into caller-allocated outputs, the caches only
 // read; every other argument by keyword, as VarlenKvCacheOptions names it.
-void flash_attn_varlen_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache,
-                               nb::handle out, nb::handle lse, bool bf16_bits,
-                               const nb::kwargs& options) {
+void flash_attn_varlen_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle out,
+                               nb::handle lse, bool bf16_bits, const nb::kwargs& options) {
   Imports im;
   im.bf16_bits = bf16_bits;
   const flashcte::TensorView qv = im.in("q", q);
