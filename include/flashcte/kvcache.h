@@ -48,6 +48,9 @@ struct KvCacheOptions {
   TensorView block_table;
   // (heads,) or (batch, heads) float32: score(i, j) -= slope * |i + seqlen_k - seqlen_q - j|.
   TensorView alibi_slopes;
+  // (heads,) float32: an attention sink per query head, a logit that joins every row's softmax
+  // without a value (gpt-oss); -inf: none. Not in FlashAttention's call.
+  TensorView sinks;
   std::optional<float> softmax_scale;  // default 1 / sqrt(d)
   bool causal = false;                 // bottom-right aligned
   // Query i sees keys j with i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +

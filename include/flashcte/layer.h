@@ -77,29 +77,52 @@ struct LayerWeights {
   std::vector<float> sinks;                   // sinks: (num_heads)
 };
 
-// The KV cache of one layer (LAYER.md section 7): K (after q/k norm and RoPE) and V, each
-// (batch, kv_heads, max_len, head_dim) in the activation dtype, zero-initialized, with the
-// number of filled slots per sequence.
+// The KV cache of one layer (LAYER.md section 7): K (after q/k norm and RoPE) and V in the
+// activation dtype, zero-initialized, with the number of filled slots per sequence. Either dense,
+// each sequence its own (kv_heads, max_len, head_dim) rows, or a block pool a serving engine
+// keeps: pages of block_size slots, (num_blocks, kv_heads, block_size, head_dim) each for K and V
+// (vLLM's layout), which the sequences name through their block tables (assign). Sequences may
+// name the same pages for a common prefix; those are read-only: a forward call that would write
+// into a page another sequence names is refused before anything is written.
 class KvCache {
  public:
   KvCache() = default;
-  // A cache for `batch` sequences of up to `max_len` tokens of a layer with `kv_heads` heads of
-  // `head_dim` channels in `dtype`.
+  // A dense cache for `batch` sequences of up to `max_len` tokens of a layer with `kv_heads`
+  // heads of `head_dim` channels in `dtype`.
   static Status create(int64_t batch, int64_t kv_heads, int64_t max_len, int64_t head_dim,
                        DType dtype, KvCache* cache);
+  // A block pool of `num_blocks` pages of `block_size` slots (any size from 1) for `batch`
+  // sequences, each with no page until assign().
+  static Status create_paged(int64_t batch, int64_t num_blocks, int64_t block_size,
+                             int64_t kv_heads, int64_t head_dim, DType dtype, KvCache* cache);
 
   int64_t batch() const { return batch_; }
   int64_t kv_heads() const { return kv_heads_; }
-  int64_t max_len() const { return max_len_; }
   int64_t head_dim() const { return head_dim_; }
   DType dtype() const { return dtype_; }
+  bool paged() const { return block_size_ > 0; }
+  // Dense: slots per sequence. Paged: the most any sequence's pages hold now.
+  int64_t max_len() const;
+  int64_t num_blocks() const { return num_blocks_; }
+  int64_t block_size() const { return block_size_; }
+  // The slots sequence b can hold: max_len (dense), its pages x block_size (paged).
+  int64_t capacity(int64_t b) const;
+  // Paged: sequence b's pages, in slot order (slot j is row j % block_size of pages[j /
+  // block_size]).
+  const std::vector<int32_t>& pages(int64_t b) const { return pages_[static_cast<size_t>(b)]; }
+  // Paged: gives sequence b the pages `pages` (each in [0, num_blocks), none repeated) with
+  // `length` slots already filled (<= pages x block_size): a new request (length 0), or one whose
+  // prompt starts with another's pages (length: the shared prefix). Refused (the cache as it
+  // was) on a dense cache, a page out of range or repeated, or a length past the pages.
+  Status assign(int64_t b, const std::vector<int32_t>& pages, int64_t length);
   // Slots [0, length(b)) of sequence b hold tokens.
   int64_t length(int64_t b) const { return lengths_[static_cast<size_t>(b)]; }
   const std::vector<int64_t>& lengths() const { return lengths_; }
-  // Forgets every token of sequence b (its slots are reused by the next prompt).
+  // Forgets every token of sequence b (its slots, or pages, are reused by the next prompt).
   void reset(int64_t b) { lengths_[static_cast<size_t>(b)] = 0; }
 
-  // Element views of the storage: (batch, kv_heads, max_len, head_dim), dense.
+  // Element views of the storage: dense (batch, kv_heads, max_len, head_dim); paged
+  // (num_blocks, kv_heads, block_size, head_dim).
   const void* k_data() const { return k_.get(); }
   const void* v_data() const { return v_.get(); }
   void* k_data() { return k_.get(); }
@@ -107,7 +130,10 @@ class KvCache {
 
  private:
   friend class AttentionLayer;
+  static Status allocate(int64_t rows, int64_t kv_heads, int64_t slots, int64_t head_dim,
+                         DType dtype, KvCache* cache);
   int64_t batch_ = 0, kv_heads_ = 0, max_len_ = 0, head_dim_ = 0;
+  int64_t num_blocks_ = 0, block_size_ = 0;  // paged only
   DType dtype_ = DType::kFloat32;
   // Large caches sit on transparent huge pages: a decode step streams all of them.
   struct Free {
@@ -115,6 +141,7 @@ class KvCache {
   };
   std::unique_ptr<uint8_t, Free> k_, v_;
   std::vector<int64_t> lengths_;
+  std::vector<std::vector<int32_t>> pages_;  // paged: per sequence
 };
 
 class AttentionLayer {
@@ -132,19 +159,26 @@ class AttentionLayer {
 
   // A cache this layer accepts, for `batch` sequences of up to `max_len` tokens.
   Status new_cache(int64_t batch, int64_t max_len, KvCache* cache) const;
+  // A block pool this layer accepts: `num_blocks` pages of `block_size` slots for `batch`
+  // sequences, each given its pages by KvCache::assign.
+  Status new_paged_cache(int64_t batch, int64_t num_blocks, int64_t block_size,
+                         KvCache* cache) const;
 
   // NeuronAttentionBase.forward with the cache write folded in:
   //   x          (batch, T, hidden_size), float32 / bfloat16 / float16 (rounded to the activation
   //              dtype), any strides;
   //   positions  (batch, T) int64: the absolute position of each token. In each row they go up
   //              by 1 from one token to the next and start at most at the row's cache length
-  //              (an earlier start rewrites the slots from there); below max_len;
+  //              (an earlier start rewrites the slots from there); below the sequence's
+  //              capacity (max_len, or its pages); a paged row writes only pages no other
+  //              sequence names;
   //   out        (batch, T, hidden_size) in the activation dtype.
   // Each token's K/V is written into the cache at its position, then every token attends to
   // every cached slot at a position <= its own (within the window; sinks add a value-less
   // logit). Calls with T <= kMaxDecodeTokens run on the decode kernel, longer ones (context
-  // encoding, chunked prefill) on attention_cte with the cached tokens before the chunk as the
-  // prior. Thread count: num_threads (0: OpenMP's default).
+  // encoding, chunked prefill) on attention_cte with the cache as the prior, dense or paged
+  // alike (results over pages are bitwise those over a dense cache). A call that fails leaves
+  // the cache as it was. Thread count: num_threads (0: OpenMP's default).
   Status forward(const TensorView& x, const TensorView& positions, KvCache* cache,
                  const MutableTensorView& out, int num_threads = 0) const;
 

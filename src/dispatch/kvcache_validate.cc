@@ -46,7 +46,8 @@ struct Shape {
 };
 
 struct Extents {
-  Extent q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi, out, lse;
+  Extent q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi, sinks, out,
+      lse;
 };
 
 // q and the caches: ranks, dtypes, sizes, GQA; the K/V sources over the caches.
@@ -254,6 +255,23 @@ Status check_alibi(const TensorView& t, const Shape& s, DecodeProblem* p, Extent
   return Status::Ok();
 }
 
+// sinks (heads,) float32, each finite or -inf (no sink).
+Status check_sinks(const TensorView& t, const Shape& s, DecodeProblem* p, Extent* extent) {
+  FLASHCTE_RETURN_IF_ERROR(check_tensor("sinks", t, 1, "(heads,)", extent));
+  FLASHCTE_RETURN_IF_ERROR(expect_float32("sinks", t.dtype));
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("sinks", t, 0, s.heads, "q's heads"));
+  p->sink = static_cast<const float*>(t.data);
+  p->sink_stride = t.strides[0];
+  for (int64_t h = 0; h < s.heads; ++h) {
+    const float sink = p->sink[h * p->sink_stride];
+    if (std::isnan(sink) || sink == std::numeric_limits<float>::infinity()) {
+      return error("sinks: [" + to_string(h) + "] = " + to_string(sink) +
+                   " must not be NaN or +inf (-inf: no sink)");
+    }
+  }
+  return Status::Ok();
+}
+
 Status check_outputs(const MutableTensorView& out, const MutableTensorView& lse, const Shape& s,
                      DecodeProblem* p, Extents* e) {
   if (!out.present()) return error("out: is required");
@@ -295,7 +313,8 @@ Status check_aliasing(const Extents& e, bool appending) {
                           {"cache_batch_idx", e.batch_idx},
                           {"cache_leftpad", e.leftpad},
                           {"block_table", e.table},
-                          {"alibi_slopes", e.alibi}};
+                          {"alibi_slopes", e.alibi},
+                          {"sinks", e.sinks}};
   std::vector<Named> written = {{"out", e.out}, {"lse", e.lse}};
   if (appending) {
     written.push_back({"k_cache", e.k_cache});
@@ -427,6 +446,7 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   if (o.alibi_slopes.present()) {
     FLASHCTE_RETURN_IF_ERROR(check_alibi(o.alibi_slopes, s, p, &e.alibi));
   }
+  if (o.sinks.present()) FLASHCTE_RETURN_IF_ERROR(check_sinks(o.sinks, s, p, &e.sinks));
 
   // Each query row's slots: FlashAttention's bottom-right alignment, window and left padding.
   const int64_t left = o.window_left, right = o.causal ? 0 : o.window_right;

@@ -129,16 +129,7 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
     }
   }
   if (o.sinks.present()) {
-    FLASHCTE_RETURN_IF_ERROR(check_tensor("sinks", o.sinks, 1, "(heads,)", &esinks));
-    FLASHCTE_RETURN_IF_ERROR(expect_float32("sinks", o.sinks.dtype));
-    FLASHCTE_RETURN_IF_ERROR(expect_axis("sinks", o.sinks, 0, c->heads, "q's heads"));
-    for (int64_t h = 0; h < c->heads; ++h) {
-      const float sink = static_cast<const float*>(o.sinks.data)[h * o.sinks.strides[0]];
-      if (std::isnan(sink) || sink == INFINITY) {
-        return error("sinks: [" + to_string(h) + "] = " + to_string(sink) +
-                     " must not be NaN or +inf (-inf: no sink)");
-      }
-    }
+    FLASHCTE_RETURN_IF_ERROR(check_view("sinks", o.sinks, false, &esinks));
   }
   if (o.alibi_slopes.present()) {
     FLASHCTE_RETURN_IF_ERROR(check_view("alibi_slopes", o.alibi_slopes, false, &ealibi));
@@ -254,6 +245,7 @@ Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
       const MutableTensorView v_b = internal::writable(paged ? v_cache : entry(v_cache, b));
       o.cache_seqlens = entry(options.seqused_k, b);
       if (paged) o.block_table = entry(options.block_table, b);
+      o.sinks = options.sinks;
       o.alibi_slopes = options.alibi_slopes;
       if (o.alibi_slopes.present() && o.alibi_slopes.rank == 2) {
         o.alibi_slopes = entry(options.alibi_slopes, b);  // (batch, heads): row b
@@ -265,10 +257,6 @@ Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
       s = internal::validate_kvcache(rows_of(q, 0, first, rows), k_b, v_b,
                                      rows_of(out, 0, first, rows), lse_b, o, &p, &a);
       if (!s.ok) return Status::Error(s.message + " (sequence " + std::to_string(b) + ")");
-      if (options.sinks.present()) {
-        p.sink = static_cast<const float*>(options.sinks.data);
-        p.sink_stride = options.sinks.strides[0];
-      }
       if (rows <= internal::kDecodeMaxQueries) {
         decodes.push_back(std::move(p));
         continue;

@@ -3,10 +3,12 @@
 //
 //   x -> QKV GEMM (one fused [Wq; Wk; Wv] product, OpenBLAS, src/layer/blas.h) + bias -> round
 //     -> per head: q/k RMSNorm (before RoPE) -> RoPE (src/layer/rope.h)
-//     -> K, V written into the cache at the positions
-//     -> attention: T <= kMaxDecodeTokens on decode_attention (the cache read in place), longer
-//        chunks on attention_cte per sequence, with the chunk's own cache slots as K/V and the
-//        slots before it as the prior (prefix caching), causal, window, sinks
+//     -> K, V appended into the cache at the positions and the attention over it, in one
+//        flash_attn_with_kvcache call (flashcte/kvcache.h) on the dense cache or the block pool:
+//        T <= kMaxDecodeTokens on the decode kernel, longer chunks (context encoding, chunked
+//        prefill over cached tokens: prefix caching) on attention_cte with the cache as its
+//        prior; causal, window, sinks. Every check comes before the append, and a failed call
+//        leaves the cache as it was.
 //     -> O GEMM -> round -> + o_bias -> round (R7) -> out.
 // Roundings to the activation dtype follow the oracle's R1-R7 (src/reference/layer_reference.h).
 // The GEMMs are the layer's arithmetic: 2 * T * hidden * (H + 2 KV + H) * D FLOP per sequence
@@ -19,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "flashcte/decode.h"
+#include "flashcte/kvcache.h"
 #include "flashcte/layer.h"
 #include "src/core/convert.h"
 #include "src/layer/blas.h"
@@ -88,9 +90,10 @@ struct AttentionLayer::Impl {
   Status check_call(const TensorView& x, const TensorView& positions, const KvCache& cache,
                     const MutableTensorView& out, std::vector<int64_t>* pos) const;
   void project_qkv(const std::vector<float>& qkv, const std::vector<int64_t>& pos, int64_t batch,
-                   int64_t tokens, KvCache* cache, void* q_act) const;
-  Status attend(const void* q_act, const std::vector<int64_t>& pos, int64_t batch, int64_t tokens,
-                const KvCache& cache, void* attn, int threads) const;
+                   int64_t tokens, void* q_act, void* k_new, void* v_new) const;
+  Status attend(const void* q_act, const void* k_new, const void* v_new,
+                const std::vector<int64_t>& pos, int64_t batch, int64_t tokens, KvCache* cache,
+                void* attn, int threads) const;
 };
 
 Status AttentionLayer::Impl::check_call(const TensorView& x, const TensorView& positions,
@@ -140,113 +143,112 @@ Status AttentionLayer::Impl::check_call(const TensorView& x, const TensorView& p
       if (t > 0 && at != (*pos)[static_cast<size_t>(b * tokens + t - 1)] + 1) {
         return Status::Error(where + "; positions within a row must go up by 1");
       }
-      if (at >= cache.max_len()) {
-        return Status::Error(where + ", past the cache's max_len = " + Str(cache.max_len()));
+      if (at >= cache.capacity(b)) {
+        return Status::Error(where + ", past " +
+                             (cache.paged() ? "sequence " + Str(b) + "'s pages (" +
+                                                  Str(cache.capacity(b)) + " slots)"
+                                            : "the cache's max_len = " + Str(cache.max_len())));
+      }
+    }
+  }
+  if (!cache.paged() || tokens == 0) return Status::Ok();
+  // A page this call writes belongs to its sequence alone: shared prefix pages are read-only.
+  for (int64_t b = 0; b < batch; ++b) {
+    const std::vector<int32_t>& pages = cache.pages(b);
+    const int64_t first = (*pos)[static_cast<size_t>(b * tokens)] / cache.block_size();
+    const int64_t last = (*pos)[static_cast<size_t>(b * tokens + tokens - 1)] / cache.block_size();
+    for (int64_t i = first; i <= last; ++i) {
+      for (int64_t other = 0; other < cache.batch(); ++other) {
+        const std::vector<int32_t>& named = cache.pages(other);
+        if (other != b && std::find(named.begin(), named.end(), pages[i]) != named.end()) {
+          return Status::Error("positions: row " + Str(b) + " writes into page " + Str(pages[i]) +
+                               ", which sequence " + Str(other) +
+                               " also names; a shared prefix page is read-only (give the "
+                               "sequence a page of its own)");
+        }
       }
     }
   }
   return Status::Ok();
 }
 
-// From the QKV GEMM's rows (rounded, biased): q/k norm and RoPE per head, K and V into the cache
-// at the positions, Q into q_act (batch, T, H, D) in the activation dtype.
+// From the QKV GEMM's rows (rounded, biased): q/k norm and RoPE per head, Q into q_act (batch,
+// T, H, D), the new K and V into k_new / v_new (batch, T, KV, D), in the activation dtype.
 void AttentionLayer::Impl::project_qkv(const std::vector<float>& qkv,
                                        const std::vector<int64_t>& pos, int64_t batch,
-                                       int64_t tokens, KvCache* cache, void* q_act) const {
+                                       int64_t tokens, void* q_act, void* k_new,
+                                       void* v_new) const {
   const DType t = config.dtype;
   std::vector<float> cos(static_cast<size_t>(rope.rotary_dim() / 2));
   std::vector<float> sin(cos.size()), row(static_cast<size_t>(qkv_width()));
-  const int64_t max_len = cache->max_len();
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t i = 0; i < tokens; ++i) {
-      const int64_t token = b * tokens + i, at = pos[static_cast<size_t>(token)];
-      std::copy_n(qkv.data() + token * qkv_width(), qkv_width(), row.data());
-      float* q = row.data();
-      float* k = q + heads * d;
-      const float* v = k + kv_heads * d;
-      if (config.qk_norm) {
-        for (int64_t h = 0; h < heads; ++h)
-          rms_norm(q + h * d, q_norm.data(), d, config.qk_norm_eps, t);
-        for (int64_t h = 0; h < kv_heads; ++h)
-          rms_norm(k + h * d, k_norm.data(), d, config.qk_norm_eps, t);
-      }
-      if (config.rope) {
-        rope.cos_sin(at, cos.data(), sin.data());
-        rope.rotate(cos.data(), sin.data(), q, heads);
-        rope.rotate(cos.data(), sin.data(), k, kv_heads);
-      }
-      internal::store_row_from_float(q_act, token * heads * d, 1, t, q, heads * d);
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t slot = ((b * kv_heads + h) * max_len + at) * d;
-        internal::store_row_from_float(cache->k_data(), slot, 1, t, k + h * d, d);
-        internal::store_row_from_float(cache->v_data(), slot, 1, t, v + h * d, d);
-      }
+  for (int64_t token = 0; token < batch * tokens; ++token) {
+    std::copy_n(qkv.data() + token * qkv_width(), qkv_width(), row.data());
+    float* q = row.data();
+    float* k = q + heads * d;
+    const float* v = k + kv_heads * d;
+    if (config.qk_norm) {
+      for (int64_t h = 0; h < heads; ++h)
+        rms_norm(q + h * d, q_norm.data(), d, config.qk_norm_eps, t);
+      for (int64_t h = 0; h < kv_heads; ++h)
+        rms_norm(k + h * d, k_norm.data(), d, config.qk_norm_eps, t);
     }
+    if (config.rope) {
+      rope.cos_sin(pos[static_cast<size_t>(token)], cos.data(), sin.data());
+      rope.rotate(cos.data(), sin.data(), q, heads);
+      rope.rotate(cos.data(), sin.data(), k, kv_heads);
+    }
+    internal::store_row_from_float(q_act, token * heads * d, 1, t, q, heads * d);
+    internal::store_row_from_float(k_new, token * kv_heads * d, 1, t, k, kv_heads * d);
+    internal::store_row_from_float(v_new, token * kv_heads * d, 1, t, v, kv_heads * d);
   }
 }
 
-// attn (batch, T, H, D) in the activation dtype from q_act and the cache (K/V of the chunk
-// already written).
-Status AttentionLayer::Impl::attend(const void* q_act, const std::vector<int64_t>& pos,
-                                    int64_t batch, int64_t tokens, const KvCache& cache, void* attn,
-                                    int threads) const {
+// attn (batch, T, H, D) in the activation dtype: the new K/V appended into the cache at the
+// positions and the queries attending it, causal within the window, with the sinks; one
+// flash_attn_with_kvcache call, which writes nothing unless every check passes and puts the
+// slots back should the kernel fail.
+Status AttentionLayer::Impl::attend(const void* q_act, const void* k_new, const void* v_new,
+                                    const std::vector<int64_t>& pos, int64_t batch, int64_t tokens,
+                                    KvCache* cache, void* attn, int threads) const {
   const DType t = config.dtype;
-  const int64_t max_len = cache.max_len(), row = heads * d;
-  const TensorView sink =
-      config.sinks ? TensorView::contiguous(sinks.data(), DType::kFloat32, {heads}) : TensorView{};
-  if (tokens <= kMaxDecodeTokens) {
-    DecodeOptions options;
-    options.scale = scale;
-    options.sliding_window = config.sliding_window;
-    options.sink = sink;
-    options.num_threads = threads;
-    TensorView q = TensorView::contiguous(q_act, t, {batch, heads, tokens, d});
-    q.strides = {tokens * row, d, row, 1};
-    const TensorView k = TensorView::contiguous(cache.k_data(), t, {batch, kv_heads, max_len, d});
-    const TensorView v = TensorView::contiguous(cache.v_data(), t, {batch, kv_heads, max_len, d});
-    DecodeOutputs outputs;
-    outputs.out = MutableTensorView::contiguous(attn, t, {batch, heads, tokens, d});
-    outputs.out.strides = q.strides;
-    return decode_attention(q, k, v,
-                            TensorView::contiguous(pos.data(), DType::kInt64, {batch, tokens}),
-                            outputs, options);
-  }
-  const int64_t element = dtype_size(t);
+  KvCacheOptions o;
+  o.k = TensorView::contiguous(k_new, t, {batch, tokens, kv_heads, d});
+  o.v = TensorView::contiguous(v_new, t, {batch, tokens, kv_heads, d});
+  std::vector<int32_t> starts(static_cast<size_t>(batch));
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t start = pos[static_cast<size_t>(b * tokens)];
-    const auto* k_base =
-        static_cast<const uint8_t*>(cache.k_data()) + b * kv_heads * max_len * d * element;
-    const auto* v_base =
-        static_cast<const uint8_t*>(cache.v_data()) + b * kv_heads * max_len * d * element;
-    // The chunk's slots as K/V (bs_kv = kv_heads, Skv = T, d), strided over the cache.
-    const auto cache_view = [&](const uint8_t* base, int64_t first, int64_t length) {
-      TensorView view =
-          TensorView::contiguous(base + first * d * element, t, {kv_heads, length, d});
-      view.strides = {max_len * d, d, 1};
-      return view;
-    };
-    Options options;
-    options.scale = scale;
-    options.causal_mask = true;
-    options.sliding_window = config.sliding_window;
-    options.tp_k = true;  // K as (bs_kv, Skv, d), the cache's layout
-    options.sink = sink;
-    options.num_threads = threads;
-    if (start > 0) {  // the cached tokens before the chunk: prefix caching
-      options.k_prior = cache_view(k_base, 0, start);
-      options.v_prior = cache_view(v_base, 0, start);
-    }
-    TensorView q = TensorView::contiguous(
-        static_cast<const uint8_t*>(q_act) + b * tokens * row * element, t, {heads, tokens, d});
-    q.strides = {d, row, 1};
-    Outputs outputs;
-    outputs.out = MutableTensorView::contiguous(
-        static_cast<uint8_t*>(attn) + b * tokens * row * element, t, {heads, tokens, d});
-    outputs.out.strides = {d, row, 1};
-    const Status s = attention_cte(q, cache_view(k_base, start, tokens),
-                                   cache_view(v_base, start, tokens), outputs, options);
-    if (!s.ok) return Status::Error("attention (sequence " + Str(b) + "): " + s.message);
+    starts[static_cast<size_t>(b)] = static_cast<int32_t>(pos[static_cast<size_t>(b * tokens)]);
   }
+  o.cache_seqlens = TensorView::contiguous(starts.data(), DType::kInt32, {batch});
+  o.softmax_scale = scale;
+  o.causal = true;
+  if (config.sliding_window > 0) o.window_left = config.sliding_window - 1;
+  if (config.sinks) o.sinks = TensorView::contiguous(sinks.data(), DType::kFloat32, {heads});
+  o.num_threads = threads;
+  // The storage as flash_attn_with_kvcache's (rows, slots, kv_heads, d): dense rows are
+  // sequences of max_len slots, pages are rows of block_size slots; (kv_heads, slots) permuted.
+  const int64_t slots = cache->paged() ? cache->block_size() : cache->max_len();
+  const int64_t rows = cache->paged() ? cache->num_blocks() : cache->batch();
+  std::vector<int32_t> table;
+  if (cache->paged()) {
+    const int64_t width = std::max<int64_t>(cache->max_len() / slots, 1);
+    table.assign(static_cast<size_t>(batch * width), -1);  // -1 past a sequence's pages: unread
+    for (int64_t b = 0; b < batch; ++b) {
+      std::copy(cache->pages(b).begin(), cache->pages(b).end(), table.begin() + b * width);
+    }
+    o.block_table = TensorView::contiguous(table.data(), DType::kInt32, {batch, width});
+  }
+  MutableTensorView k_cache =
+      MutableTensorView::contiguous(cache->k_data(), t, {rows, kv_heads, slots, d});
+  MutableTensorView v_cache =
+      MutableTensorView::contiguous(cache->v_data(), t, {rows, kv_heads, slots, d});
+  for (MutableTensorView* view : {&k_cache, &v_cache}) {
+    std::swap(view->shape[1], view->shape[2]);
+    std::swap(view->strides[1], view->strides[2]);
+  }
+  const TensorView q = TensorView::contiguous(q_act, t, {batch, tokens, heads, d});
+  const MutableTensorView out = MutableTensorView::contiguous(attn, t, {batch, tokens, heads, d});
+  const Status s = flash_attn_with_kvcache(q, k_cache, v_cache, out, {}, o);
+  if (!s.ok) return Status::Error("attention: " + s.message);
   return Status::Ok();
 }
 
@@ -359,6 +361,12 @@ Status AttentionLayer::new_cache(int64_t batch, int64_t max_len, KvCache* cache)
   return KvCache::create(batch, impl_->kv_heads, max_len, impl_->d, impl_->config.dtype, cache);
 }
 
+Status AttentionLayer::new_paged_cache(int64_t batch, int64_t num_blocks, int64_t block_size,
+                                       KvCache* cache) const {
+  return KvCache::create_paged(batch, num_blocks, block_size, impl_->kv_heads, impl_->d,
+                               impl_->config.dtype, cache);
+}
+
 Status AttentionLayer::forward(const TensorView& x, const TensorView& positions, KvCache* cache,
                                const MutableTensorView& out, int num_threads) const {
   if (cache == nullptr) return Status::Error("cache: must not be null");
@@ -393,9 +401,12 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& positions,
     }
     const int64_t element = dtype_size(t), row = m.heads * m.d;
     std::vector<uint8_t> q_act(static_cast<size_t>(rows * row * element));
-    m.project_qkv(qkv, pos, batch, tokens, cache, q_act.data());
+    std::vector<uint8_t> k_new(static_cast<size_t>(rows * m.kv_heads * m.d * element));
+    std::vector<uint8_t> v_new(k_new.size());
+    m.project_qkv(qkv, pos, batch, tokens, q_act.data(), k_new.data(), v_new.data());
     std::vector<uint8_t> attn(q_act.size());
-    if (Status s = m.attend(q_act.data(), pos, batch, tokens, *cache, attn.data(), num_threads);
+    if (Status s = m.attend(q_act.data(), k_new.data(), v_new.data(), pos, batch, tokens, cache,
+                            attn.data(), num_threads);
         !s.ok) {
       return s;
     }

@@ -1,5 +1,8 @@
-// KvCache (include/flashcte/layer.h): one layer's K and V, (batch, kv_heads, max_len, head_dim)
-// in the activation dtype, zero-initialized as the module's (LAYER.md section 7).
+// KvCache (include/flashcte/layer.h): one layer's K and V in the activation dtype,
+// zero-initialized as the module's (LAYER.md section 7): dense (batch, kv_heads, max_len,
+// head_dim), or a block pool (num_blocks, kv_heads, block_size, head_dim) the sequences name
+// through their block tables.
+#include <algorithm>
 #include <cstdlib>
 #include <limits>
 #include <new>
@@ -9,14 +12,17 @@
 #include "src/core/pages.h"
 
 namespace flashcte {
+namespace {
+
+std::string Str(int64_t x) { return std::to_string(x); }
+
+}  // namespace
 
 void KvCache::Free::operator()(uint8_t* p) const { std::free(p); }
 
-Status KvCache::create(int64_t batch, int64_t kv_heads, int64_t max_len, int64_t head_dim,
-                       DType dtype, KvCache* cache) {
-  if (cache == nullptr) return Status::Error("cache: must not be null");
-  if (batch < 1) return Status::Error("batch: must be >= 1, got " + std::to_string(batch));
-  if (max_len < 1) return Status::Error("max_len: must be >= 1, got " + std::to_string(max_len));
+// `rows` x kv_heads x `slots` x head_dim elements each for K and V, zeroed.
+Status KvCache::allocate(int64_t rows, int64_t kv_heads, int64_t slots, int64_t head_dim,
+                         DType dtype, KvCache* cache) {
   if (kv_heads < 1 || head_dim < 1) {
     return Status::Error("kv_heads, head_dim: must be >= 1");
   }
@@ -24,31 +30,100 @@ Status KvCache::create(int64_t batch, int64_t kv_heads, int64_t max_len, int64_t
     return Status::Error("dtype: the cache holds float32, bfloat16 or float16");
   }
   const int64_t limit = std::numeric_limits<int64_t>::max() / 8;
-  int64_t elements = batch;
-  for (int64_t factor : {kv_heads, max_len, head_dim}) {
+  int64_t elements = rows;
+  for (int64_t factor : {kv_heads, slots, head_dim}) {
     if (elements > limit / factor) {
-      return Status::Error("max_len: a cache of " + std::to_string(batch) + " x " +
-                           std::to_string(kv_heads) + " x " + std::to_string(max_len) + " x " +
-                           std::to_string(head_dim) + " elements does not fit in memory");
+      return Status::Error("max_len: a cache of " + Str(rows) + " x " + Str(kv_heads) + " x " +
+                           Str(slots) + " x " + Str(head_dim) + " elements does not fit in memory");
     }
     elements *= factor;
   }
   try {
     const size_t bytes = static_cast<size_t>(elements) * static_cast<size_t>(dtype_size(dtype));
-    KvCache fresh;
-    fresh.batch_ = batch;
-    fresh.kv_heads_ = kv_heads;
-    fresh.max_len_ = max_len;
-    fresh.head_dim_ = head_dim;
-    fresh.dtype_ = dtype;
-    fresh.k_.reset(static_cast<uint8_t*>(internal::allocate_pages(bytes)));
-    fresh.v_.reset(static_cast<uint8_t*>(internal::allocate_pages(bytes)));
-    fresh.lengths_.assign(static_cast<size_t>(batch), 0);
-    *cache = std::move(fresh);
+    cache->kv_heads_ = kv_heads;
+    cache->head_dim_ = head_dim;
+    cache->dtype_ = dtype;
+    cache->k_.reset(static_cast<uint8_t*>(internal::allocate_pages(bytes)));
+    cache->v_.reset(static_cast<uint8_t*>(internal::allocate_pages(bytes)));
   } catch (const std::bad_alloc&) {
-    return Status::Error("max_len: allocation of the cache (2 x " + std::to_string(elements) +
+    return Status::Error("max_len: allocation of the cache (2 x " + Str(elements) +
                          " elements) failed");
   }
+  return Status::Ok();
+}
+
+Status KvCache::create(int64_t batch, int64_t kv_heads, int64_t max_len, int64_t head_dim,
+                       DType dtype, KvCache* cache) {
+  if (cache == nullptr) return Status::Error("cache: must not be null");
+  if (batch < 1) return Status::Error("batch: must be >= 1, got " + Str(batch));
+  if (max_len < 1) return Status::Error("max_len: must be >= 1, got " + Str(max_len));
+  KvCache fresh;
+  if (Status s = allocate(batch, kv_heads, max_len, head_dim, dtype, &fresh); !s.ok) return s;
+  fresh.batch_ = batch;
+  fresh.max_len_ = max_len;
+  fresh.lengths_.assign(static_cast<size_t>(batch), 0);
+  *cache = std::move(fresh);
+  return Status::Ok();
+}
+
+Status KvCache::create_paged(int64_t batch, int64_t num_blocks, int64_t block_size,
+                             int64_t kv_heads, int64_t head_dim, DType dtype, KvCache* cache) {
+  if (cache == nullptr) return Status::Error("cache: must not be null");
+  if (batch < 1) return Status::Error("batch: must be >= 1, got " + Str(batch));
+  if (num_blocks < 1 || num_blocks > std::numeric_limits<int32_t>::max()) {
+    return Status::Error("num_blocks: must be in [1, 2^31 - 1] (int32 block tables), got " +
+                         Str(num_blocks));
+  }
+  if (block_size < 1) return Status::Error("block_size: must be >= 1, got " + Str(block_size));
+  KvCache fresh;
+  if (Status s = allocate(num_blocks, kv_heads, block_size, head_dim, dtype, &fresh); !s.ok) {
+    return s;
+  }
+  fresh.batch_ = batch;
+  fresh.num_blocks_ = num_blocks;
+  fresh.block_size_ = block_size;
+  fresh.lengths_.assign(static_cast<size_t>(batch), 0);
+  fresh.pages_.resize(static_cast<size_t>(batch));
+  *cache = std::move(fresh);
+  return Status::Ok();
+}
+
+int64_t KvCache::max_len() const {
+  if (!paged()) return max_len_;
+  size_t most = 0;
+  for (const std::vector<int32_t>& p : pages_) most = std::max(most, p.size());
+  return static_cast<int64_t>(most) * block_size_;
+}
+
+int64_t KvCache::capacity(int64_t b) const {
+  return paged() ? static_cast<int64_t>(pages(b).size()) * block_size_ : max_len_;
+}
+
+Status KvCache::assign(int64_t b, const std::vector<int32_t>& pages, int64_t length) {
+  if (!paged()) return Status::Error("cache: a dense cache has no pages to assign");
+  if (b < 0 || b >= batch_) {
+    return Status::Error("b: must be in [0, batch = " + Str(batch_) + "), got " + Str(b));
+  }
+  std::vector<int32_t> sorted = pages;
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 0; i < pages.size(); ++i) {
+    if (pages[i] < 0 || pages[i] >= num_blocks_) {
+      return Status::Error("pages: [" + Str(static_cast<int64_t>(i)) + "] = " + Str(pages[i]) +
+                           " must be in [0, num_blocks = " + Str(num_blocks_) + ")");
+    }
+    if (i > 0 && sorted[i] == sorted[i - 1]) {
+      return Status::Error("pages: page " + Str(sorted[i]) +
+                           " is named twice; a sequence's slots are distinct");
+    }
+  }
+  const int64_t slots = static_cast<int64_t>(pages.size()) * block_size_;
+  if (length < 0 || length > slots) {
+    return Status::Error("length: must be in [0, " + Str(slots) + "], the slots of " +
+                         Str(static_cast<int64_t>(pages.size())) + " pages of " + Str(block_size_) +
+                         ", got " + Str(length));
+  }
+  pages_[static_cast<size_t>(b)] = pages;
+  lengths_[static_cast<size_t>(b)] = length;
   return Status::Ok();
 }
 

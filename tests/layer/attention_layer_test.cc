@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -42,14 +43,47 @@ double read(const std::vector<uint16_t>& bits, const std::vector<float>& floats,
   return floats[i];
 }
 
-// One layer run side by side: the fast layer and the oracle, each with its own cache.
+// The slots' bytes of a fast cache's K and V storage.
+std::vector<uint8_t> cache_bytes(const KvCache& cache) {
+  const int64_t rows = cache.paged() ? cache.num_blocks() : cache.batch();
+  const int64_t slots = cache.paged() ? cache.block_size() : cache.max_len();
+  const size_t n = static_cast<size_t>(rows * cache.kv_heads() * slots * cache.head_dim() *
+                                       dtype_size(cache.dtype()));
+  std::vector<uint8_t> bytes(static_cast<const uint8_t*>(cache.k_data()),
+                             static_cast<const uint8_t*>(cache.k_data()) + n);
+  bytes.insert(bytes.end(), static_cast<const uint8_t*>(cache.v_data()),
+               static_cast<const uint8_t*>(cache.v_data()) + n);
+  return bytes;
+}
+
+// A block pool for `batch` sequences of `max_len` slots in pages of `block_size`, each
+// sequence's pages at shuffled places among two spare ones.
+KvCache paged_cache(const AttentionLayer& layer, int64_t batch, int64_t max_len, int64_t block_size,
+                    uint32_t seed) {
+  const int64_t pages = (max_len + block_size - 1) / block_size;
+  std::vector<int32_t> order(static_cast<size_t>(batch * pages + 2));
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::shuffle(order.begin(), order.end(), std::mt19937(seed));
+  KvCache cache;
+  EXPECT_TRUE(layer.new_paged_cache(batch, batch * pages + 2, block_size, &cache).ok);
+  for (int64_t b = 0; b < batch; ++b) {
+    const std::vector<int32_t> own(order.begin() + b * pages, order.begin() + (b + 1) * pages);
+    EXPECT_TRUE(cache.assign(b, own, 0).ok);
+  }
+  return cache;
+}
+
+// One layer run side by side: the fast layer and the oracle, each with its own cache; with
+// `block_size`, the fast layer also runs on a block pool, bitwise the dense cache's result.
 class SideBySide {
  public:
-  SideBySide(const LayerConfig& config, const LayerWeights& weights, int64_t batch, int64_t max_len)
+  SideBySide(const LayerConfig& config, const LayerWeights& weights, int64_t batch, int64_t max_len,
+             int64_t block_size = 0)
       : config_(config), weights_(weights), batch_(batch), rng_(7) {
     const Status s = AttentionLayer::create(config, weights, &layer_);
     EXPECT_TRUE(s.ok) << s.message;
     EXPECT_TRUE(layer_->new_cache(batch, max_len, &cache_).ok);
+    if (block_size > 0) paged_ = paged_cache(*layer_, batch, max_len, block_size, 3);
     oracle_cache_ = new_cache(config, batch, max_len);
   }
 
@@ -68,6 +102,16 @@ class SideBySide {
     const Status s = layer_->forward(
         xv, pv, &cache_, MutableTensorView::contiguous(out_data, t, {batch_, tokens, hidden}));
     ASSERT_TRUE(s.ok) << what << ": " << s.message;
+    if (paged_.paged()) {
+      std::vector<float> paged_f(out_f.size());
+      std::vector<uint16_t> paged_h(out_h.size());
+      void* paged_data = t == DType::kFloat32 ? static_cast<void*>(paged_f.data()) : paged_h.data();
+      const Status sp = layer_->forward(
+          xv, pv, &paged_, MutableTensorView::contiguous(paged_data, t, {batch_, tokens, hidden}));
+      ASSERT_TRUE(sp.ok) << what << " (paged): " << sp.message;
+      EXPECT_TRUE(paged_f == out_f && paged_h == out_h) << what << ": paged differs from dense";
+      EXPECT_EQ(paged_.lengths(), cache_.lengths()) << what;
+    }
     std::vector<double> expected;
     ASSERT_TRUE(layer_forward(config_, weights_, xv, pv, &oracle_cache_, &expected).ok);
     double largest = 0, worst = 0;
@@ -89,7 +133,7 @@ class SideBySide {
   int64_t batch_;
   std::mt19937 rng_;
   std::unique_ptr<AttentionLayer> layer_;
-  KvCache cache_;
+  KvCache cache_, paged_;
   LayerCache oracle_cache_;
 };
 
@@ -104,9 +148,9 @@ std::vector<int64_t> rows(const std::vector<std::pair<int64_t, int64_t>>& start_
 // Prefill (attention_cte), a second chunk that continues sequence 0 and rewrites sequence 1 from
 // position 30 (prefix caching at two prior lengths), then decode (decode_attention) at two
 // different positions, single tokens and a 3-token speculation chunk.
-void run_conversation(const LayerConfig& config) {
+void run_conversation(const LayerConfig& config, int64_t block_size = 0) {
   std::mt19937 rng(11);
-  SideBySide run(config, random_weights(config, &rng), 2, 96);
+  SideBySide run(config, random_weights(config, &rng), 2, 96, block_size);
   run.step(rows({{0, 40}, {0, 40}}), "prefill");
   run.step(rows({{40, 24}, {30, 24}}), "second chunk");
   for (int step = 0; step < 3; ++step) {
@@ -117,15 +161,26 @@ void run_conversation(const LayerConfig& config) {
 
 class AttentionLayerTest : public ::testing::TestWithParam<DType> {};
 
-TEST_P(AttentionLayerTest, GqaWithEverythingOn) {
+LayerConfig everything_on(DType dtype) {
   LayerConfig c = small_config(32, 4, 2, 8);
   c.rotary_dim = 6;
   c.rope_theta = 500;
   c.rope_scaling = Llama3RopeScaling{4.0, 1.0, 2.0, 16};
   c.sliding_window = 20;
   c.qkv_bias = c.o_bias = c.qk_norm = c.sinks = true;
-  c.dtype = GetParam();
-  run_conversation(c);
+  c.dtype = dtype;
+  return c;
+}
+
+TEST_P(AttentionLayerTest, GqaWithEverythingOn) { run_conversation(everything_on(GetParam())); }
+
+// The same conversation on block pools (pages of 1, 3 and 16 slots at shuffled places): against
+// the oracle, and bitwise the dense cache's outputs and lengths at every step.
+TEST_P(AttentionLayerTest, PagedCacheBitwiseTheDenseOne) {
+  for (int64_t block_size : {1, 3, 16}) {
+    SCOPED_TRACE("pages of " + std::to_string(block_size));
+    run_conversation(everything_on(GetParam()), block_size);
+  }
 }
 
 TEST_P(AttentionLayerTest, MqaPlain) {
@@ -178,6 +233,119 @@ TEST(AttentionLayerErrors, BadInputsAreRefusedWithTheArgumentNamed) {
   c.num_kv_heads = 3;
   expect_error(AttentionLayer::create(c, w, &layer), "num_kv_heads: must divide num_heads");
   expect_error(KvCache::create(1, 1, 0, 8, DType::kFloat32, &other), "max_len: must be >= 1");
+}
+
+}  // namespace
+}  // namespace flashcte::reference::test
+
+namespace flashcte::reference::test {
+namespace {
+
+// Runs the layer on `cache` with x rows `x` (batch, T, hidden) at `positions`; float32 out.
+Status forward(const AttentionLayer& layer, KvCache* cache, const std::vector<float>& x,
+               const std::vector<int64_t>& positions, std::vector<float>* out) {
+  const int64_t batch = cache->batch(), tokens = static_cast<int64_t>(positions.size()) / batch;
+  const int64_t hidden = layer.config().hidden_size;
+  out->assign(static_cast<size_t>(batch * tokens * hidden), 0.0f);
+  return layer.forward(
+      TensorView::contiguous(x.data(), DType::kFloat32, {batch, tokens, hidden}),
+      TensorView::contiguous(positions.data(), DType::kInt64, {batch, tokens}), cache,
+      MutableTensorView::contiguous(out->data(), DType::kFloat32, {batch, tokens, hidden}));
+}
+
+// A serving engine's prefix cache: sequence 1 takes sequence 0's prompt pages (read-only) and
+// its own pages after them; its decode steps are bitwise those of a dense cache that prefilled
+// the same prompt, and a call that would write into the shared pages is refused with the pool
+// byte for byte as it was.
+TEST(PagedLayer, SharedPrefixPagesAreReadOnly) {
+  const LayerConfig c = everything_on(DType::kFloat32);
+  std::mt19937 rng(5);
+  std::unique_ptr<AttentionLayer> layer;
+  ASSERT_TRUE(AttentionLayer::create(c, random_weights(c, &rng), &layer).ok);
+  const int64_t hidden = c.hidden_size, prompt = 32;
+  const std::vector<float> p = random_vector(&rng, prompt * hidden, 1.0f);
+  const std::vector<float> junk = random_vector(&rng, prompt * hidden, 1.0f);
+  std::vector<float> both_prompt = p, prompt_and_junk = p;
+  both_prompt.insert(both_prompt.end(), p.begin(), p.end());
+  prompt_and_junk.insert(prompt_and_junk.end(), junk.begin(), junk.end());
+  std::vector<int64_t> prefill_pos;
+  for (int b = 0; b < 2; ++b) {
+    for (int64_t t = 0; t < prompt; ++t) prefill_pos.push_back(t);
+  }
+  KvCache dense, pool;
+  ASSERT_TRUE(layer->new_cache(2, 64, &dense).ok);
+  ASSERT_TRUE(layer->new_paged_cache(2, 12, 16, &pool).ok);
+  ASSERT_TRUE(pool.assign(0, {5, 2, 7, 0}, 0).ok);
+  ASSERT_TRUE(pool.assign(1, {9, 4, 1, 3}, 0).ok);
+  std::vector<float> dense_out, paged_out;
+  ASSERT_TRUE(forward(*layer, &dense, both_prompt, prefill_pos, &dense_out).ok);
+  ASSERT_TRUE(forward(*layer, &pool, prompt_and_junk, prefill_pos, &paged_out).ok);
+  // Sequence 1 now reuses sequence 0's prompt pages, 5 and 2, then pages of its own. The dense
+  // cache gets the same: sequence 0's prompt slots copied into sequence 1's (the GEMM may round
+  // a row differently by its place in the batch, so the two prefills need not agree bitwise).
+  ASSERT_TRUE(pool.assign(1, {5, 2, 8, 6}, prompt).ok);
+  const size_t slot = static_cast<size_t>(c.head_dim) * sizeof(float);
+  for (void* storage : {dense.k_data(), dense.v_data()}) {
+    auto* bytes = static_cast<uint8_t*>(storage);
+    for (int64_t h = 0; h < c.num_kv_heads; ++h) {
+      std::memcpy(bytes + (c.num_kv_heads + h) * dense.max_len() * slot,
+                  bytes + h * dense.max_len() * slot, static_cast<size_t>(prompt) * slot);
+    }
+  }
+  for (int64_t step = 0; step < 3; ++step) {
+    const std::vector<float> x = random_vector(&rng, 2 * hidden, 1.0f);
+    const std::vector<int64_t> pos = {prompt + step, prompt + step};
+    ASSERT_TRUE(forward(*layer, &dense, x, pos, &dense_out).ok);
+    ASSERT_TRUE(forward(*layer, &pool, x, pos, &paged_out).ok);
+    for (int64_t b = 0; b < 2; ++b) {
+      EXPECT_TRUE(std::equal(paged_out.begin() + b * hidden, paged_out.begin() + (b + 1) * hidden,
+                             dense_out.begin() + b * hidden))
+          << "decode step " << step << ", sequence " << b;
+    }
+  }
+  EXPECT_EQ(pool.lengths(), dense.lengths());
+  // Rewriting sequence 1 from position 30 would write into page 2, sequence 0's.
+  const std::vector<uint8_t> before = cache_bytes(pool);
+  const std::vector<int64_t> lengths = pool.lengths();
+  const std::vector<float> x = random_vector(&rng, 2 * 4 * hidden, 1.0f);
+  expect_error(forward(*layer, &pool, x, {35, 36, 37, 38, 30, 31, 32, 33}, &paged_out),
+               "positions: row 1 writes into page 2");
+  EXPECT_TRUE(cache_bytes(pool) == before) << "a refused call changed the pool";
+  EXPECT_EQ(pool.lengths(), lengths);
+}
+
+TEST(PagedLayer, BadPagesAndPositionsAreRefusedWithThePoolUntouched) {
+  const LayerConfig c = everything_on(DType::kFloat32);
+  std::mt19937 rng(6);
+  std::unique_ptr<AttentionLayer> layer;
+  ASSERT_TRUE(AttentionLayer::create(c, random_weights(c, &rng), &layer).ok);
+  KvCache pool, dense;
+  expect_error(layer->new_paged_cache(1, 0, 16, &pool), "num_blocks:");
+  expect_error(layer->new_paged_cache(1, 4, 0, &pool), "block_size:");
+  ASSERT_TRUE(layer->new_paged_cache(2, 6, 4, &pool).ok);
+  ASSERT_TRUE(layer->new_cache(1, 8, &dense).ok);
+  expect_error(dense.assign(0, {0}, 0), "cache: a dense cache");
+  expect_error(pool.assign(2, {0}, 0), "b:");
+  expect_error(pool.assign(0, {0, 6}, 0), "pages: [1] = 6");
+  expect_error(pool.assign(0, {-1}, 0), "pages: [0] = -1");
+  expect_error(pool.assign(0, {3, 1, 3}, 0), "pages: page 3 is named twice");
+  expect_error(pool.assign(0, {0, 1}, 9), "length:");
+  ASSERT_TRUE(pool.assign(0, {0, 1}, 0).ok);
+  ASSERT_TRUE(pool.assign(1, {2}, 0).ok);
+  const std::vector<uint8_t> before = cache_bytes(pool);
+  std::vector<float> out;
+  const int64_t hidden = c.hidden_size;
+  // Sequence 1 has one page of 4 slots: 5 tokens run past it.
+  expect_error(forward(*layer, &pool, random_vector(&rng, 2 * 5 * hidden),
+                       {0, 1, 2, 3, 4, 0, 1, 2, 3, 4}, &out),
+               "positions: row 1 token 4 is 4, past sequence 1's pages (4 slots)");
+  EXPECT_TRUE(cache_bytes(pool) == before);
+  EXPECT_EQ(pool.lengths(), (std::vector<int64_t>{0, 0}));
+  // A sequence without pages cannot take a token.
+  ASSERT_TRUE(pool.assign(1, {}, 0).ok);
+  expect_error(forward(*layer, &pool, random_vector(&rng, 2 * hidden), {0, 0}, &out),
+               "positions: row 1 token 0 is 0, past sequence 1's pages (0 slots)");
+  EXPECT_TRUE(cache_bytes(pool) == before);
 }
 
 }  // namespace
