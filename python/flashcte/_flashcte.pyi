@@ -4,7 +4,7 @@ Native layer of flashcte. Use the functions of the `flashcte` package; this modu
 """
 
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, overload
 
 from numpy.typing import NDArray
 
@@ -220,9 +220,23 @@ class Layer:
 class KvCache:
     """flashcte::KvCache."""
 
+    @overload
     def __init__(
         self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: str
     ) -> None: ...
+    @overload
+    def __init__(
+        self,
+        *,
+        batch: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: str,
+    ) -> None:
+        """KvCache::create_paged: a block pool."""
+
     @property
     def batch(self) -> int: ...
     @property
@@ -235,6 +249,16 @@ class KvCache:
     def dtype(self) -> str: ...
     @property
     def lengths(self) -> list[int]: ...
+    @property
+    def paged(self) -> bool: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    def pages(self, b: int) -> list[int]: ...
+    def assign(self, b: int, pages: Sequence[int], length: int) -> None:
+        """KvCache::assign: sequence b's pages and its filled slots."""
+
     def reset(self, b: int) -> None:
         """Forgets every token of sequence b."""
 

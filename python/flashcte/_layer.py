@@ -149,14 +149,18 @@ def _positions(x: Any) -> Any:
 
 
 class KvCache:
-    """The KV cache of one layer: K (after q/k norm and RoPE) and V, each
-    ``(batch, kv_heads, max_len, head_dim)`` in the layer's dtype, zero-initialised, with the
-    number of filled slots of each sequence.
+    """The KV cache of one layer: K (after q/k norm and RoPE) and V in the layer's dtype,
+    zero-initialised, with the number of filled slots of each sequence.
 
-    Usually made by :meth:`AttentionLayer.new_cache`. A layer accepts any cache of its shape
-    (batch of the call, kv_heads, head_dim, dtype) and refuses others; one cache belongs to one
-    layer of a model, as in the module. A cache is mutated by forward: a second call on the same
-    cache while one runs (from another thread) raises RuntimeError.
+    Dense: ``(batch, kv_heads, max_len, head_dim)`` each, from :meth:`AttentionLayer.new_cache`.
+    Paged: a block pool ``(num_blocks, kv_heads, block_size, head_dim)`` each (vLLM's layout),
+    from :meth:`AttentionLayer.new_paged_cache`; :meth:`assign` gives each sequence its pages. Two
+    sequences may name the same pages for a common prompt prefix; those pages are read-only (a
+    call that would write into a page another sequence names raises ValueError, the pool as it
+    was). A layer accepts any cache of its shape (batch of the call, kv_heads, head_dim, dtype)
+    and refuses others; one cache belongs to one layer of a model, as in the module. A cache is
+    mutated by forward: a second call on the same cache while one runs (from another thread)
+    raises RuntimeError.
     """
 
     __slots__ = ("_native",)
@@ -169,6 +173,49 @@ class KvCache:
             _int("head_dim", head_dim),
             _activation_dtype(dtype),
         )
+
+    @classmethod
+    def paged(cls, batch: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+              dtype="float32") -> KvCache:
+        """A block pool of ``num_blocks`` pages of ``block_size`` slots (any size from 1) for
+        ``batch`` sequences, none of which has a page until :meth:`assign`."""
+        cache = cls.__new__(cls)
+        cache._native = _flashcte.KvCache(
+            batch=_int("batch", batch),
+            num_blocks=_int("num_blocks", num_blocks),
+            block_size=_int("block_size", block_size),
+            kv_heads=_int("kv_heads", kv_heads),
+            head_dim=_int("head_dim", head_dim),
+            dtype=_activation_dtype(dtype),
+        )
+        return cache
+
+    @property
+    def is_paged(self) -> bool:
+        return self._native.paged
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages in the pool (0 for a dense cache)."""
+        return self._native.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Slots per page (0 for a dense cache)."""
+        return self._native.block_size
+
+    def pages(self, b: int) -> list[int]:
+        """Sequence ``b``'s pages, in slot order (a paged cache)."""
+        return list(self._native.pages(_int("b", b)))
+
+    def assign(self, b: int, pages: Any, length: int = 0) -> None:
+        """Gives sequence ``b`` of a paged cache the pages ``pages`` (slot ``j`` is row
+        ``j % block_size`` of page ``pages[j // block_size]``), with ``length`` slots already
+        filled: 0 for a new request, or the length of a prompt prefix whose pages another
+        sequence filled (shared, read-only). Raises ValueError naming the argument (a page out
+        of range or repeated, a length past the pages, a dense cache); the cache is then as it
+        was."""
+        self._native.assign(_int("b", b), [int(p) for p in pages], _int("length", length))
 
     @property
     def batch(self) -> int:
@@ -214,16 +261,23 @@ class KvCache:
 
     @property
     def keys(self) -> np.ndarray:
-        """K: a read-only numpy view ``(batch, kv_heads, max_len, head_dim)`` of the storage
-        (bfloat16 as ``ml_dtypes.bfloat16``; its uint16 bits without ml_dtypes)."""
+        """K: a read-only numpy view ``(batch, kv_heads, max_len, head_dim)`` of the storage, or
+        ``(num_blocks, kv_heads, block_size, head_dim)`` of a pool (bfloat16 as
+        ``ml_dtypes.bfloat16``; its uint16 bits without ml_dtypes)."""
         return self._storage(False)
 
     @property
     def values(self) -> np.ndarray:
-        """V: a read-only numpy view ``(batch, kv_heads, max_len, head_dim)`` of the storage."""
+        """V: a read-only numpy view of the storage, shaped as :attr:`keys`."""
         return self._storage(True)
 
     def __repr__(self) -> str:
+        if self.is_paged:
+            return (
+                f"KvCache.paged(batch={self.batch}, num_blocks={self.num_blocks}, "
+                f"block_size={self.block_size}, kv_heads={self.kv_heads}, "
+                f"head_dim={self.head_dim}, dtype={self.dtype!r}, lengths={self.lengths.tolist()})"
+            )
         return (
             f"KvCache(batch={self.batch}, max_len={self.max_len}, kv_heads={self.kv_heads}, "
             f"head_dim={self.head_dim}, dtype={self.dtype!r}, lengths={self.lengths.tolist()})"
@@ -492,6 +546,13 @@ class AttentionLayer:
         heads for a tensor-parallel rank)."""
         c = self._rank_config
         return KvCache(batch, max_len, c.num_kv_heads, self._head_dim, c.dtype)
+
+    def new_paged_cache(self, batch: int, num_blocks: int, block_size: int) -> KvCache:
+        """An empty block pool of ``num_blocks`` pages of ``block_size`` slots for ``batch``
+        sequences (this rank's KV heads for a tensor-parallel rank); :meth:`KvCache.assign`
+        gives each sequence its pages."""
+        c = self._rank_config
+        return KvCache.paged(batch, num_blocks, block_size, c.num_kv_heads, self._head_dim, c.dtype)
 
     def __call__(
         self,

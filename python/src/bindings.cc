@@ -502,6 +502,23 @@ void cache_init(PyKvCache* self, int64_t batch, int64_t kv_heads, int64_t max_le
   new (self) PyKvCache{std::move(cache), false};
 }
 
+void paged_cache_init(PyKvCache* self, int64_t batch, int64_t num_blocks, int64_t block_size,
+                      int64_t kv_heads, int64_t head_dim, const std::string& dtype) {
+  flashcte::KvCache cache;
+  const flashcte::Status status = flashcte::KvCache::create_paged(
+      batch, num_blocks, block_size, kv_heads, head_dim, activation_dtype(dtype), &cache);
+  if (!status.ok) raise_status(status);
+  new (self) PyKvCache{std::move(cache), false};
+}
+
+void cache_assign(PyKvCache& self, int64_t b, const std::vector<int32_t>& pages, int64_t length) {
+  if (self.busy) {
+    throw std::runtime_error("cache: another forward call is using this cache right now");
+  }
+  const flashcte::Status status = self.cache.assign(b, pages, length);
+  if (!status.ok) raise_status(status);
+}
+
 void cache_reset(PyKvCache& self, int64_t b) {
   if (b < 0 || b >= self.cache.batch()) {
     throw nb::value_error(("b: must be in [0, batch = " + std::to_string(self.cache.batch()) +
@@ -519,8 +536,12 @@ void cache_reset(PyKvCache& self, int64_t b) {
 nb::ndarray<nb::numpy, nb::ro> cache_storage(nb::handle self_handle, bool values) {
   PyKvCache& self = nb::cast<PyKvCache&>(self_handle);
   const flashcte::KvCache& c = self.cache;
-  const size_t shape[4] = {static_cast<size_t>(c.batch()), static_cast<size_t>(c.kv_heads()),
-                           static_cast<size_t>(c.max_len()), static_cast<size_t>(c.head_dim())};
+  // Dense (batch, kv_heads, max_len, head_dim); paged (num_blocks, kv_heads, block_size,
+  // head_dim).
+  const size_t shape[4] = {static_cast<size_t>(c.paged() ? c.num_blocks() : c.batch()),
+                           static_cast<size_t>(c.kv_heads()),
+                           static_cast<size_t>(c.paged() ? c.block_size() : c.max_len()),
+                           static_cast<size_t>(c.head_dim())};
   nb::dlpack::dtype dtype = nb::dtype<float>();
   if (c.dtype() == flashcte::DType::kBFloat16) dtype = nb::dtype<uint16_t>();
   if (c.dtype() == flashcte::DType::kFloat16) {
@@ -589,6 +610,9 @@ void bind_layer(nb::module_& m) {
   nb::class_<PyKvCache>(m, "KvCache", "flashcte::KvCache.")
       .def("__init__", &cache_init, nb::arg("batch"), nb::arg("kv_heads"), nb::arg("max_len"),
            nb::arg("head_dim"), nb::arg("dtype"))
+      .def("__init__", &paged_cache_init, nb::kw_only(), nb::arg("batch"), nb::arg("num_blocks"),
+           nb::arg("block_size"), nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("dtype"),
+           "KvCache::create_paged: a block pool.")
       .def_prop_ro("batch", [](const PyKvCache& c) { return c.cache.batch(); })
       .def_prop_ro("kv_heads", [](const PyKvCache& c) { return c.cache.kv_heads(); })
       .def_prop_ro("max_len", [](const PyKvCache& c) { return c.cache.max_len(); })
@@ -597,6 +621,18 @@ void bind_layer(nb::module_& m) {
           "dtype",
           [](const PyKvCache& c) { return std::string(flashcte::dtype_name(c.cache.dtype())); })
       .def_prop_ro("lengths", [](const PyKvCache& c) { return c.cache.lengths(); })
+      .def_prop_ro("paged", [](const PyKvCache& c) { return c.cache.paged(); })
+      .def_prop_ro("num_blocks", [](const PyKvCache& c) { return c.cache.num_blocks(); })
+      .def_prop_ro("block_size", [](const PyKvCache& c) { return c.cache.block_size(); })
+      .def(
+          "pages",
+          [](const PyKvCache& c, int64_t b) {
+            if (b < 0 || b >= c.cache.batch()) throw nb::value_error("b: out of range");
+            return c.cache.pages(b);
+          },
+          nb::arg("b"))
+      .def("assign", &cache_assign, nb::arg("b"), nb::arg("pages"), nb::arg("length"),
+           "KvCache::assign: sequence b's pages and its filled slots.")
       .def("reset", &cache_reset, nb::arg("b"), "Forgets every token of sequence b.")
       .def(
           "keys", [](nb::handle self) { return cache_storage(self, false); },

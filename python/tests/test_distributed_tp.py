@@ -101,9 +101,12 @@ def tp_case(
     torch_in: bool = True,
     gqa_strategy: str = "auto",
     local_heads: dict | None = None,
+    block_size: int = 0,
 ):
     """The conversation through TensorParallelAttention on the group and through the whole
-    layer, on every rank; ``local_heads[p]`` = (query heads, KV heads) a rank holds at tp p."""
+    layer, on every rank; ``local_heads[p]`` = (query heads, KV heads) a rank holds at tp p.
+    With ``block_size``, the ranks' caches are block pools with the same shuffled pages on every
+    rank (the whole layer keeps a dense cache)."""
 
     def run(rank, p, group):
         seed = 11
@@ -121,6 +124,12 @@ def tp_case(
         assert tp.tp_degree == p and tp.tp_rank == rank
         tp.set_weights(**{k: torch.from_numpy(v) for k, v in weights.items()})
         cache, whole_cache = tp.new_cache(2, 64), whole.new_cache(2, 64)
+        if block_size:
+            pages = 64 // block_size
+            order = np.random.default_rng(5).permutation(2 * pages + 1)
+            cache = tp.new_paged_cache(2, 2 * pages + 1, block_size)
+            for b in range(2):
+                cache.assign(b, order[b * pages : (b + 1) * pages])
         assert cache.kv_heads == tp.local_num_kv_heads
         g = torch.Generator().manual_seed(3)
         dtype = cfg.get("dtype", "float32")
@@ -275,6 +284,14 @@ CASES = {
             ),
         ),
         (2, 4),
+    ),
+    # a block pool per rank, pages of 8 at shuffled places, the same tables on every rank
+    "gqa_8_2_paged": (
+        tp_case(
+            dict(BASE, num_heads=8, num_kv_heads=2, o_bias=True, sinks=True, sliding_window=12),
+            block_size=8,
+        ),
+        (2,),
     ),
     "gqa_6_3_bf16_numpy": (
         tp_case(

@@ -279,15 +279,24 @@ CONVERSATION = [
 ]
 
 
-def run_conversation(cfg: dict, rng, x_dtype: str | None = None) -> None:
+def run_conversation(cfg: dict, rng, x_dtype: str | None = None, block_size: int = 0) -> None:
+    """The conversation against the model; with ``block_size``, on a block pool (the sequences'
+    pages at shuffled places) and bitwise the same outputs as on a dense cache."""
     weights = make_weights(cfg, rng)
     layer = make_layer(cfg, weights)
     ref = RefLayer(cfg, weights, batch=2, max_len=128)
-    cache = layer.new_cache(2, 128)
+    cache = dense = layer.new_cache(2, 128)
+    if block_size:
+        pages = -(-128 // block_size)
+        cache = layer.new_paged_cache(2, 2 * pages + 3, block_size)
+        order = rng.permutation(2 * pages + 3)
+        for b in range(2):
+            cache.assign(b, order[b * pages : (b + 1) * pages])
     dtype = cfg["dtype"]
     for what, positions in CONVERSATION:
         if positions is None:
             cache.reset(1)
+            dense.reset(1)
             ref.lengths[1] = 0
             continue
         x = rng.standard_normal((2, positions.shape[1], cfg["hidden_size"]))
@@ -296,6 +305,10 @@ def run_conversation(cfg: dict, rng, x_dtype: str | None = None) -> None:
         assert isinstance(y, np.ndarray) and y.dtype == np_dtype(dtype), (what, y.dtype)
         assert_layer_close(y, ref.forward(x, positions), dtype, what)
         np.testing.assert_array_equal(cache.lengths, ref.lengths, err_msg=what)
+        if block_size:
+            assert layer(x, positions, dense).tobytes() == y.tobytes(), f"{what}: paged != dense"
+    if block_size:
+        return
     # The cache holds K after norm and RoPE, and V, at every filled slot.
     for b, n in enumerate(ref.lengths):
         assert_layer_close(cache.keys[b, :, :n], ref.k[b, :, :n], dtype, f"cache K row {b}")
@@ -323,6 +336,46 @@ def test_conversation_float32(name, rng):
 @pytest.mark.parametrize("name", ["gqa_everything", "mqa"])
 def test_conversation_16bit(name, dtype, rng):
     run_conversation(make_config(name, dtype, rng), rng)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("name", ["gqa_everything", "mqa"])
+def test_conversation_on_a_paged_cache(name, block_size, rng):
+    run_conversation(make_config(name, "float32", rng), rng, block_size=block_size)
+
+
+def test_shared_prefix_pages(rng):
+    """A serving engine's prefix cache: request 1 reuses request 0's prompt pages (read-only)
+    and decodes as if it had prefilled the prompt itself; writing into them raises ValueError
+    with the pool unchanged; bad pages are refused by name."""
+    cfg = make_config("gqa_everything", "float32", rng)
+    layer = make_layer(cfg, make_weights(cfg, rng))
+    hidden = cfg["hidden_size"]
+    pool = layer.new_paged_cache(2, 12, 8)
+    pool.assign(0, [3, 7, 1, 0])
+    pool.assign(1, [9, 4, 5, 2])
+    prompt = rng.standard_normal((1, 16, hidden)).astype(np.float32)
+    junk = rng.standard_normal((1, 16, hidden)).astype(np.float32)
+    layer(np.concatenate([prompt, junk]), rows((0, 16), (0, 16)), pool)
+    pool.assign(1, [3, 7, 11, 6], length=16)  # request 0's prompt pages, then its own
+    assert pool.pages(1) == [3, 7, 11, 6] and pool.lengths.tolist() == [16, 16]
+    # The reference: a dense cache whose row 1 holds the same prompt K/V as row 0.
+    dense = layer.new_cache(2, 32)
+    layer(np.concatenate([prompt, prompt]), rows((0, 16), (0, 16)), dense)
+    for step in range(3):
+        x = rng.standard_normal((2, 1, hidden)).astype(np.float32)
+        got = layer(x, rows((16 + step, 1), (16 + step, 1)), pool)
+        want = layer(x, rows((16 + step, 1), (16 + step, 1)), dense)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    before = (pool.keys.copy(), pool.values.copy(), pool.lengths.copy())
+    x = rng.standard_normal((2, 2, hidden)).astype(np.float32)
+    raises(ValueError, "positions: row 1 writes into page 7", layer, x, rows((19, 2), (14, 2)),
+           pool)
+    assert all(np.array_equal(a, b) for a, b in zip(before, (pool.keys, pool.values, pool.lengths)))
+    raises(ValueError, "pages: [1] = 12 must be in [0, num_blocks = 12)", pool.assign, 0, [1, 12])
+    raises(ValueError, "pages: page 1 is named twice", pool.assign, 0, [1, 2, 1])
+    raises(ValueError, "length: must be in [0, 16]", pool.assign, 0, [1, 2], 17)
+    raises(ValueError, "cache: a dense cache", dense.assign, 0, [1])
 
 
 def test_float32_input_into_a_bfloat16_layer(rng):

@@ -210,6 +210,12 @@ class TensorParallelAttention:
         :attr:`local_num_kv_heads` KV heads. Not collective."""
         return self._layer.new_cache(batch, max_len)
 
+    def new_paged_cache(self, batch: int, num_blocks: int, block_size: int) -> KvCache:
+        """This rank's block pool: ``num_blocks`` pages of ``block_size`` slots of its
+        :attr:`local_num_kv_heads` KV heads for ``batch`` sequences. Every rank keeps the same
+        block tables (:meth:`KvCache.assign` with the same pages on each rank). Not collective."""
+        return self._layer.new_paged_cache(batch, num_blocks, block_size)
+
     def __call__(
         self,
         x: ArrayLike,
