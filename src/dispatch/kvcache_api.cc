@@ -81,16 +81,24 @@ void for_each_new_row(const DecodeProblem& p, const KvAppend& a, const F& f) {
   }
 }
 
-// The bytes of the cache elements the append overwrites, in its order, to put back on failure.
+// The bytes of the cache elements the append overwrites, in its order, to put back on failure:
+// a row at a time where its channels are back to back (the usual layouts), else element by
+// element.
 std::vector<unsigned char> save_slots(const DecodeProblem& p, const KvAppend& a) {
   std::vector<unsigned char> saved;
+  saved.reserve(static_cast<size_t>(p.batch * a.tokens * p.kv_heads * (p.head_dim + p.value_dim) *
+                                    dtype_size(p.dtype)));
   for_each_new_row(p, a,
                    [&](const KvSource& src, const TensorView&, int64_t channels, int64_t, int64_t,
                        int64_t, int64_t offset) {
-                     const int64_t elem = src.element_bytes();
-                     const auto* base = static_cast<const unsigned char*>(src.data);
-                     for (int64_t x = 0; x < channels; ++x) {
-                       const unsigned char* e = base + (offset + x * src.strides[3]) * elem;
+                     const int64_t elem = src.element_bytes(), step = src.strides[3] * elem;
+                     const unsigned char* e =
+                         static_cast<const unsigned char*>(src.data) + offset * elem;
+                     if (src.strides[3] == 1) {
+                       saved.insert(saved.end(), e, e + channels * elem);
+                       return;
+                     }
+                     for (int64_t x = 0; x < channels; ++x, e += step) {
                        saved.insert(saved.end(), e, e + elem);
                      }
                    });
@@ -103,13 +111,15 @@ void restore_slots(const DecodeProblem& p, const KvAppend& a,
   for_each_new_row(p, a,
                    [&](const KvSource& src, const TensorView&, int64_t channels, int64_t, int64_t,
                        int64_t, int64_t offset) {
-                     const int64_t elem = src.element_bytes();
+                     const int64_t elem = src.element_bytes(), step = src.strides[3] * elem;
                      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the caller's writable
                      // cache
-                     auto* base = static_cast<unsigned char*>(const_cast<void*>(src.data));
-                     for (int64_t x = 0; x < channels; ++x, at += static_cast<size_t>(elem)) {
-                       std::memcpy(base + (offset + x * src.strides[3]) * elem, &saved[at],
-                                   static_cast<size_t>(elem));
+                     auto* e =
+                         static_cast<unsigned char*>(const_cast<void*>(src.data)) + offset * elem;
+                     const int64_t run = src.strides[3] == 1 ? channels : 1;
+                     for (int64_t x = 0; x < channels; x += run, e += step * run) {
+                       std::memcpy(e, &saved[at], static_cast<size_t>(run * elem));
+                       at += static_cast<size_t>(run * elem);
                      }
                    });
 }
