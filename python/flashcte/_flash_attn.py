@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from ._attention import _call
-from ._tensors import Tensor, empty, float32_array, give_back, transpose, zeros
+from . import _flashcte
+from ._tensors import Tensor, empty, float32_array, give_back, is_bf16_numpy, native, transpose, zeros
 
 ArrayLike = Any
 
@@ -194,9 +195,9 @@ def flash_attn_func(
     Raises:
         TypeError, ValueError: bad inputs; the message names the argument.
 
-    Each batch element is one attention_cte call with the heads as its batch axis and
-    FlashAttention's masks as the library's ``bottom_right`` alignment and
-    ``window_left``/``window_right``.
+    The batch is one call into the library (flash_attn_with_kvcache's, with ``k`` and ``v``
+    as full caches): up to 16 queries per sequence on the decode kernel, more on attention_cte,
+    every sequence's work in one parallel region.
     """
     qt, kt, vt = _inputs(q, k, v, 4, "(batch, seqlen, {h}, head_dim)")
     _check_heads(qt, kt, vt, 2)
@@ -214,23 +215,27 @@ def flash_attn_func(
 
     out = empty(qt, (batch, seqlen_q, heads, dv))
     lse = empty(qt, (batch, heads, seqlen_q), "float32") if return_softmax_lse else None
-    for b in range(batch):
-        _call(
-            _view(qt, b),
-            _view(kt, b),
-            _view(vt, b),
-            transpose(out[b], 0, 1),
-            lse=None if lse is None else lse[b],
-            scale=scale,
-            causal_mask=False,
-            tp_k=True,
-            num_threads=num_threads,
-            softcap=cap,
-            alibi_slopes=None if slopes is None else slopes[b],
+    # The whole batch in one call and one parallel region: FlashAttention's serving call over k
+    # and v as full caches (nothing appended, so they are only read). Its messages name the
+    # caches; here they are k and v.
+    try:
+        _flashcte.flash_attn_with_kvcache(
+            q=native(qt),
+            k_cache=native(kt),
+            v_cache=native(vt),
+            out=native(out),
+            lse=native(lse),
+            bf16_bits=is_bf16_numpy(qt.arr),
+            softmax_scale=scale,
+            causal=bool(causal),
             window_left=left,
             window_right=right,
-            bottom_right=True,
+            softcap=cap,
+            alibi_slopes=slopes,
+            num_threads=0 if num_threads is None else int(num_threads),
         )
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("k_cache", "k").replace("v_cache", "v")) from None
     if return_softmax_lse:
         return give_back(qt, out), give_back(qt, lse)
     return give_back(qt, out)

@@ -327,8 +327,18 @@ void flash_attn_with_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cach
   Imports im;
   im.bf16_bits = bf16_bits;
   const flashcte::TensorView qv = im.in("q", q);
-  const flashcte::MutableTensorView kc = im.out("k_cache", k_cache);
-  const flashcte::MutableTensorView vc = im.out("v_cache", v_cache);
+  // The caches are written only when k and v are appended; otherwise they are read, and may be
+  // read-only arrays (flash_attn_func's k and v).
+  const bool appending = options.contains("k") && !options["k"].is_none();
+  const auto cache = [&](const char* name, nb::handle h) {
+    if (appending) return im.out(name, h);
+    const flashcte::TensorView view = im.in(name, h);
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): never written without an append
+    return flashcte::MutableTensorView{const_cast<void*>(view.data), view.dtype, view.rank,
+                                       view.shape, view.strides};
+  };
+  const flashcte::MutableTensorView kc = cache("k_cache", k_cache);
+  const flashcte::MutableTensorView vc = cache("v_cache", v_cache);
   const flashcte::MutableTensorView ov = im.out("out", out), lv = im.out("lse", lse);
   flashcte::KvCacheOptions o;
   set_options(im, o, options, kKvCacheOptions, "flash_attn_with_kvcache");
