@@ -73,6 +73,22 @@ FLASHCTE_DECODE_BF16 inline void prefetch_row(uintptr_t p, int64_t bytes) {
   }
 }
 
+// Rows ahead that are also requested into L1 (prefetcht0), besides the L2 requests
+// kDecodePrefetchBytes ahead. A paged cache's rows come in runs of a page (4 KiB per head at 16
+// slots of bfloat16, d = 128), and at every run the L1 prefetcher starts over; this keeps the
+// next rows' lines arriving. Zen 5 EPYC, 2 threads, 32/8 heads, 32768 cached tokens, cold, 3
+// rounds of 7 reps: pages of 16 went from 7.4-7.9 to 4.7-5.8 ms per call and the dense cache
+// from 4.5-4.8 to 3.8-5.3 ms (8 rows; only the table form: pages 5.1-5.9, dense unchanged).
+inline constexpr int64_t kL1PrefetchRows = 8;
+
+// One L1 prefetch (prefetcht0) per cache line of [p, p + bytes); nothing for p = 0.
+FLASHCTE_DECODE_BF16 inline void prefetch_row_to_l1(uintptr_t p, int64_t bytes) {
+  if (p == 0) return;
+  for (uintptr_t a = p & ~uintptr_t{63}; a < p + static_cast<uintptr_t>(bytes); a += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 3);
+  }
+}
+
 // Lane i of the result = the sum of v[i]'s 16 lanes (clobbers v). Two in-block levels (vshufps:
 // lanes 0 + 1 and 2 + 3 of each 128-bit block of a pair of vectors), then two across blocks
 // (vshuff32x4): 45 three-operand shuffles and adds, no register copies, where the ConcatEven /
@@ -127,6 +143,7 @@ FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t
     for (int64_t c = 0; c < K; ++c) {
       kr[c] = k.template at<uint16_t>(std::min(j0 + c, n - 1));
       prefetch_row(k.prefetch_address(j0 + c + ahead), row_bytes);
+      prefetch_row_to_l1(k.prefetch_address(j0 + c + kL1PrefetchRows), row_bytes);
     }
     // Step by step along d, all K keys at once: R * K independent accumulator chains hide the
     // vdpbf16ps latency that key by key (R chains) left exposed (4 rows, d = 128, K in L1, Zen 4:
@@ -259,6 +276,8 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
     if (prefetch_bytes) {
       prefetch_row(v.prefetch_address(j + ahead), prefetch_bytes);
       prefetch_row(v.prefetch_address(j + ahead + 1), prefetch_bytes);
+      prefetch_row_to_l1(v.prefetch_address(j + kL1PrefetchRows), prefetch_bytes);
+      prefetch_row_to_l1(v.prefetch_address(j + kL1PrefetchRows + 1), prefetch_bytes);
     }
     __m512bh vp[2 * G];
 #pragma GCC unroll 16
