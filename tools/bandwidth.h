@@ -19,6 +19,11 @@ class ReadBandwidth {
   size_t bytes() const { return words_ * sizeof(uint64_t); }
   // One pass over the whole buffer on `threads` threads; returns GB/s (1e9 bytes per second).
   double Measure(int threads);
+  // One pass over the buffer as runs of `run_bytes` (a multiple of 64) read in a shuffled order,
+  // the pattern of a paged KV cache whose pages lie at scattered places: each run read from
+  // start to end, the run that comes 8 KiB or more later requested into L2 (prefetcht1) as the
+  // decode kernels request their rows. The ceiling a paged decode call is held to.
+  double MeasureRuns(int threads, size_t run_bytes);
 
  private:
   struct Free {

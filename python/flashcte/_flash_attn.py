@@ -6,7 +6,8 @@ strided axis, so each batch element is one attention_cte call on the views ``q[b
 ``(heads, seqlen_q, d)`` (k with ``tp_k``), written straight into the output's
 ``(heads, seqlen_q, dv)`` view: nothing is copied. Varlen is usually a single call per problem:
 the heads are the batch axis and the sequences become per-row packing bounds (ALiBi with
-sequences whose positions one call cannot express takes one call per sequence).
+sequences whose positions one attention_cte call cannot express goes through
+flash_attn_varlen_kvcache, the packed keys read as one-slot pages).
 
 Masks follow FlashAttention: with ``seqlen_q != seqlen_k`` the causal diagonal is aligned to the
 bottom-right corner, and query ``i`` sees keys ``j`` with
@@ -318,7 +319,217 @@ def flash_attn_varlen_func(
     The library's ALiBi distance uses one position offset per call, which reproduces every
     sequence's distance only when ``cu_seqlens_k[s + 1] - cu_seqlens_q[s + 1]`` is the same for
     all sequences (self-attention with ``cu_seqlens_q == cu_seqlens_k``, for one) and the slopes
-    are the same for all sequences; otherwise ALiBi runs one call per sequence.
+    are the same for all sequences; otherwise ALiBi goes through the mixed-batch call (the packed
+    keys as a paged cache of one-slot pages), still one call and one parallel region.
+    """
+    if block_table is not None:
+        from ._kvcache import varlen_over_cache
+
+        if seqused_k is None:
+            if cu_seqlens_k is None:
+                raise ValueError("seqused_k: with block_table, seqused_k or cu_seqlens_k gives each sequence's keys")
+            seqused_k = np.diff(_cu_seqlens("cu_seqlens_k", cu_seqlens_k)).astype(np.int32)
+        return varlen_over_cache(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            seqused_k,
+            block_table,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            None,
+            return_softmax_lse,
+            num_threads,
+        )
+    if seqused_k is not None:
+        raise ValueError("seqused_k: is taken with block_table (a paged cache) only; cu_seqlens_k gives packed keys")
+    qt, kt, vt = _inputs(q, k, v, 3, "(total, {h}, head_dim)")
+    _check_heads(qt, kt, vt, 1)
+    total_q, heads, d = qt.shape
+    total_k, dv = kt.shape[0], vt.shape[2]
+    if vt.shape[0] != total_k:
+        raise ValueError(f"v: total {vt.shape[0]} differs from k's total {total_k}")
+    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    if cu_q.size != cu_k.size:
+        raise ValueError(
+            f"cu_seqlens_k: holds {cu_k.size} offsets, cu_seqlens_q {cu_q.size} (batch + 1 each)"
+        )
+    if cu_q[-1] > total_q:
+        raise ValueError(f"cu_seqlens_q: ends at {cu_q[-1]} past q's total {total_q}")
+    if cu_k[-1] > total_k:
+        raise ValueError(f"cu_seqlens_k: ends at {cu_k[-1]} past k's total {total_k}")
+    len_q, len_k = np.diff(cu_q), np.diff(cu_k)
+    if len_q.size and int(len_q.max()) > int(max_seqlen_q):
+        raise ValueError(
+            f"max_seqlen_q: {max_seqlen_q} is less than the longest query sequence {int(len_q.max())}"
+        )
+    if len_k.size and int(len_k.max()) > int(max_seqlen_k):
+        raise ValueError(
+            f"max_seqlen_k: {max_seqlen_k} is less than the longest key sequence {int(len_k.max())}"
+        )
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    left, right = _window(window_size, causal)
+    cap = _softcap(softcap)
+    slopes = _alibi(alibi_slopes, len_q.size, heads)
+    common = {"scale": scale, "tp_k": True, "num_threads": num_threads, "softcap": cap}
+
+    packed: tuple[int, bool] | None = (0, False)
+    if slopes is not None:
+        live = (len_q > 0) & (len_k > 0)
+        rows = slopes[live] if live.any() else slopes[:1]
+        packed = _packed_alibi_positions(cu_q, cu_k, total_q, total_k)
+        if packed is not None and rows.size and np.all(rows == rows[:1]):
+            common["alibi_slopes"] = rows[0]
+        else:
+            packed = None
+
+    if packed is not None:
+        # One call: per-row packing bounds, ALiBi positions shifted by one common offset.
+        lo = np.zeros(total_q, np.int64)
+        hi = np.zeros(total_q, np.int64)
+        for s in range(len_q.size):
+            qs, ks = int(cu_q[s]), int(cu_k[s])
+            row_lo, row_hi = _bounds(int(len_q[s]), int(len_k[s]), left, right)
+            lo[qs : qs + len_q[s]] = row_lo + ks
+            hi[qs : qs + len_q[s]] = row_hi + ks
+        out = empty(qt, (total_q, heads, dv))
+        lse = empty(qt, (heads, total_q), "float32") if return_softmax_lse else None
+        cp_offset, bottom_right = packed
+        _call(
+            _view(qt, None),
+            _view(kt, None),
+            _view(vt, None),
+            transpose(out, 0, 1),
+            lse=lse,
+            causal_mask=False,
+            bound_min=lo,
+            bound_max=hi,
+            cp_offset=cp_offset or None,
+            bottom_right=bottom_right,
+            **common,
+        )
+    else:
+        # One call for the whole batch all the same (flash_attn_varlen_kvcache, whose ALiBi
+        # distances are each sequence's own): packed k and v are a paged cache of one-slot pages,
+        # and sequence s's block table is its own key rows cu_k[s] .. cu_k[s + 1]. Query rows
+        # past cu_q[-1] keep out = 0, lse = -inf.
+        from ._kvcache import varlen_over_cache
+
+        end = int(cu_q[-1])
+        table = cu_k[:-1, None] + np.arange(max(1, int(len_k.max(initial=0))))[None, :]
+        table = np.minimum(table, max(total_k - 1, 0)).astype(np.int32)
+        out = zeros(qt, (total_q, heads, dv))
+        result = varlen_over_cache(
+            q[:end],
+            k[:, None],
+            v[:, None],
+            cu_q.astype(np.int32),
+            len_k.astype(np.int32),
+            table,
+            scale,
+            causal,
+            window_size,
+            softcap,
+            slopes,
+            None,
+            return_softmax_lse,
+            num_threads,
+            out=out[:end],
+        )
+        lse = None
+        if return_softmax_lse:
+            lse = empty(qt, (heads, total_q), "float32")
+            lse[...] = -math.inf
+            lse[:, :end] = result[1]
+    if return_softmax_lse:
+        return give_back(qt, out), give_back(qt, lse)
+    return give_back(qt, out)
+
+
+def _view(t: Tensor, index: int | slice | None) -> Tensor:
+    """(seqlen, heads, d) of batch element `index`, of the packed rows `index` (a slice) or of the
+    whole varlen tensor (None), as (heads, seqlen, d)."""
+    view = Tensor.__new__(Tensor)
+    view.name, view.kind, view.source = t.name, t.kind, t.source
+    view.arr = transpose(t.arr if index is None else t.arr[index], 0, 1)
+    return view
+
+
+def _cu_seqlens(name: str, x: Any) -> np.ndarray:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim != 1 or a.size < 1 or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{name}: must be a 1-D integer array of batch + 1 offsets, got {a!r}")
+    a = a.astype(np.int64)
+    if a[0] != 0 or np.any(np.diff(a) < 0):
+        raise ValueError(f"{name}: must start at 0 and never decrease, got {a.tolist()}")
+    return a
+
+
+def flash_attn_varlen_func(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    cu_seqlens_q: ArrayLike,
+    cu_seqlens_k: ArrayLike,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    return_softmax_lse: bool = False,
+    *,
+    block_table: ArrayLike | None = None,
+    seqused_k: ArrayLike | None = None,
+    num_threads: int | None = None,
+) -> ArrayLike | tuple[ArrayLike, ArrayLike]:
+    """FlashAttention's ``flash_attn_varlen_func`` on the CPU: packed variable-length sequences.
+
+    Args:
+        q: ``(total_q, heads, d)``: the batch's query sequences back to back.
+        k: ``(total_k, heads_k, d)``; ``heads_k`` divides ``heads`` (GQA/MQA).
+        v: ``(total_k, heads_k, dv)``.
+        cu_seqlens_q, cu_seqlens_k: ``(batch + 1,)`` integer offsets (int32 in FlashAttention):
+            sequence ``s`` is rows ``[cu[s], cu[s + 1])``. Query rows past ``cu_seqlens_q[-1]``
+            output 0.
+        max_seqlen_q, max_seqlen_k: the longest sequences; checked against the offsets (an
+            understated maximum raises ValueError), otherwise unused.
+        softmax_scale, causal, window_size, softcap, return_softmax_lse, num_threads: as in
+            :func:`flash_attn_func`, per sequence (the causal diagonal is aligned to each
+            sequence's bottom-right corner).
+        alibi_slopes: ``(heads,)`` or ``(batch, heads)``, ``batch`` the number of sequences;
+            the distances are taken within each sequence, ``|i + seqlen_k - seqlen_q - j|`` with
+            ``i``, ``j`` and the lengths those of the sequence, as in :func:`flash_attn_func`.
+        block_table: ``(batch, max_blocks_per_seq)`` int32: ``k`` and ``v`` are then a paged KV
+            cache, ``(num_blocks, page_block_size, heads_k, d / dv)`` with any
+            ``page_block_size`` from 1, and sequence ``s`` has ``seqused_k[s]`` keys (else
+            ``cu_seqlens_k[s + 1] - cu_seqlens_k[s]``, which may then be None) in its pages. This
+            is the serving engine's mixed batch: prefill chunks and decoding sequences in one
+            call and one parallel region, each sequence's queries the last of its keys.
+        seqused_k: ``(batch,)`` int32, with ``block_table``: the keys of each sequence in its
+            pages (FlashAttention 3's ``seqused_k``; not taken with packed ``k``, where
+            ``cu_seqlens_k`` says it).
+
+    Returns:
+        ``out`` ``(total_q, heads, dv)``, or ``(out, lse)`` with ``lse`` float32
+        ``(heads, total_q)``.
+
+    Usually one attention_cte call covers the whole batch: heads are its batch axis and each
+    query row's allowed key range (sequence, causal diagonal and window) is a packing bound.
+    The library's ALiBi distance uses one position offset per call, which reproduces every
+    sequence's distance only when ``cu_seqlens_k[s + 1] - cu_seqlens_q[s + 1]`` is the same for
+    all sequences (self-attention with ``cu_seqlens_q == cu_seqlens_k``, for one) and the slopes
+    are the same for all sequences; otherwise ALiBi goes through the mixed-batch call (the packed
+    keys as a paged cache of one-slot pages), still one call and one parallel region.
     """
     if block_table is not None:
         from ._kvcache import varlen_over_cache

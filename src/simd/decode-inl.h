@@ -22,7 +22,8 @@
 // Prefetch: both kernels request each K / V row kDecodePrefetchBytes ahead into L2 (prefetcht1).
 // A core's demand misses and L1 prefetches are capped by its L1 miss buffers (~15 GB/s here);
 // requests into L2 let the 2 cores approach the memory's read bandwidth (decode_bf16-inl.h has
-// the measurement).
+// the measurement). The rows kL1PrefetchRows ahead are also requested into L1 (prefetcht0), which
+// a paged cache needs at every page boundary (decode_bf16-inl.h).
 //
 // Bytes per FLOP: each cached K or V element is read once per call and feeds 2 FLOPs per query
 // row (group * T rows of one KV head). At 4 rows (32/8 heads, T = 1) that is 0.25 B/FLOP for
@@ -71,16 +72,17 @@ HWY_INLINE int64_t PrefetchRows(int64_t width) {
   return (decode_prefetch_bytes() + bytes - 1) / bytes;
 }
 
-// Requests the `bytes` at p into L2 (prefetcht1), one request per cache line; nothing for p = 0
-// (no row there: prefetch_address of decode_rows.h).
-HWY_INLINE void PrefetchToL2(uintptr_t p, int64_t bytes) {
+// Requests the `bytes` at p into L2 (kLocality 2: prefetcht1) or L1 (3: prefetcht0), one request
+// per cache line; nothing for p = 0 (no row there: prefetch_address of decode_rows.h).
+template <int kLocality>
+HWY_INLINE void PrefetchLines(uintptr_t p, int64_t bytes) {
 #if HWY_COMPILER_GCC || HWY_COMPILER_CLANG
   if (p == 0) return;
   for (uintptr_t a = p & ~uintptr_t{63}; a < p + static_cast<uintptr_t>(bytes); a += 64) {
     // An address that may lie past the buffer: integer arithmetic keeps it clear of
     // out-of-bounds pointer arithmetic, and a prefetch never faults.
     // NOLINTNEXTLINE(performance-no-int-to-ptr)
-    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
+    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, kLocality);
   }
 #else
   (void)p;
@@ -169,7 +171,8 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
   // Key by key, each K row read from start to end: sequential lines for the prefetchers.
 #pragma GCC unroll 16
   for (int64_t c = 0; c < K; ++c) {
-    PrefetchToL2(k.prefetch_address(j0 + c + ahead), row_bytes);
+    PrefetchLines<2>(k.prefetch_address(j0 + c + ahead), row_bytes);
+    PrefetchLines<3>(k.prefetch_address(j0 + c + kL1PrefetchRows), row_bytes);
     DotRow<R>(df, qr, k.template at<T>(std::min(j0 + c, n - 1)), d, acc + c, K);
   }
   HWY_ALIGN float sums[N];
@@ -262,7 +265,10 @@ HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, cons
   }
   for (int64_t j = 0; j < n; ++j) {
     const T* row = v.template at<T>(j) + col;
-    if (prefetch_bytes) PrefetchToL2(v.prefetch_address(j + ahead), prefetch_bytes);
+    if (prefetch_bytes) {
+      PrefetchLines<2>(v.prefetch_address(j + ahead), prefetch_bytes);
+      PrefetchLines<3>(v.prefetch_address(j + kL1PrefetchRows), prefetch_bytes);
+    }
     hn::Vec<DF> vv[C];
 #pragma GCC unroll 8
     for (int64_t c = 0; c < C; ++c) {

@@ -49,6 +49,15 @@ namespace flashcte::simd {
 inline constexpr int64_t kDecodePrefetchBytes = 8192;
 inline int64_t decode_prefetch_bytes() { return kDecodePrefetchBytes; }
 
+// Rows ahead that are also requested into L1 (prefetcht0), besides the L2 requests
+// kDecodePrefetchBytes ahead, by both kernels. A paged cache's rows come in runs of a page
+// (4 KiB per head at 16 slots of bfloat16, d = 128), and at every run the L1 prefetcher starts
+// over; this keeps the next rows' lines arriving. Zen 5 EPYC, 2 threads, 32/8 heads, 32768 cached
+// tokens, cold, 3 rounds of 7 reps, bf16 native: pages of 16 went from 7.4-7.9 to 4.7-5.8 ms per
+// call and the dense cache from 4.5-4.8 to 3.8-5.3 ms (8 rows; only the table form: pages
+// 5.1-5.9, dense unchanged).
+inline constexpr int64_t kL1PrefetchRows = 8;
+
 }  // namespace flashcte::simd
 
 #if HWY_ARCH_X86 && (HWY_COMPILER_GCC || HWY_COMPILER_CLANG)
@@ -72,14 +81,6 @@ FLASHCTE_DECODE_BF16 inline void prefetch_row(uintptr_t p, int64_t bytes) {
     __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
   }
 }
-
-// Rows ahead that are also requested into L1 (prefetcht0), besides the L2 requests
-// kDecodePrefetchBytes ahead. A paged cache's rows come in runs of a page (4 KiB per head at 16
-// slots of bfloat16, d = 128), and at every run the L1 prefetcher starts over; this keeps the
-// next rows' lines arriving. Zen 5 EPYC, 2 threads, 32/8 heads, 32768 cached tokens, cold, 3
-// rounds of 7 reps: pages of 16 went from 7.4-7.9 to 4.7-5.8 ms per call and the dense cache
-// from 4.5-4.8 to 3.8-5.3 ms (8 rows; only the table form: pages 5.1-5.9, dense unchanged).
-inline constexpr int64_t kL1PrefetchRows = 8;
 
 // One L1 prefetch (prefetcht0) per cache line of [p, p + bytes); nothing for p = 0.
 FLASHCTE_DECODE_BF16 inline void prefetch_row_to_l1(uintptr_t p, int64_t bytes) {
