@@ -84,10 +84,9 @@ void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<doubl
     return;
   }
   if (header) {
-    std::printf("%-9s %5s %9s %5s %7s %4s %6s %3s %4s %10s %9s %8s %9s %6s %7s %9s %7s\n",
-                "dtype", "batch", "heads/kv", "d", "cached", "new", "cache", "thr", "cold",
-                "median_ms", "KV_MB", "KV_GB/s", "read_GB/s", "ratio", "vs_dense", "runs_GB/s",
-                "vs_runs");
+    std::printf("%-9s %5s %9s %5s %7s %4s %6s %3s %4s %10s %9s %8s %9s %6s %7s %9s %7s\n", "dtype",
+                "batch", "heads/kv", "d", "cached", "new", "cache", "thr", "cold", "median_ms",
+                "KV_MB", "KV_GB/s", "read_GB/s", "ratio", "vs_dense", "runs_GB/s", "vs_runs");
   }
   const bool paged = block_size > 0;
   const std::string cache = paged ? "page" + std::to_string(block_size) : "dense";
@@ -120,7 +119,7 @@ void PrintNote(const DecodeConfig& c, const std::vector<double>& bw) {
     std::printf(
         "runs_GB/s: the same buffer read as runs of one head's page (%lld bytes) in a shuffled "
         "order, the paged call's ceiling; vs_runs = KV_GB/s / runs_GB/s\n",
-        static_cast<long long>(c.block_size * c.d * dtype_size(c.dtype)));
+        static_cast<long long>(c.block_size) * c.d * dtype_size(c.dtype));
   }
 }
 
