@@ -21,19 +21,6 @@ using std::to_string;
 Status error(const std::string& message) { return Status::Error(message); }
 
 // A (batch,) int32 vector, copied out.
-Status read_int32_vector(const char* name, const TensorView& t, int64_t batch,
-                         std::vector<int64_t>* values, Extent* extent) {
-  FLASHCTE_RETURN_IF_ERROR(check_tensor(name, t, 1, "(batch,)", extent));
-  if (t.dtype != DType::kInt32) {
-    return error(std::string(name) + ": dtype must be int32, got " + dtype_name(t.dtype));
-  }
-  FLASHCTE_RETURN_IF_ERROR(expect_axis(name, t, 0, batch, "q's batch"));
-  values->resize(static_cast<size_t>(batch));
-  const auto* data = static_cast<const int32_t*>(t.data);
-  for (int64_t b = 0; b < batch; ++b) (*values)[b] = data[b * t.strides[0]];
-  return Status::Ok();
-}
-
 // The sizes the call is made of.
 struct Shape {
   int64_t batch = 0, seqlen_q = 0, heads = 0, d = 0;
@@ -379,7 +366,8 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
     if (o.cache_batch_idx.present()) {
       std::vector<int64_t> ignored;
       FLASHCTE_RETURN_IF_ERROR(
-          read_int32_vector("cache_batch_idx", o.cache_batch_idx, s.batch, &ignored, &e.batch_idx));
+          read_int32_vector("cache_batch_idx", o.cache_batch_idx, "(batch,)", s.batch,
+                            "q's batch", &ignored, &e.batch_idx));
     } else if (s.cache_rows != s.batch) {
       return error("k_cache: batch_cache = " + to_string(s.cache_rows) +
                    " must be q's batch = " + to_string(s.batch) + " without cache_batch_idx");
@@ -391,7 +379,8 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   std::vector<int64_t> seqlens(static_cast<size_t>(s.batch), s.capacity), leftpad(seqlens.size());
   if (o.cache_seqlens.present()) {
     FLASHCTE_RETURN_IF_ERROR(
-        read_int32_vector("cache_seqlens", o.cache_seqlens, s.batch, &seqlens, &e.seqlens));
+        read_int32_vector("cache_seqlens", o.cache_seqlens, "(batch,)", s.batch, "q's batch",
+                          &seqlens, &e.seqlens));
   } else if (a->tokens > 0) {
     return error(
         "cache_seqlens: is required to append k and v (where each sequence's new tokens "
@@ -399,7 +388,8 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   }
   if (o.cache_leftpad.present()) {
     FLASHCTE_RETURN_IF_ERROR(
-        read_int32_vector("cache_leftpad", o.cache_leftpad, s.batch, &leftpad, &e.leftpad));
+        read_int32_vector("cache_leftpad", o.cache_leftpad, "(batch,)", s.batch, "q's batch",
+                          &leftpad, &e.leftpad));
   }
   for (int64_t b = 0; b < s.batch; ++b) {
     if (seqlens[b] < 0 || seqlens[b] + a->tokens > s.capacity) {

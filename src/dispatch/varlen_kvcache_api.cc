@@ -25,22 +25,7 @@ using std::to_string;
 
 Status error(const std::string& message) { return Status::Error(message); }
 
-// An int32 vector of `n` entries, copied out.
-Status read_int32(const char* name, const TensorView& t, int64_t n, const char* layout,
-                  std::vector<int64_t>* values, Extent* extent) {
-  if (!t.present()) return error(std::string(name) + ": is required");
-  FLASHCTE_RETURN_IF_ERROR(check_tensor(name, t, 1, layout, extent));
-  if (t.dtype != DType::kInt32) {
-    return error(std::string(name) + ": dtype must be int32, got " + dtype_name(t.dtype));
-  }
-  if (n >= 0) FLASHCTE_RETURN_IF_ERROR(expect_axis(name, t, 0, n, "the batch"));
-  values->resize(static_cast<size_t>(t.shape[0]));
-  const auto* data = static_cast<const int32_t*>(t.data);
-  for (int64_t i = 0; i < t.shape[0]; ++i) (*values)[i] = data[i * t.strides[0]];
-  return Status::Ok();
-}
-
-// The call's sizes and the tensors of sequence b as flash_attn_with_kvcache takes them.
+// The call's sizes and the per-sequence offsets and lengths it was given.
 struct Varlen {
   int64_t batch = 0, total_q = 0, heads = 0;
   std::vector<int64_t> starts;   // cu_seqlens_q
@@ -58,7 +43,8 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
   c->total_q = q.shape[0];
   c->heads = q.shape[1];
   FLASHCTE_RETURN_IF_ERROR(
-      read_int32("cu_seqlens_q", o.cu_seqlens_q, -1, "(batch + 1,)", &c->starts, &ecu));
+      read_int32_vector("cu_seqlens_q", o.cu_seqlens_q, "(batch + 1,)", -1, "",
+                        &c->starts, &ecu));
   if (c->starts.empty()) return error("cu_seqlens_q: must have batch + 1 >= 1 entries, got 0");
   c->batch = static_cast<int64_t>(c->starts.size()) - 1;
   if (c->starts[0] != 0) {
@@ -76,7 +62,8 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
                  " must be q's total_q = " + to_string(c->total_q));
   }
   FLASHCTE_RETURN_IF_ERROR(
-      read_int32("seqused_k", o.seqused_k, c->batch, "(batch,)", &c->seqused, &eused));
+      read_int32_vector("seqused_k", o.seqused_k, "(batch,)", c->batch, "the batch",
+                        &c->seqused, &eused));
   if (!k_cache.present()) return error("k_cache: is required");
   if (!v_cache.present()) return error("v_cache: is required");
   const bool paged = o.block_table.present();

@@ -182,6 +182,21 @@ Status read_bound(const char* name, const TensorView& view, int64_t row, int64_t
 
 }  // namespace
 
+Status read_int32_vector(const char* name, const TensorView& view, const char* layout, int64_t n,
+                         const char* what, std::vector<int64_t>* values, Extent* extent) {
+  if (!view.present()) return Status::Error(std::string(name) + ": is required");
+  FLASHCTE_RETURN_IF_ERROR(check_tensor(name, view, 1, layout, extent));
+  if (view.dtype != DType::kInt32) {
+    return Status::Error(std::string(name) + ": dtype must be int32, got " +
+                         dtype_name(view.dtype));
+  }
+  if (n >= 0) FLASHCTE_RETURN_IF_ERROR(expect_axis(name, view, 0, n, what));
+  values->resize(static_cast<size_t>(view.shape[0]));
+  const auto* data = static_cast<const int32_t*>(view.data);
+  for (int64_t i = 0; i < view.shape[0]; ++i) (*values)[i] = data[i * view.strides[0]];
+  return Status::Ok();
+}
+
 Status read_bounds(const char* name, const TensorView& view, int64_t seqlen_q,
                    std::vector<int64_t>* values) {
   FLASHCTE_RETURN_IF_ERROR(check_view(name, view, false, nullptr));

@@ -86,6 +86,12 @@ struct BatchVector {
 Status read_batch_vector(const char* name, const TensorView& view, int64_t batch,
                          const char* layout, BatchVector* vector, Extent* extent);
 
+// Reads a rank-1 int32 view into int64 `values` (present: a missing one is "is required"); with
+// n >= 0 it must hold n entries, `what` naming n in the message (e.g. "q's batch"). `layout`
+// names the axis, e.g. "(batch,)". Fills `extent` with the bytes it addresses.
+Status read_int32_vector(const char* name, const TensorView& view, const char* layout, int64_t n,
+                         const char* what, std::vector<int64_t>* values, Extent* extent);
+
 // Reads an (Sq, 1) or (Sq,) view of int32, int64 or float32 holding integers into int64.
 Status read_bounds(const char* name, const TensorView& view, int64_t seqlen_q,
                    std::vector<int64_t>* values);

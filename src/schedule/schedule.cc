@@ -47,8 +47,6 @@ std::vector<WorkItem> make_work_items(const AttentionKernel& kernel) {
       items.push_back({item, split, begin, end, kernel.cost(item, begin, end)});
     }
   }
-  std::stable_sort(items.begin(), items.end(),
-                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
   return items;
 }
 

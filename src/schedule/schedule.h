@@ -28,7 +28,8 @@ struct WorkItem {
 // How many KV ranges each item is split into (1: none).
 int64_t kv_splits(const AttentionKernel& kernel);
 
-// All work items of the problem, most expensive first (ties in a fixed order).
+// All work items of the problem, item by item and split by split (run_kernels orders the
+// region's items by cost).
 std::vector<WorkItem> make_work_items(const AttentionKernel& kernel);
 
 // The number of threads a run with `num_items` work items uses (requested: Options::num_threads,
