@@ -365,9 +365,8 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
     s.capacity = s.row_slots;
     if (o.cache_batch_idx.present()) {
       std::vector<int64_t> ignored;
-      FLASHCTE_RETURN_IF_ERROR(
-          read_int32_vector("cache_batch_idx", o.cache_batch_idx, "(batch,)", s.batch,
-                            "q's batch", &ignored, &e.batch_idx));
+      FLASHCTE_RETURN_IF_ERROR(read_int32_vector("cache_batch_idx", o.cache_batch_idx, "(batch,)",
+                                                 s.batch, "q's batch", &ignored, &e.batch_idx));
     } else if (s.cache_rows != s.batch) {
       return error("k_cache: batch_cache = " + to_string(s.cache_rows) +
                    " must be q's batch = " + to_string(s.batch) + " without cache_batch_idx");
@@ -378,18 +377,16 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   // The lengths: cached tokens, left padding, the new tokens' slots.
   std::vector<int64_t> seqlens(static_cast<size_t>(s.batch), s.capacity), leftpad(seqlens.size());
   if (o.cache_seqlens.present()) {
-    FLASHCTE_RETURN_IF_ERROR(
-        read_int32_vector("cache_seqlens", o.cache_seqlens, "(batch,)", s.batch, "q's batch",
-                          &seqlens, &e.seqlens));
+    FLASHCTE_RETURN_IF_ERROR(read_int32_vector("cache_seqlens", o.cache_seqlens, "(batch,)",
+                                               s.batch, "q's batch", &seqlens, &e.seqlens));
   } else if (a->tokens > 0) {
     return error(
         "cache_seqlens: is required to append k and v (where each sequence's new tokens "
         "go)");
   }
   if (o.cache_leftpad.present()) {
-    FLASHCTE_RETURN_IF_ERROR(
-        read_int32_vector("cache_leftpad", o.cache_leftpad, "(batch,)", s.batch, "q's batch",
-                          &leftpad, &e.leftpad));
+    FLASHCTE_RETURN_IF_ERROR(read_int32_vector("cache_leftpad", o.cache_leftpad, "(batch,)",
+                                               s.batch, "q's batch", &leftpad, &e.leftpad));
   }
   for (int64_t b = 0; b < s.batch; ++b) {
     if (seqlens[b] < 0 || seqlens[b] + a->tokens > s.capacity) {
