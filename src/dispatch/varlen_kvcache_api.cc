@@ -43,8 +43,7 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
   c->total_q = q.shape[0];
   c->heads = q.shape[1];
   FLASHCTE_RETURN_IF_ERROR(
-      read_int32_vector("cu_seqlens_q", o.cu_seqlens_q, "(batch + 1,)", -1, "",
-                        &c->starts, &ecu));
+      read_int32_vector("cu_seqlens_q", o.cu_seqlens_q, "(batch + 1,)", -1, "", &c->starts, &ecu));
   if (c->starts.empty()) return error("cu_seqlens_q: must have batch + 1 >= 1 entries, got 0");
   c->batch = static_cast<int64_t>(c->starts.size()) - 1;
   if (c->starts[0] != 0) {
@@ -61,9 +60,8 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
     return error("cu_seqlens_q: last entry " + to_string(c->starts.back()) +
                  " must be q's total_q = " + to_string(c->total_q));
   }
-  FLASHCTE_RETURN_IF_ERROR(
-      read_int32_vector("seqused_k", o.seqused_k, "(batch,)", c->batch, "the batch",
-                        &c->seqused, &eused));
+  FLASHCTE_RETURN_IF_ERROR(read_int32_vector("seqused_k", o.seqused_k, "(batch,)", c->batch,
+                                             "the batch", &c->seqused, &eused));
   if (!k_cache.present()) return error("k_cache: is required");
   if (!v_cache.present()) return error("v_cache: is required");
   const bool paged = o.block_table.present();
