@@ -14,12 +14,17 @@ namespace {
 // Copies the rows x cols matrix src(r, c) = base[r * row_stride + c * col_stride] (dtype) into
 // dst[r * dst_row + c * dst_col] as float32. Runs along whichever source axis is contiguous go
 // through the vector converter; the scatter into dst is then one scalar store per element.
+// With `row_table`, row r starts at row_table[r] instead (base and row_stride unused): a paged
+// prior's rows, gathered across its pages so that a transposing store still writes kRowBlock
+// floats at a time when the pages are short (packed one page at a time, a 1024-token causal fp32
+// prefill over pages of 1 slot took 38.9 ms against 29.2 dense on the Zen 5 EPYC, 2 threads).
 void pack_matrix(const simd::Ops& ops, const void* base, DType dtype, int64_t row_stride,
                  int64_t col_stride, int64_t rows, int64_t cols, float* dst, int64_t dst_row,
-                 int64_t dst_col, std::vector<float>& tmp) {
+                 int64_t dst_col, std::vector<float>& tmp,
+                 const unsigned char* const* row_table = nullptr) {
   const char* bytes = static_cast<const char*>(base);
   const int64_t size = dtype_size(dtype);
-  if (col_stride == 1 || row_stride != 1) {
+  if (col_stride == 1 || row_stride != 1 || row_table != nullptr) {
     // Contiguous (or neither) along columns: convert row by row, kRowBlock rows at a time so a
     // transposing store (K: dst_row 1) writes kRowBlock consecutive floats, not one per line.
     constexpr int64_t kRowBlock = 16;
@@ -27,7 +32,8 @@ void pack_matrix(const simd::Ops& ops, const void* base, DType dtype, int64_t ro
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
       const int64_t n = std::min(kRowBlock, rows - r0);
       for (int64_t r = r0; r < r0 + n; ++r) {
-        const char* src = bytes + r * row_stride * size;
+        const char* src = row_table ? reinterpret_cast<const char*>(row_table[r])
+                                    : bytes + r * row_stride * size;
         float* row = dst_col == 1 ? dst + r * dst_row : &tmp[(r - r0) * cols];
         if (col_stride == 1) {
           ops.to_float(src, dtype, cols, row);
@@ -69,17 +75,33 @@ const void* element(const View3& t, DType dtype, int64_t b, int64_t row) {
 void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
              int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp) {
   const int64_t prior = problem.prior_used[kv_b];
-  // The prior part [begin, min(end, prior)), run by run of rows its source keeps together (a page
-  // of a paged prior), then the new part [max(begin, prior), end).
+  // The prior part [begin, min(end, prior)): a dense prior as one strided matrix, a paged one with
+  // its rows' addresses gathered across the pages; then the new part [max(begin, prior), end).
   const KvSource& kp = problem.k_prior;
   const KvSource& vp = problem.v_prior;
-  for (int64_t j0 = begin, j1 = 0; j0 < std::min(end, prior); j0 = j1) {
-    j1 = kp.run_end(j0, std::min(end, prior));
-    pack_matrix(ops, problem.prior_row(kp, kv_b, j0), problem.dtype, kp.strides[2], kp.strides[3],
-                j1 - j0, problem.head_dim, k + (j0 - base), 1, ldk, tmp);
-    if (v == nullptr) continue;
-    pack_matrix(ops, problem.prior_row(vp, kv_b, j0), problem.dtype, vp.strides[2], vp.strides[3],
-                j1 - j0, problem.value_dim, v + (j0 - base) * ldv, ldv, 1, tmp);
+  if (const int64_t prior_end = std::min(end, prior); begin < prior_end) {
+    const int64_t n = prior_end - begin;
+    if (kp.paged()) {
+      thread_local std::vector<const unsigned char*> rows;
+      rows.resize(static_cast<size_t>(n));
+      for (int64_t j = begin; j < prior_end; ++j) rows[j - begin] = problem.prior_row(kp, kv_b, j);
+      pack_matrix(ops, nullptr, problem.dtype, 0, kp.strides[3], n, problem.head_dim,
+                  k + (begin - base), 1, ldk, tmp, rows.data());
+      if (v != nullptr) {
+        for (int64_t j = begin; j < prior_end; ++j) {
+          rows[j - begin] = problem.prior_row(vp, kv_b, j);
+        }
+        pack_matrix(ops, nullptr, problem.dtype, 0, vp.strides[3], n, problem.value_dim,
+                    v + (begin - base) * ldv, ldv, 1, tmp, rows.data());
+      }
+    } else {
+      pack_matrix(ops, problem.prior_row(kp, kv_b, begin), problem.dtype, kp.strides[2],
+                  kp.strides[3], n, problem.head_dim, k + (begin - base), 1, ldk, tmp);
+      if (v != nullptr) {
+        pack_matrix(ops, problem.prior_row(vp, kv_b, begin), problem.dtype, vp.strides[2],
+                    vp.strides[3], n, problem.value_dim, v + (begin - base) * ldv, ldv, 1, tmp);
+      }
+    }
   }
   if (const int64_t j0 = std::max(begin, prior); j0 < end) {
     const View3& kt = problem.k;
