@@ -32,8 +32,8 @@ void pack_matrix(const simd::Ops& ops, const void* base, DType dtype, int64_t ro
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
       const int64_t n = std::min(kRowBlock, rows - r0);
       for (int64_t r = r0; r < r0 + n; ++r) {
-        const char* src = row_table ? reinterpret_cast<const char*>(row_table[r])
-                                    : bytes + r * row_stride * size;
+        const char* src =
+            row_table ? reinterpret_cast<const char*>(row_table[r]) : bytes + r * row_stride * size;
         float* row = dst_col == 1 ? dst + r * dst_row : &tmp[(r - r0) * cols];
         if (col_stride == 1) {
           ops.to_float(src, dtype, cols, row);
