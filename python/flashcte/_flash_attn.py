@@ -6,7 +6,8 @@ strided axis, so each batch element is one attention_cte call on the views ``q[b
 ``(heads, seqlen_q, d)`` (k with ``tp_k``), written straight into the output's
 ``(heads, seqlen_q, dv)`` view: nothing is copied. Varlen is usually a single call per problem:
 the heads are the batch axis and the sequences become per-row packing bounds (ALiBi with
-sequences whose positions one call cannot express takes one call per sequence).
+sequences whose positions one attention_cte call cannot express goes through
+flash_attn_varlen_kvcache, the packed keys read as one-slot pages).
 
 Masks follow FlashAttention: with ``seqlen_q != seqlen_k`` the causal diagonal is aligned to the
 bottom-right corner, and query ``i`` sees keys ``j`` with
@@ -318,7 +319,8 @@ def flash_attn_varlen_func(
     The library's ALiBi distance uses one position offset per call, which reproduces every
     sequence's distance only when ``cu_seqlens_k[s + 1] - cu_seqlens_q[s + 1]`` is the same for
     all sequences (self-attention with ``cu_seqlens_q == cu_seqlens_k``, for one) and the slopes
-    are the same for all sequences; otherwise ALiBi runs one call per sequence.
+    are the same for all sequences; otherwise ALiBi goes through the mixed-batch call (the packed
+    keys as a paged cache of one-slot pages), still one call and one parallel region.
     """
     if block_table is not None:
         from ._kvcache import varlen_over_cache
@@ -412,30 +414,38 @@ def flash_attn_varlen_func(
             **common,
         )
     else:
-        # One call per sequence, each as flash_attn_func does it; rows outside every sequence
-        # (and sequences without keys) keep out = 0, lse = -inf.
+        # One call for the whole batch all the same (flash_attn_varlen_kvcache, whose ALiBi
+        # distances are each sequence's own): packed k and v are a paged cache of one-slot pages,
+        # and sequence s's block table is its own key rows cu_k[s] .. cu_k[s + 1]. Query rows
+        # past cu_q[-1] keep out = 0, lse = -inf.
+        from ._kvcache import varlen_over_cache
+
+        end = int(cu_q[-1])
+        table = cu_k[:-1, None] + np.arange(max(1, int(len_k.max(initial=0))))[None, :]
+        table = np.minimum(table, max(total_k - 1, 0)).astype(np.int32)
         out = zeros(qt, (total_q, heads, dv))
+        result = varlen_over_cache(
+            q[:end],
+            k[:, None],
+            v[:, None],
+            cu_q.astype(np.int32),
+            len_k.astype(np.int32),
+            table,
+            scale,
+            causal,
+            window_size,
+            softcap,
+            slopes,
+            None,
+            return_softmax_lse,
+            num_threads,
+            out=out[:end],
+        )
         lse = None
         if return_softmax_lse:
             lse = empty(qt, (heads, total_q), "float32")
             lse[...] = -math.inf
-        for s in range(len_q.size):
-            qs, qe, ks, ke = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
-            if qe == qs or ke == ks:
-                continue
-            _call(
-                _view(qt, slice(qs, qe)),
-                _view(kt, slice(ks, ke)),
-                _view(vt, slice(ks, ke)),
-                transpose(out[qs:qe], 0, 1),
-                lse=None if lse is None else lse[:, qs:qe],
-                causal_mask=False,
-                alibi_slopes=slopes[s],
-                window_left=left,
-                window_right=right,
-                bottom_right=True,
-                **common,
-            )
+            lse[:, :end] = result[1]
     if return_softmax_lse:
         return give_back(qt, out), give_back(qt, lse)
     return give_back(qt, out)
