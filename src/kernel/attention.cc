@@ -183,8 +183,12 @@ int64_t AttentionKernel::num_items() const {
 
 int64_t AttentionKernel::split_granule() const { return section_length(problem_, tiles_, 0); }
 
+int64_t AttentionKernel::partial_rows() const {
+  return std::min(tiles_.q_block, problem_.seqlen_q);
+}
+
 int64_t AttentionKernel::partial_floats() const {
-  return problem_.group * tiles_.q_block * SoftmaxState::saved_row_floats(problem_.value_dim);
+  return problem_.group * partial_rows() * SoftmaxState::saved_row_floats(problem_.value_dim);
 }
 
 double AttentionKernel::cost(int64_t item, int64_t kv_begin, int64_t kv_end) const {
@@ -238,7 +242,7 @@ void AttentionKernel::run(int64_t item_index, int64_t kv_begin, int64_t kv_end,
       if (partial == nullptr) {
         write_row(problem, ops_, item.kv_batch * problem.group + h, item.row0 + r, state, r);
       } else {
-        state.save(r, partial + (h * tiles_.q_block + r) * saved_floats);
+        state.save(r, partial + (h * partial_rows() + r) * saved_floats);
       }
     }
   }
@@ -259,7 +263,7 @@ void AttentionKernel::merge(int64_t item, const float* partials, int64_t splits)
       state.seed(sink_logit(problem, b, false));
       for (int64_t split = 0; split < splits; ++split) {
         state.merge_saved(
-            0, partials + split * partial_floats() + (h * tiles_.q_block + r) * saved_floats);
+            0, partials + split * partial_floats() + (h * partial_rows() + r) * saved_floats);
       }
       write_row(problem, ops_, b, block.row0 + r, state, 0);
     }

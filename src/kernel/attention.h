@@ -45,6 +45,11 @@ class AttentionKernel {
   void describe(PlanSummary* summary) const;
 
  private:
+  // Rows of one query head in an item's partial state: the query block, or all of Sq when that is
+  // shorter (a decode-shaped call: the state of 1 row, not of a 192..768-row block, in memory the
+  // call touches; B = 8 one-query problems as one rank-4 call faulted in ~36 MB of them).
+  int64_t partial_rows() const;
+
   const Problem& problem_;
   TileConfig tiles_;  // resolved: every field set
   const simd::Ops& ops_;
