@@ -24,8 +24,9 @@ const char* dtype_name(DType dtype);
 int dtype_size(DType dtype);
 
 // Views hold up to rank 4: attention_cte's tensors are rank 3 (batch and heads folded, as in the
-// Neuron kernel), the decode and serving entry points' rank 4 ((batch, heads, tokens, d) and
-// FlashAttention's (batch, seqlen, heads, d)); each entry point checks the ranks it takes.
+// Neuron kernel) or rank 4 (a batch of such problems), the decode and serving entry points' rank 4
+// ((batch, heads, tokens, d) and FlashAttention's (batch, seqlen, heads, d)); each entry point
+// checks the ranks it takes.
 inline constexpr int kMaxRank = 4;
 
 // A read-only strided view. Strides are in elements, not bytes. A view with rank 0 and null data
@@ -147,6 +148,15 @@ struct [[nodiscard]] Status {
 
 // Computes attention_cte(q, k, v, ...) into `outputs`. Thread-safe; results are bitwise identical
 // for any num_threads.
+//
+// Rank-4 q, k, v and out make a batch of independent problems along axis 0 in one call and one
+// parallel region: entry b is the rank-3 call on entry b of every argument, bitwise. Every other
+// tensor argument then has the batch axis first too (a stride of 0 shares one entry across the
+// batch): k_prior / v_prior when dense, prior_block_table, sink, bound_min, bound_max,
+// alibi_slopes, key_bias, neg_max, sum_recip and lse. A paged prior's pools and prior_used_len
+// are shared. FlashAttention's (batch, seqlen, heads, d) is such a batch: (batch, heads, seqlen,
+// d) through its strides, with tp_k. An error in one entry ends in " (batch entry b)", and
+// nothing is written when any entry is refused. plan_attention takes the rank-3 form only.
 Status attention_cte(const TensorView& q, const TensorView& k, const TensorView& v,
                      const Outputs& outputs, const Options& options = {});
 

@@ -134,11 +134,6 @@ def _shapes(q, k, v, key_bias, sinks, alibi_slopes, bound_min, bound_max):
     return batch, seqlen_q, heads, seqlen_k, heads_k, dv
 
 
-def _view(name: str, x: torch.Tensor) -> Tensor:
-    """A (seqlen, heads, d) slice as the library's (heads, seqlen, d) batch: a strided view."""
-    return Tensor(name, x.transpose(0, 1))
-
-
 # ---- the operator -----------------------------------------------------------------------------
 
 
@@ -180,31 +175,32 @@ def _flash_attn_op(
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.to(torch.float32).expand(batch, heads)
     if sinks is not None:
-        sinks = sinks.to(torch.float32)
+        sinks = sinks.to(torch.float32).expand(batch, heads)  # a view (stride 0 over the batch)
     if bound_min is not None:
         bound_min = bound_min.expand(batch, seqlen_q)
         bound_max = bound_max.expand(batch, seqlen_q)
-    for b in range(batch):
-        _call(
-            _view("q", q[b]),
-            _view("k", k[b]),
-            _view("v", v[b]),
-            out[b].transpose(0, 1),
-            lse=lse[b],
-            scale=scale,
-            causal_mask=bool(causal),
-            tp_k=True,
-            num_threads=num_threads,
-            softcap=float(softcap),
-            sink=sinks,
-            alibi_slopes=None if alibi_slopes is None else alibi_slopes[b],
-            key_bias=None if key_bias is None else key_bias[b],
-            bound_min=None if bound_min is None else bound_min[b],
-            bound_max=None if bound_max is None else bound_max[b],
-            window_left=int(window_left),
-            window_right=int(window_right),
-            bottom_right=bool(bottom_right),
-        )
+    # One call for the whole batch: attention_cte's rank-4 form, entry b the (heads, seqlen, d)
+    # problem of sequence b, every view a transpose of the caller's tensors.
+    _call(
+        Tensor("q", q.transpose(1, 2)),
+        Tensor("k", k.transpose(1, 2)),
+        Tensor("v", v.transpose(1, 2)),
+        out.transpose(1, 2),
+        lse=lse,
+        scale=scale,
+        causal_mask=bool(causal),
+        tp_k=True,
+        num_threads=num_threads,
+        softcap=float(softcap),
+        sink=sinks,
+        alibi_slopes=alibi_slopes,
+        key_bias=key_bias,
+        bound_min=bound_min,
+        bound_max=bound_max,
+        window_left=int(window_left),
+        window_right=int(window_right),
+        bottom_right=bool(bottom_right),
+    )
     return out, lse
 
 

@@ -5,9 +5,11 @@
 
 #include "flashcte/flashcte.h"
 #include "src/core/problem.h"
+#include "src/dispatch/batch.h"
 #include "src/dispatch/contiguous.h"
 #include "src/dispatch/validate.h"
 #include "src/kernel/attention.h"
+#include "src/schedule/region.h"
 #include "src/schedule/schedule.h"
 #include "src/simd/ops.h"
 
@@ -54,6 +56,14 @@ MutableTensorView MutableTensorView::contiguous(void* data, DType dtype,
 Status attention_cte(const TensorView& q, const TensorView& k, const TensorView& v,
                      const Outputs& outputs, const Options& options) {
   try {
+    if (q.rank == 4) {
+      std::vector<internal::Problem> problems;
+      Status s = internal::validate_batch(q, k, v, outputs, options, &problems);
+      if (!s.ok) return s;
+      const std::vector<internal::AttentionKernel> kernels(problems.begin(), problems.end());
+      internal::run_kernels(internal::addresses(kernels), {}, options.num_threads);
+      return Status::Ok();
+    }
     internal::Problem problem;
     Status s = internal::validate(q, k, v, outputs, options, false, &problem);
     if (!s.ok) return s;
