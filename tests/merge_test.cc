@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -164,6 +165,68 @@ TEST(MergeTest, MatchesFloat64) {
   }
   std::printf("[ merge    ] largest error: out %.2f, lse %.2f (units of 2^-24 of the scale)\n",
               worst.out_units, worst.lse_units);
+}
+
+// FlashAttention's layout in one call: out (batch, seqlen, heads, dv) as the rank-4
+// (batch, heads, seqlen, dv) view and lse (batch, heads, seqlen). Each (batch, head) is the
+// rank-2 call on the same rows bit for bit, and the float64 merge within the rule.
+TEST(MergeTest, RankFourIsEveryEntryAtOnce) {
+  constexpr int64_t kB = 3, kS = 29, kH = 4, kDv = 24;
+  std::mt19937 rng(21);
+  // One State of kB * kS * kH rows per side in (batch, seqlen, heads) order; lse reordered.
+  State a(1, kB * kS * kH, kDv), b(1, kB * kS * kH, kDv), got(1, kB * kS * kH, kDv);
+  fill(rng, &a, &b);
+  const auto row = [](int64_t bi, int64_t h, int64_t t) { return (bi * kS + t) * kH + h; };
+  std::vector<float> lse_a(kB * kH * kS), lse_b(kB * kH * kS), lse(kB * kH * kS);
+  for (int64_t bi = 0; bi < kB; ++bi) {
+    for (int64_t h = 0; h < kH; ++h) {
+      for (int64_t t = 0; t < kS; ++t) {
+        lse_a[(bi * kH + h) * kS + t] = a.lse[row(bi, h, t)];
+        lse_b[(bi * kH + h) * kS + t] = b.lse[row(bi, h, t)];
+      }
+    }
+  }
+  const std::array<int64_t, kMaxRank> shape{kB, kH, kS, kDv},
+      strides{kS * kH * kDv, kDv, kH * kDv, 1};
+  const std::array<int64_t, kMaxRank> lse_shape{kB, kH, kS, 0}, lse_strides{kH * kS, kS, 1, 0};
+  const TensorView oa{a.out.data(), DType::kFloat32, 4, shape, strides};
+  const TensorView ob{b.out.data(), DType::kFloat32, 4, shape, strides};
+  const MutableTensorView oo{got.out.data(), DType::kFloat32, 4, shape, strides};
+  const TensorView la{lse_a.data(), DType::kFloat32, 3, lse_shape, lse_strides};
+  const TensorView lb{lse_b.data(), DType::kFloat32, 3, lse_shape, lse_strides};
+  const MutableTensorView lo{lse.data(), DType::kFloat32, 3, lse_shape, lse_strides};
+  ASSERT_TRUE(merge_attn_states(oa, la, ob, lb, oo, lo).ok);
+  for (int64_t bi = 0; bi < kB; ++bi) {
+    for (int64_t h = 0; h < kH; ++h) {
+      // (seqlen, dv) of this (batch, head), and its (seqlen,) lse.
+      const int64_t first = row(bi, h, 0) * kDv, lfirst = (bi * kH + h) * kS;
+      State one(1, kS, kDv);
+      const std::array<int64_t, kMaxRank> s2{kS, kDv, 0, 0}, st2{kH * kDv, 1, 0, 0};
+      const std::array<int64_t, kMaxRank> s1{kS, 0, 0, 0}, st1{1, 0, 0, 0};
+      ASSERT_TRUE(merge_attn_states(
+                      TensorView{a.out.data() + first, DType::kFloat32, 2, s2, st2},
+                      TensorView{lse_a.data() + lfirst, DType::kFloat32, 1, s1, st1},
+                      TensorView{b.out.data() + first, DType::kFloat32, 2, s2, st2},
+                      TensorView{lse_b.data() + lfirst, DType::kFloat32, 1, s1, st1},
+                      MutableTensorView::contiguous(one.out.data(), DType::kFloat32, {kS, kDv}),
+                      MutableTensorView::contiguous(one.lse.data(), DType::kFloat32, {kS}))
+                      .ok);
+      for (int64_t t = 0; t < kS; ++t) {
+        ASSERT_EQ(lse[lfirst + t], one.lse[t]);
+        for (int64_t c = 0; c < kDv; ++c) {
+          ASSERT_EQ(got.out[first + t * kH * kDv + c], one.out[t * kDv + c])
+              << bi << " " << h << " " << t << " " << c;
+        }
+      }
+    }
+  }
+  // The float64 merge row by row, in the (batch, seqlen, heads) order of `a`, `b` and `got`.
+  for (int64_t bi = 0; bi < kB; ++bi) {
+    for (int64_t h = 0; h < kH; ++h) {
+      for (int64_t t = 0; t < kS; ++t) got.lse[row(bi, h, t)] = lse[(bi * kH + h) * kS + t];
+    }
+  }
+  compare(a, b, got);
 }
 
 // A row empty on one side is the other side exactly; empty on both is (0, -inf).

@@ -26,10 +26,11 @@
 namespace flashcte {
 
 // Merges (out_a, lse_a) and (out_b, lse_b) into (out, lse). Shapes, all sides alike:
-//   out_a, out_b, out   (rows, dv)         or (batch, rows, dv)    (attention_cte's (bs, Sq, dv))
-//   lse_a, lse_b, lse   (rows,)            or (batch, rows)        (attention_cte's lse (bs, Sq))
-// Any strides (elements), so FlashAttention's (batch, seqlen, heads, dv) output is one call per
-// batch element on its (heads, seqlen, dv) view with the (heads, seqlen) view of its lse.
+//   out_a, out_b, out   (rows, dv), (batch, rows, dv) or (batch, heads, rows, dv)
+//   lse_a, lse_b, lse   (rows,),    (batch, rows)     or (batch, heads, rows)
+// (attention_cte's (bs, Sq, dv) and lse (bs, Sq), and their rank-4 batch). Any strides
+// (elements), so FlashAttention's (batch, seqlen, heads, dv) output is one call on its
+// (batch, heads, seqlen, dv) view with its (batch, heads, seqlen) lse.
 // dtypes: out_a, out_b and out each float32, bfloat16 or float16 (16-bit inputs are widened,
 // a 16-bit out is rounded once, to nearest even); lse_a, lse_b and lse float32. lse is optional
 // (an absent view). out may be exactly out_a or exactly out_b (same data, dtype, shape and

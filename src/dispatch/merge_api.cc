@@ -38,13 +38,14 @@ bool same_view(const A& a, const B& b) {
   return true;
 }
 
-// A state's views as (batch, rows, dv) and (batch, rows): rank-2 out / rank-1 lse get batch 1.
+// A state's views as (outer, batch, rows, dv) and (outer, batch, rows): the leading axes a
+// rank-2 or rank-3 out (rank-1 or rank-2 lse) lacks count 1.
 struct Side {
   const void* out = nullptr;
   DType dtype = DType::kFloat32;
-  int64_t ob = 0, orow = 0, oc = 0;  // out strides: batch, row, column
+  int64_t oo = 0, ob = 0, orow = 0, oc = 0;  // out strides: outer, batch, row, column
   const float* lse = nullptr;
-  int64_t lb = 0, lrow = 0;  // lse strides: batch, row
+  int64_t lo = 0, lb = 0, lrow = 0;  // lse strides: outer, batch, row
 };
 
 template <class OutView, class LseView>
@@ -52,13 +53,15 @@ Side side(const OutView& out, const LseView& lse) {
   Side s;
   s.out = out.data;
   s.dtype = out.dtype;
-  const int k = out.rank - 2;  // 1 when batched
-  s.ob = k ? out.strides[0] : 0;
+  const int k = out.rank - 2;  // leading axes: 0, 1 or 2
+  s.oo = k == 2 ? out.strides[0] : 0;
+  s.ob = k >= 1 ? out.strides[k - 1] : 0;
   s.orow = out.strides[k];
   s.oc = out.strides[k + 1];
   if (lse.present()) {
     s.lse = static_cast<const float*>(lse.data);
-    s.lb = k ? lse.strides[0] : 0;
+    s.lo = k == 2 ? lse.strides[0] : 0;
+    s.lb = k >= 1 ? lse.strides[k - 1] : 0;
     s.lrow = lse.strides[k];
   }
   return s;
@@ -91,9 +94,11 @@ Status validate(const TensorView& out_a, const TensorView& lse_a, const TensorVi
   Extent ea, la, eb, lb, eo, lo;
   FLASHCTE_RETURN_IF_ERROR(check_pair("out_a", out_a, "lse_a", lse_a, &ea, &la));
   FLASHCTE_RETURN_IF_ERROR(check_pair("out_b", out_b, "lse_b", lse_b, &eb, &lb));
-  if (out_a.rank != 2 && out_a.rank != 3) {
-    return Status::Error("out_a: must have rank 2 (rows, dv) or 3 (batch, rows, dv), got shape " +
-                         internal::shape_str(out_a.shape.data(), out_a.rank));
+  if (out_a.rank < 2) {
+    return Status::Error(
+        "out_a: must have rank 2 (rows, dv), 3 (batch, rows, dv) or 4 (batch, heads, rows, dv), "
+        "got shape " +
+        internal::shape_str(out_a.shape.data(), out_a.rank));
   }
   const int64_t* shape = out_a.shape.data();
   const int rank = out_a.rank;
@@ -150,7 +155,8 @@ Status merge_attn_states(const TensorView& out_a, const TensorView& lse_a, const
   try {
     FLASHCTE_RETURN_IF_ERROR(validate(out_a, lse_a, out_b, lse_b, out, lse));
     const int k = out_a.rank - 2;
-    const int64_t batch = k ? out_a.shape[0] : 1;
+    const int64_t outer = k == 2 ? out_a.shape[0] : 1;
+    const int64_t batch = k >= 1 ? out_a.shape[k - 1] : 1;
     const int64_t rows = out_a.shape[k];
     const int64_t dv = out_a.shape[k + 1];
     const Side a = side(out_a, lse_a), b = side(out_b, lse_b);
@@ -164,19 +170,25 @@ Status merge_attn_states(const TensorView& out_a, const TensorView& lse_a, const
     std::vector<float> row_a(dv), row_b(dv), acc(dv);
     float neg_max = 0, sum = 0, alpha = 0;
     internal::SoftmaxState state(&neg_max, &sum, &alpha, acc.data(), dv, 1, dv);
-    for (int64_t bi = 0; bi < batch; ++bi) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* ra = widen(a.out, a.dtype, bi * a.ob + r * a.orow, a.oc, dv, row_a.data());
-        const float* rb = widen(b.out, b.dtype, bi * b.ob + r * b.orow, b.oc, dv, row_b.data());
-        const float lse_a_r = a.lse[bi * a.lb + r * a.lrow];
-        const float lse_b_r = b.lse[bi * b.lb + r * b.lrow];
-        state.seed(-std::numeric_limits<float>::infinity());  // empty: no key, no sink
-        state.merge_normalized(0, ra, lse_a_r);
-        state.merge_normalized(0, rb, lse_b_r);
-        const internal::SoftmaxState::Stats stats = state.finish(0);
-        internal::store_row_from_float(out.data, bi * o.ob + r * o.orow, o.oc, out.dtype,
-                                       acc.data(), dv);
-        if (lse.present()) static_cast<float*>(lse.data)[bi * o.lb + r * o.lrow] = stats.lse;
+    for (int64_t bo = 0; bo < outer; ++bo) {
+      for (int64_t bi = 0; bi < batch; ++bi) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t ao = bo * a.oo + bi * a.ob + r * a.orow;
+          const int64_t bo_off = bo * b.oo + bi * b.ob + r * b.orow;
+          const float* ra = widen(a.out, a.dtype, ao, a.oc, dv, row_a.data());
+          const float* rb = widen(b.out, b.dtype, bo_off, b.oc, dv, row_b.data());
+          const float lse_a_r = a.lse[bo * a.lo + bi * a.lb + r * a.lrow];
+          const float lse_b_r = b.lse[bo * b.lo + bi * b.lb + r * b.lrow];
+          state.seed(-std::numeric_limits<float>::infinity());  // empty: no key, no sink
+          state.merge_normalized(0, ra, lse_a_r);
+          state.merge_normalized(0, rb, lse_b_r);
+          const internal::SoftmaxState::Stats stats = state.finish(0);
+          internal::store_row_from_float(out.data, bo * o.oo + bi * o.ob + r * o.orow, o.oc,
+                                         out.dtype, acc.data(), dv);
+          if (lse.present()) {
+            static_cast<float*>(lse.data)[bo * o.lo + bi * o.lb + r * o.lrow] = stats.lse;
+          }
+        }
       }
     }
     return Status::Ok();

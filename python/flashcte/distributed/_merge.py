@@ -102,16 +102,15 @@ def merge_attn_states(
             bf16_bits=bf16_bits,
         )
 
-    if ta.ndim == 4:
-        for b in range(shape[0]):
-            call(
-                transpose(ta.arr[b], 0, 1),
-                la.arr[b],
-                transpose(tb.arr[b], 0, 1),
-                lb.arr[b],
-                transpose(out_arr[b], 0, 1),
-                lse_arr[b],
-            )
+    if ta.ndim == 4:  # (batch, seqlen, heads, dv) as the native (batch, heads, seqlen, dv)
+        call(
+            transpose(ta.arr, 1, 2),
+            la.arr,
+            transpose(tb.arr, 1, 2),
+            lb.arr,
+            transpose(out_arr, 1, 2),
+            lse_arr,
+        )
     else:
         call(ta.arr, la.arr, tb.arr, lb.arr, out_arr, lse_arr)
     return give_back(ta, out if out is not None else out_arr), give_back(

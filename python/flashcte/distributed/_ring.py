@@ -142,32 +142,40 @@ def _agree(g, what, layout, make) -> tuple[_Problem, list[int]]:
     return holder[0], lengths
 
 
+def _batched(mask: dict, batch: int) -> dict:
+    """``mask`` for attention_cte's rank-4 (batch) form: per-row bounds get a leading batch axis
+    of stride 0 (every sequence of the batch shares them)."""
+    return {
+        key: np.broadcast_to(val, (batch,) + val.shape) if key.startswith("bound") else val
+        for key, val in mask.items()
+    }
+
+
 def _attend(p: _Problem, k_blk, v_blk, mask: dict, out_acc, lse_acc, blk_out, blk_lse, threads):
     """One block: attention of the local queries against (k_blk, v_blk) with `mask`, merged into
-    the accumulators (float32, in place)."""
-    for b in range(p.shape[0]):
-        _call(
-            Tensor("q", transpose(p.q[b], 0, 1)),
-            Tensor("k", transpose(k_blk[b], 0, 1)),
-            Tensor("v", transpose(v_blk[b], 0, 1)),
-            transpose(blk_out[b], 0, 1),
-            lse=blk_lse[b],
-            scale=p.scale,
-            causal_mask=False,
-            tp_k=True,
-            num_threads=threads,
-            **mask,
-        )
-        acc = transpose(out_acc[b], 0, 1)
-        _flashcte.merge_attn_states(
-            out_a=acc,
-            lse_a=lse_acc[b],
-            out_b=transpose(blk_out[b], 0, 1),
-            lse_b=blk_lse[b],
-            out=acc,
-            lse=lse_acc[b],
-            bf16_bits=False,
-        )
+    the accumulators (float32, in place); one call each for the whole batch."""
+    _call(
+        Tensor("q", transpose(p.q, 1, 2)),
+        Tensor("k", transpose(k_blk, 1, 2)),
+        Tensor("v", transpose(v_blk, 1, 2)),
+        transpose(blk_out, 1, 2),
+        lse=blk_lse,
+        scale=p.scale,
+        causal_mask=False,
+        tp_k=True,
+        num_threads=threads,
+        **_batched(mask, p.shape[0]),
+    )
+    acc = transpose(out_acc, 1, 2)
+    _flashcte.merge_attn_states(
+        out_a=acc,
+        lse_a=lse_acc,
+        out_b=transpose(blk_out, 1, 2),
+        lse_b=blk_lse,
+        out=acc,
+        lse=lse_acc,
+        bf16_bits=False,
+    )
 
 
 def _ring(
@@ -445,19 +453,18 @@ def allgather_flash_attn_func(
             out = torch.zeros((b, s, h, dv), dtype=p.q.dtype)
             lse = torch.full((b, h, s), -math.inf, dtype=torch.float32)
             if mask is not None:
-                for i in range(b):
-                    _call(
-                        Tensor("q", transpose(p.q[i], 0, 1)),
-                        Tensor("k", transpose(fulls[0][i], 0, 1)),
-                        Tensor("v", transpose(fulls[1][i], 0, 1)),
-                        transpose(out[i], 0, 1),
-                        lse=lse[i],
-                        scale=p.scale,
-                        causal_mask=False,
-                        tp_k=True,
-                        num_threads=num_threads,
-                        **mask,
-                    )
+                _call(
+                    Tensor("q", transpose(p.q, 1, 2)),
+                    Tensor("k", transpose(fulls[0], 1, 2)),
+                    Tensor("v", transpose(fulls[1], 1, 2)),
+                    transpose(out, 1, 2),
+                    lse=lse,
+                    scale=p.scale,
+                    causal_mask=False,
+                    tp_k=True,
+                    num_threads=num_threads,
+                    **_batched(mask, b),
+                )
         except Exception as e:  # noqa: BLE001 - reported to every rank by settle()
             error = e
     _comm.settle(g, error, what)
