@@ -24,9 +24,16 @@ std::string dtype_tag(DType dt) {
       return "f32";
     case DType::kBFloat16:
       return "bf16";
-    default:
+    case DType::kFloat16:
       return "f16";
+    case DType::kInt32:
+    case DType::kInt64:
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      break;
   }
+  return dtype_name(dt);
 }
 
 Case base_case(DType dt, int64_t sq, int64_t skv, int64_t d) {

@@ -250,9 +250,10 @@ const char* policy_name(simd::Bf16Dot policy) {
       return " (bf16 native)";
     case simd::Bf16Dot::kWiden:
       return " (bf16 widened)";
-    default:
+    case simd::Bf16Dot::kAuto:
       return "";
   }
+  return "";
 }
 
 class HeadDimGridTest : public ::testing::TestWithParam<GridCase> {};

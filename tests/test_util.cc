@@ -9,20 +9,12 @@
 #include <set>
 #include <sstream>
 
+#include "src/core/kv8.h"
+
 namespace flashcte::test {
 namespace {
 
-int element_size(DType dtype) {
-  switch (dtype) {
-    case DType::kBFloat16:
-    case DType::kFloat16:
-      return 2;
-    case DType::kInt64:
-      return 8;
-    default:
-      return 4;
-  }
-}
+int element_size(DType dtype) { return dtype_size(dtype); }
 
 // Gap and "not yet written" filler: NaNs with an unusual payload (so a kernel copying a NaN it
 // computed is not mistaken for the sentinel), and an absurd index for integer tensors (a kernel
@@ -54,6 +46,13 @@ void write_sentinel(DType dtype, uint8_t* p) {
       std::memcpy(p, &v, 8);
       break;
     }
+    case DType::kInt8:
+      *p = 0x5A;
+      break;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      *p = 0x7F;  // NaN in both
+      break;
   }
 }
 
@@ -133,9 +132,19 @@ double unit_roundoff(DType dtype) {
       return std::ldexp(1.0, -8);
     case DType::kFloat16:
       return std::ldexp(1.0, -11);
-    default:
+    case DType::kFloat32:
       return std::ldexp(1.0, -24);
+    case DType::kFloat8E4M3:
+      return std::ldexp(1.0, -4);
+    case DType::kFloat8E5M2:
+      return std::ldexp(1.0, -3);
+    case DType::kInt8:
+    case DType::kInt32:
+    case DType::kInt64:
+      break;
   }
+  ADD_FAILURE() << "unit_roundoff: " << dtype_name(dtype) << " is no float format";
+  return 0;
 }
 
 const char* layout_name(Layout layout) {
@@ -201,7 +210,7 @@ MutableTensorView HostTensor::mutable_view() {
 int64_t HostTensor::offset(int64_t i0, int64_t i1, int64_t i2) const {
   const int64_t idx[3] = {i0, i1, i2};
   int64_t off = 0;
-  for (size_t i = 0; i < shape_.size(); ++i) off += idx[i] * strides_[i];
+  for (size_t i = 0; i < shape_.size() && i < 3; ++i) off += idx[i] * strides_[i];
   return off;
 }
 
@@ -228,7 +237,19 @@ void HostTensor::set(int64_t i0, int64_t i1, int64_t i2, double value) {
       std::memcpy(p, &bits, 2);
       break;
     }
-    default:
+    case DType::kInt8: {
+      const auto v = static_cast<int8_t>(r);
+      std::memcpy(p, &v, 1);
+      break;
+    }
+    case DType::kFloat8E4M3:
+      *p = kv8::float_to_e4m3(static_cast<float>(r));
+      break;
+    case DType::kFloat8E5M2:
+      *p = kv8::float_to_e5m2(static_cast<float>(r));
+      break;
+    case DType::kInt32:
+    case DType::kInt64:
       set_raw_int(i0, i1, static_cast<int64_t>(value));
   }
 }

@@ -67,9 +67,12 @@ const char* BestCoreFor(IsaTier tier, CpuVendor vendor) {
       return "SkylakeX";
     case IsaTier::kAvx2Fma:
       return vendor == CpuVendor::kAmd ? "Zen" : "Haswell";
-    default:
+    case IsaTier::kAvx:
+    case IsaTier::kSse:
+    case IsaTier::kUnknown:
       return "";  // AVX-only and older CPUs: OpenBLAS has known them for a decade
   }
+  return "";
 }
 
 std::vector<std::string> ReadCmdline() {

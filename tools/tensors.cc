@@ -6,6 +6,7 @@
 #include <new>
 
 #include "src/core/half.h"
+#include "src/core/kv8.h"
 #include "src/core/pages.h"
 
 namespace flashcte::tools {
@@ -111,9 +112,12 @@ bool ConvertFloatArray(const NpyArray& a, DType target, HostTensor* out) {
         x = f;
         break;
       }
-      default:
+      case NpyDtype::kFloat64:
         std::memcpy(&x, src + 8 * i, 8);
         break;
+      case NpyDtype::kInt32:
+      case NpyDtype::kInt64:
+        return false;  // LoadFloatTensor takes float files only
     }
     switch (target) {
       case DType::kFloat32:
@@ -127,7 +131,11 @@ bool ConvertFloatArray(const NpyArray& a, DType target, HostTensor* out) {
         // NaN payloads.
         out->as<uint16_t>()[i] = a.dtype == NpyDtype::kFloat16 ? h : half::double_to_f16(x);
         break;
-      default:
+      case DType::kInt32:
+      case DType::kInt64:
+      case DType::kInt8:
+      case DType::kFloat8E4M3:
+      case DType::kFloat8E5M2:
         return false;
     }
   }
@@ -207,6 +215,12 @@ float ElementAsFloat(const HostTensor& t, int64_t i) {
       return static_cast<float>(t.as<int32_t>()[i]);
     case DType::kInt64:
       return static_cast<float>(t.as<int64_t>()[i]);
+    case DType::kInt8:
+      return static_cast<float>(t.as<int8_t>()[i]);
+    case DType::kFloat8E4M3:
+      return kv8::e4m3_to_float(t.as<uint8_t>()[i]);
+    case DType::kFloat8E5M2:
+      return kv8::e5m2_to_float(t.as<uint8_t>()[i]);
   }
   return 0;
 }
@@ -243,8 +257,18 @@ void FillUniform(HostTensor* t, uint64_t seed, float lo, float hi) {
       case DType::kFloat16:
         t->as<uint16_t>()[i] = half::float_to_f16(x);
         break;
-      default:
+      case DType::kInt8:
+        t->as<int8_t>()[i] = kv8::float_to_int8(x);
         break;
+      case DType::kFloat8E4M3:
+        t->as<uint8_t>()[i] = kv8::float_to_e4m3(x);
+        break;
+      case DType::kFloat8E5M2:
+        t->as<uint8_t>()[i] = kv8::float_to_e5m2(x);
+        break;
+      case DType::kInt32:
+      case DType::kInt64:
+        break;  // indices: the callers fill them themselves
     }
   }
 }

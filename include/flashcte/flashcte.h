@@ -17,8 +17,19 @@
 namespace flashcte {
 
 // Element types. Attention inputs are float32, bfloat16 or float16 (q, k, v, priors agree);
-// int32/int64 appear only in packing bounds, positions and block tables.
-enum class DType : int { kFloat32, kBFloat16, kFloat16, kInt32, kInt64 };
+// int32/int64 appear only in packing bounds, positions and block tables. int8 and the OCP fp8
+// formats float8_e4m3fn and float8_e5m2 are 8-bit KV cache formats, each element standing for
+// its value times an fp32 scale (kvcache.h, quantize_kv).
+enum class DType : int {
+  kFloat32,
+  kBFloat16,
+  kFloat16,
+  kInt32,
+  kInt64,
+  kInt8,
+  kFloat8E4M3,
+  kFloat8E5M2,
+};
 
 const char* dtype_name(DType dtype);
 int dtype_size(DType dtype);

@@ -43,28 +43,17 @@ bool cpu_readable(int device_type) {
 }
 
 std::string dtype_str(nb::dlpack::dtype t) {
-  std::string kind;
-  switch (static_cast<nb::dlpack::dtype_code>(t.code)) {
-    case nb::dlpack::dtype_code::Int:
-      kind = "int";
-      break;
-    case nb::dlpack::dtype_code::UInt:
-      kind = "uint";
-      break;
-    case nb::dlpack::dtype_code::Float:
-      kind = "float";
-      break;
-    case nb::dlpack::dtype_code::Bfloat:
-      kind = "bfloat";
-      break;
-    case nb::dlpack::dtype_code::Complex:
-      kind = "complex";
-      break;
-    case nb::dlpack::dtype_code::Bool:
-      return "bool";
-    default:
-      kind = "dlpack-code-" + std::to_string(t.code) + "-";
-  }
+  // An if-chain, not a switch: nanobind's dtype_code grows with DLPack (the float8 codes), and a
+  // switch would have to name every code of whichever nanobind builds this (-Wswitch-enum).
+  using Code = nb::dlpack::dtype_code;
+  const auto code = static_cast<Code>(t.code);
+  if (code == Code::Bool) return "bool";
+  std::string kind = "dlpack-code-" + std::to_string(t.code) + "-";
+  if (code == Code::Int) kind = "int";
+  if (code == Code::UInt) kind = "uint";
+  if (code == Code::Float) kind = "float";
+  if (code == Code::Bfloat) kind = "bfloat";
+  if (code == Code::Complex) kind = "complex";
   std::string s = kind + std::to_string(t.bits);
   if (t.lanes != 1) s += "x" + std::to_string(t.lanes);
   return s;

@@ -6,6 +6,8 @@
 #define FLASHCTE_SRC_CORE_CONVERT_H_
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "flashcte/flashcte.h"
@@ -13,15 +15,30 @@
 
 namespace flashcte::internal {
 
+// A dtype that validation keeps from `where` (int32 / int64 indices and the 8-bit cache formats
+// are no attention compute dtype): reaching it is a bug, so stop rather than read garbage.
+[[noreturn]] inline void unreachable_dtype(const char* where, DType dtype) {
+  std::fprintf(stderr, "flashcte internal error: %s called with dtype %s\n", where,
+               dtype_name(dtype));
+  std::abort();
+}
+
 inline float load_as_float(const void* base, int64_t offset, DType dtype) {
   switch (dtype) {
     case DType::kBFloat16:
       return half::bf16_to_float(static_cast<const uint16_t*>(base)[offset]);
     case DType::kFloat16:
       return half::f16_to_float(static_cast<const uint16_t*>(base)[offset]);
-    default:
+    case DType::kFloat32:
       return static_cast<const float*>(base)[offset];
+    case DType::kInt32:
+    case DType::kInt64:
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      break;
   }
+  unreachable_dtype("load_as_float", dtype);
 }
 
 // x rounded to the nearest value of `dtype` (float32: unchanged), ties to even.
@@ -31,9 +48,16 @@ inline float round_to(DType dtype, float x) {
       return half::bf16_to_float(half::float_to_bf16(x));
     case DType::kFloat16:
       return half::f16_to_float(half::float_to_f16(x));
-    default:
+    case DType::kFloat32:
       return x;
+    case DType::kInt32:
+    case DType::kInt64:
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      break;
   }
+  unreachable_dtype("round_to", dtype);
 }
 
 // dst[c] = base[offset + c * stride] for c < n, as float32: one dtype switch per row.
@@ -50,11 +74,19 @@ inline void load_row_as_float(const void* base, int64_t offset, int64_t stride, 
       for (int64_t c = 0; c < n; ++c) dst[c] = half::f16_to_float(src[c * stride]);
       return;
     }
-    default: {
+    case DType::kFloat32: {
       const float* src = static_cast<const float*>(base) + offset;
       for (int64_t c = 0; c < n; ++c) dst[c] = src[c * stride];
+      return;
     }
+    case DType::kInt32:
+    case DType::kInt64:
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      break;
   }
+  unreachable_dtype("load_row_as_float", dtype);
 }
 
 // base[offset + c * stride] = src[c] for c < n in dtype: one dtype switch per row, so the
@@ -72,15 +104,23 @@ inline void store_row_from_float(void* base, int64_t offset, int64_t stride, DTy
       for (int64_t c = 0; c < n; ++c) dst[c * stride] = half::float_to_f16(src[c]);
       return;
     }
-    default: {
+    case DType::kFloat32: {
       float* dst = static_cast<float*>(base) + offset;
       if (stride == 1) {
         std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
         return;
       }
       for (int64_t c = 0; c < n; ++c) dst[c * stride] = src[c];
+      return;
     }
+    case DType::kInt32:
+    case DType::kInt64:
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      break;
   }
+  unreachable_dtype("store_row_from_float", dtype);
 }
 
 }  // namespace flashcte::internal

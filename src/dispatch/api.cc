@@ -27,20 +27,32 @@ const char* dtype_name(DType dtype) {
       return "int32";
     case DType::kInt64:
       return "int64";
+    case DType::kInt8:
+      return "int8";
+    case DType::kFloat8E4M3:
+      return "float8_e4m3fn";
+    case DType::kFloat8E5M2:
+      return "float8_e5m2";
   }
   return "unknown";
 }
 
 int dtype_size(DType dtype) {
   switch (dtype) {
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      return 1;
     case DType::kBFloat16:
     case DType::kFloat16:
       return 2;
+    case DType::kFloat32:
+    case DType::kInt32:
+      return 4;
     case DType::kInt64:
       return 8;
-    default:
-      return 4;
   }
+  return 0;
 }
 
 TensorView TensorView::contiguous(const void* data, DType dtype,

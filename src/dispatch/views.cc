@@ -168,7 +168,7 @@ Status read_bound(const char* name, const TensorView& view, int64_t row, int64_t
     case DType::kInt64:
       *value = static_cast<const int64_t*>(view.data)[offset];
       return Status::Ok();
-    default: {
+    case DType::kFloat32: {
       const float f = static_cast<const float*>(view.data)[offset];
       if (!std::isfinite(f) || f != std::floor(f) || std::fabs(f) > 9.0e15f) {
         return Status::Error(std::string(name) + ": row " + std::to_string(row) + " holds " +
@@ -177,7 +177,15 @@ Status read_bound(const char* name, const TensorView& view, int64_t row, int64_t
       *value = static_cast<int64_t>(f);
       return Status::Ok();
     }
+    case DType::kBFloat16:
+    case DType::kFloat16:
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      break;
   }
+  return Status::Error(std::string(name) + ": dtype must be int32, int64 or float32, got " +
+                       dtype_name(view.dtype));
 }
 
 }  // namespace

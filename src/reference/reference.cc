@@ -52,6 +52,25 @@ double round_to_precision(double x, int precision, int min_exp, double max_finit
   return r;
 }
 
+// round_to_precision for the fp8 formats, which saturate: a finite value past max_finite becomes
+// max_finite of its sign, and so does an infinity unless the format keeps infinities.
+double round_saturating(double x, int precision, int min_exp, double max_finite, bool keeps_inf) {
+  if (std::isnan(x) || (std::isinf(x) && keeps_inf)) return x;
+  if (std::isinf(x)) return std::copysign(max_finite, x);
+  const double r = round_to_precision(x, precision, min_exp, max_finite);
+  return std::isinf(r) ? std::copysign(max_finite, x) : r;
+}
+
+// OCP float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; S.1111.111 is NaN and
+// there is no infinity.
+double e4m3_to_double(uint8_t b) {
+  const double sign = (b & 0x80) ? -1.0 : 1.0;
+  const int e = (b >> 3) & 0xF, m = b & 0x7;
+  if (e == 0xF && m == 0x7) return std::numeric_limits<double>::quiet_NaN();
+  if (e == 0) return sign * std::ldexp(m / 8.0, -6);
+  return sign * std::ldexp(1.0 + m / 8.0, e - 7);
+}
+
 bool is_float_type(DType t) {
   return t == DType::kFloat32 || t == DType::kBFloat16 || t == DType::kFloat16;
 }
@@ -413,6 +432,12 @@ double load_element(const void* data, DType dtype, int64_t offset) {
       return static_cast<const int32_t*>(data)[offset];
     case DType::kInt64:
       return static_cast<double>(static_cast<const int64_t*>(data)[offset]);
+    case DType::kInt8:
+      return static_cast<const int8_t*>(data)[offset];
+    case DType::kFloat8E4M3:
+      return e4m3_to_double(static_cast<const uint8_t*>(data)[offset]);
+    case DType::kFloat8E5M2:  // binary16's upper byte
+      return half_to_double(static_cast<uint16_t>(static_cast<const uint8_t*>(data)[offset] << 8));
   }
   return std::numeric_limits<double>::quiet_NaN();
 }
@@ -425,9 +450,21 @@ double round_to_dtype(double x, DType dtype) {
     case DType::kFloat16:
       // 11 significant bits, smallest normal 2^-14, largest finite 65504.
       return round_to_precision(x, 11, -14, 65504.0);
-    default:
+    case DType::kFloat32:
       return static_cast<float>(x);  // the C++ conversion rounds to nearest even
+    case DType::kFloat8E4M3:
+      // 4 significant bits, smallest normal 2^-6, largest finite 448, no infinity.
+      return round_saturating(x, 4, -6, 448.0, false);
+    case DType::kFloat8E5M2:
+      // 3 significant bits, smallest normal 2^-14, largest finite 57344.
+      return round_saturating(x, 3, -14, 57344.0, true);
+    case DType::kInt8:
+      return std::isnan(x) ? x : std::clamp(std::nearbyint(x), -127.0, 127.0);
+    case DType::kInt32:
+    case DType::kInt64:
+      return std::nearbyint(x);
   }
+  return std::numeric_limits<double>::quiet_NaN();
 }
 
 Status attention_rows(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -43,8 +43,15 @@ void ToFloat(const void* src, DType dtype, int64_t n, float* dst) {
     case DType::kFloat16:
       PromoteRow(static_cast<const hwy::float16_t*>(src), n, dst);
       break;
-    default:
+    case DType::kFloat32:
       std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+      break;
+    case DType::kInt32:
+    case DType::kInt64:
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      HWY_ABORT("to_float: %s is not an attention dtype", dtype_name(dtype));
   }
 }
 
@@ -113,8 +120,15 @@ void FromFloat(const float* src, DType dtype, int64_t n, void* dst) {
     case DType::kFloat16:
       RoundF16(src, n, static_cast<uint16_t*>(dst));
       break;
-    default:
+    case DType::kFloat32:
       std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+      break;
+    case DType::kInt32:
+    case DType::kInt64:
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      HWY_ABORT("from_float: %s is not an attention dtype", dtype_name(dtype));
   }
 }
 

@@ -240,6 +240,9 @@ void DecodeQk(const float* q, int64_t ldq, int64_t rows, DecodeRows k, DType dty
       break;
     case DType::kInt32:
     case DType::kInt64:
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
       HWY_ABORT("decode_qk: %s is not a cache dtype", dtype_name(dtype));
   }
 }
@@ -372,6 +375,9 @@ void DecodePv(const float* p, int64_t ldp, int64_t rows, int64_t n, DecodeRows v
       break;
     case DType::kInt32:
     case DType::kInt64:
+    case DType::kInt8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
       HWY_ABORT("decode_pv: %s is not a cache dtype", dtype_name(dtype));
   }
 }

@@ -58,10 +58,18 @@ class CacheRows {
       case DType::kFloat16:
         store_bits(i, half::float_to_f16(x));
         return half::f16_to_float(half::float_to_f16(x));
-      default:
+      case DType::kFloat32:
         std::memcpy(&bytes_[static_cast<size_t>(i * 4)], &x, 4);
         return x;
+      case DType::kInt32:
+      case DType::kInt64:
+      case DType::kInt8:
+      case DType::kFloat8E4M3:
+      case DType::kFloat8E5M2:
+        break;
     }
+    ADD_FAILURE() << "not a cache dtype of these tests: " << dtype_name(dtype_);
+    return 0;
   }
   std::vector<unsigned char> snapshot() const { return bytes_; }
 

@@ -1,0 +1,95 @@
+// Scalar conversions of the 8-bit KV cache formats (ARCHITECTURE.md, "Where K and V live"): the
+// OCP fp8 formats e4m3fn and e5m2 (torch's float8_e4m3fn and float8_e5m2, ml_dtypes' of the same
+// names) and int8, symmetric. A cache element c with scale s stands for c * s (fp32 s).
+//
+// Decoding is exact (every 8-bit value is a float32). Encoding rounds to nearest, ties to even,
+// and saturates: a finite value beyond the format's largest becomes the largest of its sign
+// (e4m3fn 448, e5m2 57344, int8 127). e4m3fn has no infinity, so +-inf saturates too; e5m2 keeps
+// it. NaN stays NaN in fp8. int8 has no NaN: callers refuse NaN before they encode (quantize_kv).
+#ifndef FLASHCTE_SRC_CORE_KV8_H_
+#define FLASHCTE_SRC_CORE_KV8_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace flashcte::kv8 {
+
+// An fp8 format: exponent and mantissa bits, bias, its largest finite code (sign clear), and
+// whether the all-ones exponent is infinity / NaN (IEEE-like, e5m2) or a normal binade whose
+// only NaN is mantissa all ones (the "fn" formats).
+struct Fp8Format {
+  int exponent_bits, mantissa_bits, bias;
+  uint8_t max_code;
+  bool ieee_specials;
+};
+inline constexpr Fp8Format kE4M3 = {4, 3, 7, 0x7E, false};  // max 448
+inline constexpr Fp8Format kE5M2 = {5, 2, 15, 0x7B, true};  // max 57344
+
+inline float fp8_to_float(uint8_t code, const Fp8Format& f) {
+  const bool negative = (code & 0x80u) != 0;
+  const int e = (code >> f.mantissa_bits) & ((1 << f.exponent_bits) - 1);
+  const int m = code & ((1 << f.mantissa_bits) - 1);
+  const int all_ones = (1 << f.exponent_bits) - 1;
+  float mag;
+  if (f.ieee_specials && e == all_ones) {
+    mag = m == 0 ? INFINITY : NAN;
+  } else if (!f.ieee_specials && e == all_ones && m == (1 << f.mantissa_bits) - 1) {
+    mag = NAN;
+  } else if (e == 0) {  // subnormal: m * 2^(1 - bias - mantissa_bits)
+    mag = std::ldexp(static_cast<float>(m), 1 - f.bias - f.mantissa_bits);
+  } else {
+    mag = std::ldexp(static_cast<float>(m + (1 << f.mantissa_bits)), e - f.bias - f.mantissa_bits);
+  }
+  return negative ? -mag : mag;
+}
+
+// x rounded to the format (nearest, ties to even), saturating; see the file comment.
+inline uint8_t float_to_fp8(float x, const Fp8Format& f) {
+  const uint8_t sign = std::signbit(x) ? 0x80u : 0x00u;
+  if (std::isnan(x)) return static_cast<uint8_t>(sign | 0x7Fu);  // NaN in both formats
+  const double a = std::fabs(static_cast<double>(x));
+  if (std::isinf(a)) {
+    return static_cast<uint8_t>(sign | (f.ieee_specials ? f.max_code + 1 : f.max_code));
+  }
+  if (a == 0) return sign;
+  const int mantissa = f.mantissa_bits, min_exponent = 1 - f.bias;
+  int e = 0;
+  std::frexp(a, &e);  // a = fraction * 2^e, fraction in [0.5, 1): the leading bit is 2^(e - 1)
+  e -= 1;
+  // The quantum at a's binade (the subnormal one below the smallest normal), and a in quanta
+  // rounded to nearest even (nearbyint under the default rounding mode; the division by a power
+  // of two is exact in double).
+  const int quantum_exponent = std::max(e, min_exponent) - mantissa;
+  const double q = std::nearbyint(std::ldexp(a, -quantum_exponent));
+  // Codes are monotone in the value: (exponent field << mantissa) + mantissa field, where a
+  // subnormal's exponent field is 0 and q already counts the hidden bit (q in [2^M, 2^(M+1)]),
+  // so a carry out of the mantissa lands on the next binade's first code.
+  int64_t code = 0;
+  if (e < min_exponent) {
+    code = static_cast<int64_t>(q);  // 2^M here is the smallest normal
+  } else {
+    code = (static_cast<int64_t>(quantum_exponent + mantissa + f.bias) << mantissa) +
+           static_cast<int64_t>(q) - (int64_t{1} << mantissa);
+  }
+  if (code > f.max_code) code = f.max_code;
+  return static_cast<uint8_t>(sign | static_cast<uint8_t>(code));
+}
+
+inline float e4m3_to_float(uint8_t code) { return fp8_to_float(code, kE4M3); }
+inline float e5m2_to_float(uint8_t code) { return fp8_to_float(code, kE5M2); }
+inline uint8_t float_to_e4m3(float x) { return float_to_fp8(x, kE4M3); }
+inline uint8_t float_to_e5m2(float x) { return float_to_fp8(x, kE5M2); }
+
+// x rounded to an int8 (nearest, ties to even), saturating at +-127 (-128 is never produced, so
+// the format is symmetric). x must not be NaN.
+inline int8_t float_to_int8(float x) {
+  const float r = std::nearbyint(x);
+  if (!(r < 127.0f)) return 127;
+  if (!(r > -127.0f)) return -127;
+  return static_cast<int8_t>(r);
+}
+
+}  // namespace flashcte::kv8
+
+#endif  // FLASHCTE_SRC_CORE_KV8_H_
