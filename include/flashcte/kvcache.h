@@ -137,6 +137,25 @@ Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
                                  const TensorView& v_cache, const MutableTensorView& out,
                                  const MutableTensorView& lse, const VarlenKvCacheOptions& options);
 
+// quantize_kv: new K or V rows into an 8-bit cache format, for engines that write their own cache
+// (vLLM's reshape_and_cache with an fp8 cache, say). dst * scale stands for src:
+//   src    (tokens, kv_heads, d) float32, bfloat16 or float16, any strides
+//   dst    (tokens, kv_heads, d) int8, float8_e4m3fn or float8_e5m2, any strides (the rows of a
+//          dense cache or of pages); written only when the call succeeds
+//   scale  float32, the dequantization scale, one of
+//            (1,)                 per tensor, read
+//            (kv_heads,)          per KV head, read
+//            (tokens, kv_heads)   per token and KV head, written: the largest finite |src| of the
+//                                 row over the format's largest value (int8 127, e4m3fn 448,
+//                                 e5m2 57344), or 1 for a row of zeros
+// Each element becomes src / scale (divided in double) rounded to nearest, ties to even, and
+// saturated to the format's largest value of its sign, infinities included where the format has
+// none (e4m3fn; int8's range is +-127). NaN stays NaN in fp8; int8 has no NaN, so a NaN in src is
+// refused (by its index) for an int8 dst. A read scale must be finite and > 0, or the call is
+// refused naming the entry. dst must not overlap src or scale.
+Status quantize_kv(const TensorView& src, const MutableTensorView& dst,
+                   const MutableTensorView& scale);
+
 }  // namespace flashcte
 
 #endif  // FLASHCTE_KVCACHE_H_

@@ -44,11 +44,12 @@ inline float fp8_to_float(uint8_t code, const Fp8Format& f) {
   return negative ? -mag : mag;
 }
 
-// x rounded to the format (nearest, ties to even), saturating; see the file comment.
-inline uint8_t float_to_fp8(float x, const Fp8Format& f) {
+// x rounded to the format (nearest, ties to even), saturating; see the file comment. Taken as a
+// double so that a quotient value / scale rounds once (quantize_kv divides in double).
+inline uint8_t float_to_fp8(double x, const Fp8Format& f) {
   const uint8_t sign = std::signbit(x) ? 0x80u : 0x00u;
   if (std::isnan(x)) return static_cast<uint8_t>(sign | 0x7Fu);  // NaN in both formats
-  const double a = std::fabs(static_cast<double>(x));
+  const double a = std::fabs(x);
   if (std::isinf(a)) {
     return static_cast<uint8_t>(sign | (f.ieee_specials ? f.max_code + 1 : f.max_code));
   }
@@ -78,17 +79,20 @@ inline uint8_t float_to_fp8(float x, const Fp8Format& f) {
 
 inline float e4m3_to_float(uint8_t code) { return fp8_to_float(code, kE4M3); }
 inline float e5m2_to_float(uint8_t code) { return fp8_to_float(code, kE5M2); }
-inline uint8_t float_to_e4m3(float x) { return float_to_fp8(x, kE4M3); }
-inline uint8_t float_to_e5m2(float x) { return float_to_fp8(x, kE5M2); }
+inline uint8_t float_to_e4m3(double x) { return float_to_fp8(x, kE4M3); }
+inline uint8_t float_to_e5m2(double x) { return float_to_fp8(x, kE5M2); }
 
 // x rounded to an int8 (nearest, ties to even), saturating at +-127 (-128 is never produced, so
 // the format is symmetric). x must not be NaN.
-inline int8_t float_to_int8(float x) {
-  const float r = std::nearbyint(x);
-  if (!(r < 127.0f)) return 127;
-  if (!(r > -127.0f)) return -127;
+inline int8_t float_to_int8(double x) {
+  const double r = std::nearbyint(x);
+  if (!(r < 127.0)) return 127;
+  if (!(r > -127.0)) return -127;
   return static_cast<int8_t>(r);
 }
+
+// The largest finite magnitude of an 8-bit format: a per-token scale is absmax / this.
+inline constexpr float kInt8Max = 127.0f, kE4M3Max = 448.0f, kE5M2Max = 57344.0f;
 
 }  // namespace flashcte::kv8
 
