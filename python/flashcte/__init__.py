@@ -9,6 +9,8 @@ Functions:
     paged_attention: a mixed batch (prefill chunks and decoding sequences) over a paged cache in
         vLLM's shapes, in one call; flash_attn_varlen_func(block_table=...) is the same call in
         FlashAttention's.
+    quantize_kv: K or V rows into an 8-bit cache format (int8, float8_e4m3fn, float8_e5m2)
+        with per-tensor, per-head or per-token scales, for engines that write their own cache.
     simd_target: the SIMD instruction set the library dispatched to on this machine.
     layer_gemm_backend: the GEMM library the layer's projections run on.
 
@@ -26,7 +28,7 @@ kind of ``q``. Errors raise TypeError (dtypes) or ValueError with the library's
 from ._attention import attention_cte
 from ._flash_attn import flash_attn_func, flash_attn_varlen_func
 from ._flashcte import simd_target
-from ._kvcache import flash_attn_with_kvcache, paged_attention
+from ._kvcache import flash_attn_with_kvcache, paged_attention, quantize_kv
 from ._layer import AttentionLayer, KvCache, layer_gemm_backend
 
 __version__ = "0.1.0"
@@ -39,5 +41,6 @@ __all__ = [
     "flash_attn_with_kvcache",
     "layer_gemm_backend",
     "paged_attention",
+    "quantize_kv",
     "simd_target",
 ]

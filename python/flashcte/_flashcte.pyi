@@ -24,6 +24,9 @@ def attention_cte(
     attention_cte into caller-allocated outputs (all tensors as numpy arrays or DLPack tensors, read in place); the other arguments are Options' fields by name. Raises TypeError/ValueError with the library's message.
     """
 
+def quantize_kv(
+    *, src: object, dst: object, scale: object, format: str, bf16_bits: bool
+) -> None: ...
 def merge_attn_states(
     *,
     out_a: object,

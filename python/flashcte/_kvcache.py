@@ -249,6 +249,58 @@ def varlen_over_cache(
     return o
 
 
+_KV8_NAMES = ("int8", "float8_e4m3fn", "float8_e5m2")
+
+
+def _kv8_bytes(name: str, x: Any) -> tuple[str, Any]:
+    """An 8-bit cache array as (its format's name, its bytes as an int8 / uint8 view, in place)."""
+    if isinstance(x, np.ndarray):
+        fmt = x.dtype.name
+        if fmt not in _KV8_NAMES:
+            raise TypeError(
+                f"{name}: dtype must be int8, float8_e4m3fn or float8_e5m2 (ml_dtypes), got {fmt}"
+            )
+        if not x.flags.writeable:
+            raise ValueError(f"{name}: must be writable: the call writes the quantized rows there")
+        return fmt, x if fmt == "int8" else x.view(np.uint8)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        fmt = str(x.dtype).replace("torch.", "")
+        if fmt not in _KV8_NAMES:
+            raise TypeError(f"{name}: dtype must be int8, float8_e4m3fn or float8_e5m2, got {fmt}")
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
+        return fmt, x if fmt == "int8" else x.view(torch.uint8)
+    raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def quantize_kv(src: ArrayLike, dst: ArrayLike, scale: ArrayLike) -> tuple[ArrayLike, ArrayLike]:
+    """K or V rows into an 8-bit cache format, in place (flashcte/kvcache.h, quantize_kv): for
+    engines that write their own 8-bit cache.
+
+    Args:
+        src: ``(tokens, kv_heads, d)`` float32, float16 or bfloat16.
+        dst: ``(tokens, kv_heads, d)`` int8, float8_e4m3fn or float8_e5m2 (numpy with
+            ``ml_dtypes``' float8 types, or torch), any strides (rows of a cache or of pages);
+            written only when the call succeeds.
+        scale: float32 dequantization scale, ``dst * scale`` standing for ``src``: ``(1,)`` per
+            tensor or ``(kv_heads,)`` per KV head, read (each finite and > 0); or
+            ``(tokens, kv_heads)`` per token, written with the row's largest finite ``|src|``
+            over the format's largest value (127, 448, 57344), 1 for a row of zeros.
+
+    Each element becomes ``src / scale`` rounded to nearest (ties to even) and saturated to the
+    format's largest value of its sign (infinities too, where the format has none). NaN stays NaN
+    in fp8; a NaN in ``src`` is refused for int8. Returns ``(dst, scale)``.
+    """
+    st = Tensor("src", src)
+    fmt, raw = _kv8_bytes("dst", dst)
+    sc = _writable("scale", scale, "per-token scales are written there")
+    _flashcte.quantize_kv(
+        src=native(st), dst=raw, scale=native(sc), format=fmt, bf16_bits=is_bf16_numpy(st.arr)
+    )
+    return dst, scale
+
+
 def paged_attention(
     query: ArrayLike,
     key_cache: ArrayLike,

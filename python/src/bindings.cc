@@ -359,6 +359,54 @@ void flash_attn_varlen_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_ca
   if (!status.ok) raise_status(status);
 }
 
+// The 8-bit cache formats by the names Python gives them.
+flashcte::DType kv8_format(const std::string& name) {
+  if (name == "int8") return flashcte::DType::kInt8;
+  if (name == "float8_e4m3fn") return flashcte::DType::kFloat8E4M3;
+  if (name == "float8_e5m2") return flashcte::DType::kFloat8E5M2;
+  throw nb::type_error(
+      ("dst: dtype must be int8, float8_e4m3fn or float8_e5m2, got " + name).c_str());
+}
+
+// quantize_kv (flashcte/kvcache.h). dst arrives as its bytes (an int8 or uint8 array: numpy has
+// no float8 of its own, and DLPack producers differ on float8) with its format by name.
+void quantize_kv(nb::handle src, nb::handle dst, nb::handle scale, const std::string& format,
+                 bool bf16_bits) {
+  Imports im;
+  im.bf16_bits = bf16_bits;
+  const flashcte::TensorView sv = im.in("src", src);
+  const flashcte::MutableTensorView scv = im.out("scale", scale);
+  OutArray a;
+  if (!nb::try_cast<OutArray>(dst, a, /*convert=*/false)) {
+    throw nb::type_error("dst: expected a writable array (numpy, or a DLPack tensor)");
+  }
+  const auto code = static_cast<nb::dlpack::dtype_code>(a.dtype().code);
+  if (a.dtype().bits != 8 || a.dtype().lanes != 1 ||
+      (code != nb::dlpack::dtype_code::Int && code != nb::dlpack::dtype_code::UInt)) {
+    throw nb::type_error(
+        ("dst: expected its bytes as int8 or uint8, got " + dtype_str(a.dtype())).c_str());
+  }
+  flashcte::MutableTensorView dv;
+  dv.data = a.data();
+  dv.dtype = kv8_format(format);
+  dv.rank = static_cast<int>(std::min<size_t>(a.ndim(), flashcte::kMaxRank));
+  for (int i = 0; i < dv.rank; ++i) {
+    dv.shape[i] = static_cast<int64_t>(a.shape(i));
+    dv.strides[i] = a.stride(i);
+  }
+  if (a.ndim() != 3) {
+    throw nb::value_error(("dst: must have rank 3 (tokens, kv_heads, d), got shape " +
+                           shape_str(a.ndim(), a.shape_ptr()))
+                              .c_str());
+  }
+  flashcte::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = flashcte::quantize_kv(sv, dv, scv);
+  }
+  if (!status.ok) raise_status(status);
+}
+
 // merge_attn_states (flashcte/merge.h) into caller-allocated outputs; lse may be None.
 void merge_attn_states(nb::handle out_a, nb::handle lse_a, nb::handle out_b, nb::handle lse_b,
                        nb::handle out, nb::handle lse, bool bf16_bits) {
@@ -661,6 +709,10 @@ NB_MODULE(_flashcte, m) {
         nb::arg("bf16_bits"),
         "merge_attn_states into caller-allocated outputs (out may be out_a or out_b itself, lse "
         "lse_a or lse_b). Raises TypeError/ValueError with the library's message.");
+  m.def("quantize_kv", &quantize_kv, nb::kw_only(), nb::arg("src"), nb::arg("dst"),
+        nb::arg("scale"), nb::arg("format"), nb::arg("bf16_bits"),
+        "quantize_kv into dst (its bytes, int8 or uint8) in the 8-bit `format`; per-token "
+        "scales are written into scale. Raises TypeError/ValueError with the library's message.");
   m.def("flash_attn_with_kvcache", &flash_attn_with_kvcache, nb::kw_only(), nb::arg("q"),
         nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"), nb::arg("lse").none(),
         nb::arg("bf16_bits"), nb::arg("options"),
