@@ -47,6 +47,12 @@ struct DecodeOptions {
   // of the pages a call reads are looked at, and each must be in [0, num_blocks); the rest may
   // hold anything. The result is bitwise the one over the same rows in a dense cache.
   TensorView block_table;
+  // 8-bit caches (int8, float8_e4m3fn, float8_e5m2; quantize_kv writes them): the float32
+  // dequantization scales, (1,) for the whole cache or (kv_heads,) one per KV head, each finite
+  // and > 0; a cache element c of KV head h stands for c * k_scale[h] (v_scale[h]). Required
+  // with an 8-bit cache, refused with a float one. K and V may use different formats.
+  TensorView k_scale;
+  TensorView v_scale;
   int num_threads = 0;  // 0: OpenMP's default. Results are bitwise identical for any count.
 };
 
@@ -64,7 +70,9 @@ struct DecodeOutputs {
 //             [0, max_len), and attends every slot j <= positions[b, t] (and, with a window,
 //             j > positions[b, t] - sliding_window). Positions need not be consecutive or
 //             distinct; the sequences of a batch may sit at different positions.
-// q, the caches and out share one dtype: float32, bfloat16 or float16. GQA: q_heads is a multiple
+// q and out share one dtype: float32, bfloat16 or float16; each cache has it too, or is 8-bit
+// (read in place, its codes converted in registers and its scale folded into the score scale and
+// the output; the probabilities are then not rounded to bfloat16). GQA: q_heads is a multiple
 // of kv_heads and query head h reads KV head h / (q_heads / kv_heads); MQA (kv_heads 1) and MHA
 // (kv_heads = q_heads) are its ends. Scores and the softmax run in float32; with bfloat16 inputs
 // the probabilities are rounded to bfloat16 before P.V, as in attention_cte. bfloat16 and float16

@@ -23,8 +23,52 @@ using std::to_string;
 Status error(const std::string& message) { return Status::Error(message); }
 
 struct Extents {
-  Extent q, k, v, positions, block_table, sink, out, lse;
+  Extent q, k, v, positions, block_table, sink, k_scale, v_scale, out, lse;
 };
+
+// A cache's dtype: q's, or an 8-bit format (read with its scale).
+Status expect_cache_dtype(const char* name, DType cache, DType q) {
+  if (is_kv8_dtype(cache)) return Status::Ok();
+  if (cache != q) {
+    return error(std::string(name) + ": dtype " + dtype_name(cache) + " must be q's " +
+                 dtype_name(q) + " or an 8-bit cache format (int8, float8_e4m3fn, float8_e5m2)");
+  }
+  return Status::Ok();
+}
+
+// k_scale / v_scale: required with an 8-bit cache and refused with a float one; (1,) or
+// (kv_heads,) float32, each entry finite and > 0. Fills `scales` with one value per KV head.
+Status check_scale(const char* name, const TensorView& t, const char* cache_name, DType cache,
+                   int64_t kv_heads, std::vector<float>* scales, Extent* extent) {
+  if (!is_kv8_dtype(cache)) {
+    if (!t.present()) return Status::Ok();
+    return error(std::string(name) + ": is for 8-bit caches; " + cache_name + " is " +
+                 dtype_name(cache));
+  }
+  if (!t.present()) {
+    return error(std::string(name) + ": is required with the " + dtype_name(cache) + " " +
+                 cache_name + " (its dequantization scale)");
+  }
+  FLASHCTE_RETURN_IF_ERROR(check_tensor(name, t, 1, "(1,) or (kv_heads,)", extent));
+  if (t.dtype != DType::kFloat32) {
+    return error(std::string(name) + ": dtype must be float32, got " + dtype_name(t.dtype));
+  }
+  if (t.shape[0] != 1 && t.shape[0] != kv_heads) {
+    return error(std::string(name) + ": shape " + shape_str(t.shape.data(), 1) +
+                 " must be (1,) (per tensor) or (kv_heads,) = (" + to_string(kv_heads) +
+                 ",) (per KV head)");
+  }
+  scales->resize(static_cast<size_t>(kv_heads));
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    const float x = static_cast<const float*>(t.data)[t.shape[0] == 1 ? 0 : h * t.strides[0]];
+    if (!std::isfinite(x) || !(x > 0)) {
+      return error(std::string(name) + ": entry " + to_string(t.shape[0] == 1 ? 0 : h) + " = " +
+                   std::to_string(x) + " must be finite and > 0");
+    }
+    (*scales)[static_cast<size_t>(h)] = x;
+  }
+  return Status::Ok();
+}
 
 // q and the caches: ranks, dtypes, the shared sizes, GQA. A paged cache (`paged`: a block table
 // was given) is (num_blocks, kv_heads, block_size, d) and its slot count is set by the table.
@@ -41,8 +85,8 @@ Status check_inputs(const TensorView& q, const TensorView& k, const TensorView& 
       "v_cache", v, 4,
       paged ? "(num_blocks, kv_heads, block_size, dv)" : "(batch, kv_heads, max_len, dv)", &e->v));
   FLASHCTE_RETURN_IF_ERROR(expect_attention_dtype("q", q.dtype));
-  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("k_cache", k.dtype, q.dtype, "q"));
-  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("v_cache", v.dtype, q.dtype, "q"));
+  FLASHCTE_RETURN_IF_ERROR(expect_cache_dtype("k_cache", k.dtype, q.dtype));
+  FLASHCTE_RETURN_IF_ERROR(expect_cache_dtype("v_cache", v.dtype, q.dtype));
   p->dtype = q.dtype;
   p->batch = q.shape[0];
   p->q_heads = q.shape[1];
@@ -243,7 +287,9 @@ Status check_aliasing(const Extents& e) {
                 {"v_cache", e.v},
                 {"positions", e.positions},
                 {"block_table", e.block_table},
-                {"sink", e.sink}},
+                {"sink", e.sink},
+                {"k_scale", e.k_scale},
+                {"v_scale", e.v_scale}},
     outs[] = {{"out", e.out}, {"lse", e.lse}};
   for (const auto& o : outs) {
     for (const auto& in : inputs) {
@@ -271,6 +317,10 @@ Status validate_decode(const TensorView& q, const TensorView& k_cache, const Ten
         check_block_table_shape(options.block_table, k_cache.shape[2], problem, &e.block_table));
   }
   FLASHCTE_RETURN_IF_ERROR(check_options(options, problem, &e.sink));
+  FLASHCTE_RETURN_IF_ERROR(check_scale("k_scale", options.k_scale, "k_cache", k_cache.dtype,
+                                       problem->kv_heads, &problem->k_scale, &e.k_scale));
+  FLASHCTE_RETURN_IF_ERROR(check_scale("v_scale", options.v_scale, "v_cache", v_cache.dtype,
+                                       problem->kv_heads, &problem->v_scale, &e.v_scale));
   FLASHCTE_RETURN_IF_ERROR(
       check_positions(positions, options.sliding_window, problem, &e.positions));
   if (paged) {

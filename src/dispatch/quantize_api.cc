@@ -21,10 +21,6 @@ namespace {
 
 using std::to_string;
 
-bool is_kv8(DType dtype) {
-  return dtype == DType::kInt8 || dtype == DType::kFloat8E4M3 || dtype == DType::kFloat8E5M2;
-}
-
 float format_max(DType dtype) {
   switch (dtype) {
     case DType::kInt8:
@@ -77,7 +73,7 @@ Status check(const TensorView& src, const MutableTensorView& dst, const MutableT
   FLASHCTE_RETURN_IF_ERROR(internal::check_tensor("src", src, 3, "(tokens, kv_heads, d)", &esrc));
   FLASHCTE_RETURN_IF_ERROR(internal::expect_attention_dtype("src", src.dtype));
   FLASHCTE_RETURN_IF_ERROR(internal::check_tensor("dst", dst, 3, "(tokens, kv_heads, d)", &edst));
-  if (!is_kv8(dst.dtype)) {
+  if (!internal::is_kv8_dtype(dst.dtype)) {
     return Status::Error(std::string("dst: dtype must be an 8-bit cache format (int8, "
                                      "float8_e4m3fn or float8_e5m2), got ") +
                          dtype_name(dst.dtype));

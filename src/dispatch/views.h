@@ -69,6 +69,11 @@ Status expect_same_dtype(const char* name, DType dtype, DType want, const char* 
 // `dtype` is float32.
 Status expect_float32(const char* name, DType dtype);
 
+// `dtype` is an 8-bit KV cache format: int8, float8_e4m3fn or float8_e5m2.
+inline bool is_kv8_dtype(DType dtype) {
+  return dtype == DType::kInt8 || dtype == DType::kFloat8E4M3 || dtype == DType::kFloat8E5M2;
+}
+
 // `dtype` is one of the attention input types: float32, bfloat16 or float16.
 Status expect_attention_dtype(const char* name, DType dtype);
 

@@ -82,7 +82,8 @@ struct PairShape {
 };
 
 PairShape pair_shape(const DecodeProblem& p, const simd::Ops& ops, int64_t pair) {
-  const bool native = p.dtype == DType::kBFloat16 && simd::bf16_dot_for(ops) != nullptr &&
+  const bool native = p.dtype == DType::kBFloat16 && p.k.dtype == DType::kBFloat16 &&
+                      p.v.dtype == DType::kBFloat16 && simd::bf16_dot_for(ops) != nullptr &&
                       ops.decode_qk_bf16 != nullptr && ops.decode_pv_bf16 != nullptr;
   return {pair / p.kv_heads,
           pair % p.kv_heads,
@@ -202,11 +203,13 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
     ops.decode_qk_bf16(sc.q2.data(), ps.ldq2, ps.rows, k, all.hi - all.lo, p.head_dim, p.scale,
                        sc.s.data(), ps.lds);
   } else {
-    ops.decode_qk(sc.q.data(), ps.ldq, ps.rows, k, p.dtype, all.hi - all.lo, p.head_dim, p.scale,
+    const float scale = p.k_scale.empty() ? p.scale : p.scale * p.k_scale[ps.kv_head];
+    ops.decode_qk(sc.q.data(), ps.ldq, ps.rows, k, p.k.dtype, all.hi - all.lo, p.head_dim, scale,
                   sc.s.data(), ps.lds);
   }
 
-  const bool round_p = p.dtype == DType::kBFloat16;
+  // bfloat16 inputs round P to bfloat16 before P.V, as attention_cte; an 8-bit V keeps it float.
+  const bool round_p = p.dtype == DType::kBFloat16 && p.v.dtype == DType::kBFloat16;
   for (int64_t t0 = 0; t0 < p.tokens;) {
     // A run of tokens [t0, t1) with the same range in the block: their rows are consecutive.
     const SlotRange c = clip(kernel.row_slots(ps.b, t0), j0, j1);
@@ -240,7 +243,7 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
       ops.decode_pv_bf16(prow, ps.lds, r1 - r0, n, v, p.value_dim, state.alpha() + r0, state.o(r0),
                          ps.ldo);
     } else {
-      ops.decode_pv(prow, ps.lds, r1 - r0, n, v, p.dtype, p.value_dim, state.alpha() + r0,
+      ops.decode_pv(prow, ps.lds, r1 - r0, n, v, p.v.dtype, p.value_dim, state.alpha() + r0,
                     state.o(r0), ps.ldo);
     }
   }
@@ -269,6 +272,11 @@ void prefetch_start(const DecodeProblem& p, const PairShape& ps, const SlotRange
 void write_row(const DecodeProblem& p, const simd::Ops& ops, int64_t b, int64_t head, int64_t t,
                SoftmaxState& state, int64_t r) {
   const SoftmaxState::Stats stats = state.finish(r);
+  if (!p.v_scale.empty()) {  // an 8-bit V: the rows summed its codes
+    const float scale = p.v_scale[head / p.group];
+    float* o = state.o(r);
+    for (int64_t x = 0; x < p.value_dim; ++x) o[x] *= scale;
+  }
   const auto& st = p.out_strides;
   store_output_row(ops, p.out, b * st[0] + head * st[1] + t * st[2], st[3], p.dtype, state.o(r),
                    p.value_dim);

@@ -28,7 +28,7 @@ struct SlotRange {
 // alignment, window and left padding). Strides are in elements; axes are (batch, head, token or
 // slot, channel).
 struct DecodeProblem {
-  DType dtype = DType::kFloat32;  // of q, the caches and out
+  DType dtype = DType::kFloat32;  // of q and out (and of the caches, unless they are 8-bit)
   int64_t batch = 0;
   int64_t q_heads = 0;
   int64_t kv_heads = 0;
@@ -40,6 +40,10 @@ struct DecodeProblem {
   const void* q = nullptr;
   std::array<int64_t, 4> q_strides{};
   KvSource k, v;  // dense or paged; slots [0, max_len) of each sequence
+  // 8-bit caches: element c of KV head h stands for c * k_scale[h] (v_scale[h]); empty for the
+  // float caches. QK folds k_scale into the score scale and the output row takes v_scale, so the
+  // kernels read the raw codes.
+  std::vector<float> k_scale, v_scale;
   void* out = nullptr;
   std::array<int64_t, 4> out_strides{};
   float* lse = nullptr;  // null: not requested
