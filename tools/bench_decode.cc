@@ -42,12 +42,13 @@ constexpr char kCommand[] = "bench";
 struct DecodeConfig {
   int64_t batch, heads, kv_heads, d, cached, tokens, block_size;
   DType dtype;
+  DType cache_dtype;  // dtype, or an 8-bit format with --kv-dtype
   int threads, reps;
   bool cold, json;
   int64_t max_len() const { return cached + tokens; }
   // K and V of every slot the last new token attends, for every sequence and KV head.
   double kv_bytes() const {
-    return static_cast<double>(batch * kv_heads * max_len() * 2 * d) * dtype_size(dtype);
+    return static_cast<double>(batch * kv_heads * max_len() * 2 * d) * dtype_size(cache_dtype);
   }
 };
 
@@ -66,16 +67,16 @@ void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<doubl
   const double gbps = c.kv_bytes() / (median_ms * 1e-3) * 1e-9;
   if (c.json) {
     std::printf(
-        "{\"impl\":\"flashcte-decode\",\"dtype\":\"%s\",\"batch\":%lld,\"heads\":%lld,"
+        "{\"impl\":\"flashcte-decode\",\"dtype\":\"%s\",\"kv_dtype\":\"%s\",\"batch\":%lld,\"heads\":%lld,"
         "\"kv_heads\":%lld,\"d\":%lld,\"cached\":%lld,\"new\":%lld,\"block_size\":%lld,"
         "\"threads\":%d,\"cold\":%s,\"reps\":%d,\"median_ms\":%.4f,\"min_ms\":%.4f,"
         "\"kv_bytes\":%.0f,\"kv_gbps\":%.3f,\"read_bandwidth_gbps\":%.3f,"
         "\"bandwidth_ratio\":%.3f,\"paged_over_dense_speed\":%s,\"runs_bandwidth_gbps\":%s,"
         "\"runs_bandwidth_ratio\":%s,\"simd\":%s}\n",
-        dtype_name(c.dtype), static_cast<long long>(c.batch), static_cast<long long>(c.heads),
-        static_cast<long long>(c.kv_heads), static_cast<long long>(c.d),
-        static_cast<long long>(c.cached), static_cast<long long>(c.tokens),
-        static_cast<long long>(block_size), c.threads, c.cold ? "true" : "false", c.reps, median_ms,
+        dtype_name(c.dtype), dtype_name(c.cache_dtype), static_cast<long long>(c.batch),
+        static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
+        static_cast<long long>(c.d), static_cast<long long>(c.cached),
+        static_cast<long long>(c.tokens), static_cast<long long>(block_size), c.threads, c.cold ? "true" : "false", c.reps, median_ms,
         *std::min_element(ms.begin(), ms.end()), c.kv_bytes(), gbps, bandwidth, gbps / bandwidth,
         block_size > 0 ? std::to_string(speed_ratio).c_str() : "null",
         block_size > 0 ? std::to_string(runs_bandwidth).c_str() : "null",
@@ -99,7 +100,7 @@ void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<doubl
   std::printf(
       "%-9s %5lld %5lld/%-3lld %5lld %7lld %4lld %6s %3d %4s %10.3f %9.1f %8.2f %9.2f %6.2f %7s "
       "%9s %7s\n",
-      dtype_name(c.dtype), static_cast<long long>(c.batch), static_cast<long long>(c.heads),
+      dtype_name(c.cache_dtype), static_cast<long long>(c.batch), static_cast<long long>(c.heads),
       static_cast<long long>(c.kv_heads), static_cast<long long>(c.d),
       static_cast<long long>(c.cached), static_cast<long long>(c.tokens), cache.c_str(), c.threads,
       c.cold ? "yes" : "no", median_ms, c.kv_bytes() * 1e-6, gbps, bandwidth, gbps / bandwidth,
@@ -119,7 +120,7 @@ void PrintNote(const DecodeConfig& c, const std::vector<double>& bw) {
     std::printf(
         "runs_GB/s: the same buffer read as runs of one head's page (%lld bytes) in a shuffled "
         "order, the paged call's ceiling; vs_runs = KV_GB/s / runs_GB/s\n",
-        static_cast<long long>(c.block_size) * c.d * dtype_size(c.dtype));
+        static_cast<long long>(c.block_size) * c.d * dtype_size(c.cache_dtype));
   }
 }
 
@@ -144,6 +145,10 @@ std::vector<FlagSpec> DecodeBenchFlagSpecs() {
        "sequences in one flash_attn_varlen_kvcache call, against the two calls (paged, "
        "--block-size default 16; bfloat16 unless --dtype)",
        1, int64_t{1} << 20},
+      {"kv-dtype", FlagKind::kChoice,
+       "--decode: an 8-bit cache (codes over the format's range, one scale per tensor) with q "
+       "and out in --dtype (default: the cache in --dtype)",
+       0, 0, "int8|float8_e4m3fn|float8_e5m2"},
       {"block-size", FlagKind::kInt,
        "--decode: also time the call on a paged copy of the cache, pages of N slots, "
        "interleaved with the dense one (default 0: dense only)",
@@ -157,7 +162,10 @@ int DecodeBench(const ParsedFlags& f) {
       return UsageError(kCommand, std::string("--") + kNotForDecode[i] + ": not used by --decode");
     }
   }
-  if (f.has("mixed")) return MixedBench(f);
+  if (f.has("mixed")) {
+    if (f.has("kv-dtype")) return UsageError(kCommand, "--kv-dtype: not used by --mixed");
+    return MixedBench(f);
+  }
   DecodeConfig c;
   c.batch = f.integer("batch", 1);
   c.heads = f.integer("heads", 32);
@@ -168,6 +176,13 @@ int DecodeBench(const ParsedFlags& f) {
   c.block_size = f.integer("block-size", 0);
   c.dtype = DType::kFloat32;
   if (f.has("dtype")) ParseFloatDType(f.text("dtype"), &c.dtype);
+  c.cache_dtype = c.dtype;
+  if (f.has("kv-dtype")) {
+    const std::string kv = f.text("kv-dtype");
+    c.cache_dtype = kv == "int8"            ? DType::kInt8
+                    : kv == "float8_e4m3fn" ? DType::kFloat8E4M3
+                                            : DType::kFloat8E5M2;
+  }
   c.threads = static_cast<int>(f.integer("threads", 0));
   if (c.threads == 0) c.threads = omp_get_max_threads();
   c.reps = static_cast<int>(f.integer("reps", 5));
@@ -178,12 +193,16 @@ int DecodeBench(const ParsedFlags& f) {
                                     " must divide --heads = " + std::to_string(c.heads));
   }
   HostTensor q(c.dtype, {c.batch, c.heads, c.tokens, c.d});
-  HostTensor k(c.dtype, {c.batch, c.kv_heads, c.max_len(), c.d});
-  HostTensor v(c.dtype, {c.batch, c.kv_heads, c.max_len(), c.d});
+  HostTensor k(c.cache_dtype, {c.batch, c.kv_heads, c.max_len(), c.d});
+  HostTensor v(c.cache_dtype, {c.batch, c.kv_heads, c.max_len(), c.d});
   HostTensor out(c.dtype, {c.batch, c.heads, c.tokens, c.d});
   FillUniform(&q, 1, 0.0f, 1.0f);
-  FillUniform(&k, 2, 0.0f, 1.0f);
-  FillUniform(&v, 3, 0.0f, 1.0f);
+  // An 8-bit cache holds codes over its range with a scale that maps them to [0, 1).
+  const bool kv8 = c.cache_dtype != c.dtype;
+  const float code_top = c.cache_dtype == DType::kInt8 ? 127.0f : 256.0f;
+  FillUniform(&k, 2, 0.0f, kv8 ? code_top : 1.0f);
+  FillUniform(&v, 3, 0.0f, kv8 ? code_top : 1.0f);
+  const std::vector<float> kv_scale = {1.0f / code_top};
   std::vector<int64_t> positions;
   for (int64_t b = 0; b < c.batch; ++b) {
     for (int64_t t = 0; t < c.tokens; ++t) positions.push_back(c.cached + t);
@@ -191,6 +210,10 @@ int DecodeBench(const ParsedFlags& f) {
   DecodeOptions options;
   options.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
   options.num_threads = c.threads;
+  if (kv8) {
+    options.k_scale = TensorView::contiguous(kv_scale.data(), DType::kFloat32, {1});
+    options.v_scale = options.k_scale;
+  }
   DecodeOutputs outputs;
   outputs.out = MutableTensorView::contiguous(out.data(), c.dtype, out.shape());
   // The paged copy: sequence b's page i at a shuffled place of the pool.
@@ -200,9 +223,9 @@ int DecodeBench(const ParsedFlags& f) {
   if (c.block_size > 0) {
     for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(i);
     std::shuffle(table.begin(), table.end(), std::mt19937(7));
-    k_pool = HostTensor(c.dtype, {c.batch * pages, c.kv_heads, c.block_size, c.d});
-    v_pool = HostTensor(c.dtype, {c.batch * pages, c.kv_heads, c.block_size, c.d});
-    const size_t row = static_cast<size_t>(c.d * dtype_size(c.dtype));
+    k_pool = HostTensor(c.cache_dtype, {c.batch * pages, c.kv_heads, c.block_size, c.d});
+    v_pool = HostTensor(c.cache_dtype, {c.batch * pages, c.kv_heads, c.block_size, c.d});
+    const size_t row = static_cast<size_t>(c.d * dtype_size(c.cache_dtype));
     for (int64_t b = 0; b < c.batch; ++b) {
       for (int64_t h = 0; h < c.kv_heads; ++h) {
         for (int64_t j = 0; j < c.max_len(); ++j) {
@@ -225,8 +248,8 @@ int DecodeBench(const ParsedFlags& f) {
     const HostTensor& vc = paged ? v_pool : v;
     return decode_attention(
         TensorView::contiguous(q.data(), c.dtype, q.shape()),
-        TensorView::contiguous(kc.data(), c.dtype, kc.shape()),
-        TensorView::contiguous(vc.data(), c.dtype, vc.shape()),
+        TensorView::contiguous(kc.data(), c.cache_dtype, kc.shape()),
+        TensorView::contiguous(vc.data(), c.cache_dtype, vc.shape()),
         TensorView::contiguous(positions.data(), DType::kInt64, {c.batch, c.tokens}), outputs, o);
   };
   ReadBandwidth buffer(BandwidthBufferBytes());
@@ -236,7 +259,7 @@ int DecodeBench(const ParsedFlags& f) {
       return RuntimeError(kCommand, "decode_attention: " + s.message);
     }
   }
-  const size_t run_bytes = static_cast<size_t>(c.block_size * c.d * dtype_size(c.dtype));
+  const size_t run_bytes = static_cast<size_t>(c.block_size * c.d * dtype_size(c.cache_dtype));
   std::vector<double> ms[2], bw, runs_bw;
   if (!c.cold) {
     for (int r = 0; r < c.reps; ++r) {

@@ -270,7 +270,7 @@ int BenchCommand(const std::vector<std::string>& args) {
         "       flashcte bench --impl bandwidth [--threads T --reps R --json]\n"
         "       flashcte bench --decode [--batch B --heads N --kv-heads N --d N --cached N\n"
         "                       --new T --dtype D --threads T --reps R --cold B --block-size N\n"
-        "                       --json]\n\n"
+        "                       --kv-dtype K --json]\n\n"
         "Times one configuration (q (heads, Sq, d), k (kv_heads, d, Skv), v (kv_heads, Skv, d),\n"
         "uniform [0, 1) inputs, scale 1/sqrt(d)). Reports the median over --reps after one\n"
         "warm-up; GFLOP/s counts 4*d*heads*(unmasked query-key pairs) for attention impls and\n"
@@ -301,7 +301,9 @@ int BenchCommand(const std::vector<std::string>& args) {
         "same call also runs on a paged copy of the cache (pages of N slots in vLLM's "
         "(num_blocks,\n"
         "kv_heads, block_size, d) layout, at shuffled places), interleaved with the dense call,\n"
-        "and vs_dense is the median of the per-rep dense/paged time ratios.\n\n"
+        "and vs_dense is the median of the per-rep dense/paged time ratios. With --kv-dtype the\n"
+        "cache is 8-bit (int8, float8_e4m3fn, float8_e5m2; one scale per tensor) and q and out\n"
+        "are --dtype; the dtype column names the cache's.\n\n"
         "flags:\n%s",
         FlagsHelp(specs).c_str());
     return kExitOk;
