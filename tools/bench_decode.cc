@@ -67,7 +67,8 @@ void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<doubl
   const double gbps = c.kv_bytes() / (median_ms * 1e-3) * 1e-9;
   if (c.json) {
     std::printf(
-        "{\"impl\":\"flashcte-decode\",\"dtype\":\"%s\",\"kv_dtype\":\"%s\",\"batch\":%lld,\"heads\":%lld,"
+        "{\"impl\":\"flashcte-decode\",\"dtype\":\"%s\",\"kv_dtype\":\"%s\",\"batch\":%lld,"
+        "\"heads\":%lld,"
         "\"kv_heads\":%lld,\"d\":%lld,\"cached\":%lld,\"new\":%lld,\"block_size\":%lld,"
         "\"threads\":%d,\"cold\":%s,\"reps\":%d,\"median_ms\":%.4f,\"min_ms\":%.4f,"
         "\"kv_bytes\":%.0f,\"kv_gbps\":%.3f,\"read_bandwidth_gbps\":%.3f,"
@@ -76,8 +77,9 @@ void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<doubl
         dtype_name(c.dtype), dtype_name(c.cache_dtype), static_cast<long long>(c.batch),
         static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
         static_cast<long long>(c.d), static_cast<long long>(c.cached),
-        static_cast<long long>(c.tokens), static_cast<long long>(block_size), c.threads, c.cold ? "true" : "false", c.reps, median_ms,
-        *std::min_element(ms.begin(), ms.end()), c.kv_bytes(), gbps, bandwidth, gbps / bandwidth,
+        static_cast<long long>(c.tokens), static_cast<long long>(block_size), c.threads,
+        c.cold ? "true" : "false", c.reps, median_ms, *std::min_element(ms.begin(), ms.end()),
+        c.kv_bytes(), gbps, bandwidth, gbps / bandwidth,
         block_size > 0 ? std::to_string(speed_ratio).c_str() : "null",
         block_size > 0 ? std::to_string(runs_bandwidth).c_str() : "null",
         block_size > 0 ? std::to_string(gbps / runs_bandwidth).c_str() : "null",
