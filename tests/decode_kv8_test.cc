@@ -49,12 +49,18 @@ struct Cache8 {
   DType format;
   int64_t channels;
   std::vector<uint8_t> codes;
-  std::vector<float> scale;  // (1,) or (kv_heads,)
+  int granularity;           // 0 per tensor, 1 per KV head, 2 per token
+  std::vector<float> scale;  // (1,), (kv_heads,) or (batch, kv_heads, max_len)
 
-  Cache8(DType f, int64_t c, bool per_head, uint32_t seed) : format(f), channels(c) {
+  Cache8(DType f, int64_t c, int g, uint32_t seed) : format(f), channels(c), granularity(g) {
     codes.resize(static_cast<size_t>(kBatch * kKvHeads * kMaxLen * c));
-    scale = per_head ? std::vector<float>{0.013f, 0.0021f} : std::vector<float>{0.007f};
     std::mt19937 rng(seed);
+    if (g == 2) {
+      std::uniform_real_distribution<float> u(0.001f, 0.02f);
+      for (int64_t i = 0; i < kBatch * kKvHeads * kMaxLen; ++i) scale.push_back(u(rng));
+    } else {
+      scale = g == 1 ? std::vector<float>{0.013f, 0.0021f} : std::vector<float>{0.007f};
+    }
     std::normal_distribution<double> n(0.0, 1.0);
     for (size_t i = 0; i < codes.size(); ++i) {
       const int64_t h = static_cast<int64_t>(i) / (kMaxLen * c) % kKvHeads;
@@ -64,10 +70,13 @@ struct Cache8 {
       (void)h;
     }
   }
-  double head_scale(int64_t h) const { return scale[scale.size() == 1 ? 0 : h]; }
+  double slot_scale(int64_t b, int64_t h, int64_t j) const {
+    if (granularity == 2) return scale[static_cast<size_t>((b * kKvHeads + h) * kMaxLen + j)];
+    return scale[scale.size() == 1 ? 0 : h];
+  }
   double value(int64_t b, int64_t h, int64_t j, int64_t x) const {
     const uint8_t c = codes[static_cast<size_t>(((b * kKvHeads + h) * kMaxLen + j) * channels + x)];
-    return reference::load_element(&c, format, 0) * head_scale(h);
+    return reference::load_element(&c, format, 0) * slot_scale(b, h, j);
   }
   TensorView view() const {
     return {codes.data(),
@@ -77,6 +86,9 @@ struct Cache8 {
             {kKvHeads * kMaxLen * channels, kMaxLen * channels, channels, 1}};
   }
   TensorView scale_view() const {
+    if (granularity == 2) {
+      return TensorView::contiguous(scale.data(), DType::kFloat32, {kBatch, kKvHeads, kMaxLen});
+    }
     return TensorView::contiguous(scale.data(), DType::kFloat32,
                                   {static_cast<int64_t>(scale.size())});
   }
@@ -86,6 +98,7 @@ struct Cache8 {
 // of each sequence at shuffled places.
 struct Pages8 {
   std::vector<uint8_t> codes;
+  std::vector<float> scale;  // per token: (num_blocks, kv_heads, block), in the pages
   std::vector<int32_t> table;
   int64_t block, pages;
   Pages8(const Cache8& c, int64_t block_size) : block(block_size) {
@@ -94,6 +107,9 @@ struct Pages8 {
     std::iota(table.begin(), table.end(), 0);
     std::shuffle(table.begin(), table.end(), std::mt19937(3));
     codes.assign(static_cast<size_t>(kBatch * pages * kKvHeads * block * c.channels), 0x7F);
+    if (c.granularity == 2) {
+      scale.assign(static_cast<size_t>(kBatch * pages * kKvHeads * block), NAN);
+    }
     for (int64_t b = 0; b < kBatch; ++b) {
       for (int64_t h = 0; h < kKvHeads; ++h) {
         for (int64_t j = 0; j < kMaxLen; ++j) {
@@ -102,6 +118,10 @@ struct Pages8 {
               &codes[static_cast<size_t>(((page * kKvHeads + h) * block + j % block) * c.channels)],
               &c.codes[static_cast<size_t>(((b * kKvHeads + h) * kMaxLen + j) * c.channels)],
               static_cast<size_t>(c.channels));
+          if (c.granularity == 2) {
+            scale[static_cast<size_t>((page * kKvHeads + h) * block + j % block)] =
+                c.scale[static_cast<size_t>((b * kKvHeads + h) * kMaxLen + j)];
+          }
         }
       }
     }
@@ -112,6 +132,10 @@ struct Pages8 {
             4,
             {kBatch * pages, kKvHeads, block, c.channels},
             {kKvHeads * block * c.channels, block * c.channels, c.channels, 1}};
+  }
+  TensorView scale_view(const Cache8& c) const {
+    if (c.granularity != 2) return c.scale_view();
+    return TensorView::contiguous(scale.data(), DType::kFloat32, {kBatch * pages, kKvHeads, block});
   }
   TensorView table_view() const {
     return TensorView::contiguous(table.data(), DType::kInt32, {kBatch, pages});
@@ -124,16 +148,16 @@ struct DecodeResult {
   std::vector<float> lse;
 };
 
-DecodeResult decode(const Tensor4& q, const TensorView& k, const TensorView& v, const Cache8& kc,
-                    const Cache8& vc, const std::vector<int64_t>& positions,
-                    const TensorView& table) {
+DecodeResult decode(const Tensor4& q, const TensorView& k, const TensorView& v,
+                    const TensorView& k_scale, const TensorView& v_scale,
+                    const std::vector<int64_t>& positions, const TensorView& table) {
   Tensor4 out(q.view().dtype, {kBatch, kQHeads, kTokens, kDv});
   DecodeResult r;
   r.lse.assign(kBatch * kQHeads * kTokens, 0.0f);
   DecodeOptions o;
   o.scale = static_cast<float>(1.0 / std::sqrt(double{kD}));
-  o.k_scale = kc.scale_view();
-  o.v_scale = vc.scale_view();
+  o.k_scale = k_scale;
+  o.v_scale = v_scale;
   o.block_table = table;
   DecodeOutputs outputs;
   outputs.out = out.mutable_view();
@@ -151,9 +175,9 @@ TEST(DecodeKv8, MatchesTheReferenceOnTheDequantizedCacheOnEveryTarget) {
   const std::vector<int64_t> positions = {kMaxLen - 2, kMaxLen - 1, 19, 20};
   for (DType q_dtype : {DType::kFloat32, DType::kBFloat16}) {
     for (int f = 0; f < 3; ++f) {
-      for (bool per_head : {false, true}) {
-        // K in one format, V in the next: formats may differ.
-        const Cache8 kc(formats[f], kD, per_head, 11), vc(formats[(f + 1) % 3], kDv, per_head, 12);
+      for (int g = 0; g < 3; ++g) {
+        // K in one format, V in the next, and in different granularities: both may differ.
+        const Cache8 kc(formats[f], kD, g, 11), vc(formats[(f + 1) % 3], kDv, (g + f) % 3, 12);
         Tensor4 q(q_dtype, {kBatch, kQHeads, kTokens, kD});
         std::mt19937 rng(5);
         std::uniform_real_distribution<double> u(-1.0, 1.0);
@@ -203,8 +227,10 @@ TEST(DecodeKv8, MatchesTheReferenceOnTheDequantizedCacheOnEveryTarget) {
           hwy::SetSupportedTargetsForTest(target);
           SCOPED_TRACE(std::string("target ") + hwy::TargetName(target) + ", q " +
                        dtype_name(q_dtype) + ", k " + dtype_name(kc.format) + ", v " +
-                       dtype_name(vc.format) + (per_head ? ", per head" : ", per tensor"));
-          const DecodeResult dense = decode(q, kc.view(), vc.view(), kc, vc, positions, {});
+                       dtype_name(vc.format) + ", granularities " + std::to_string(kc.granularity) +
+                       "/" + std::to_string(vc.granularity));
+          const DecodeResult dense =
+              decode(q, kc.view(), vc.view(), kc.scale_view(), vc.scale_view(), positions, {});
           ASSERT_TRUE(dense.status.ok) << dense.status.message;
           Tensor4 got(q_dtype, {kBatch, kQHeads, kTokens, kDv});
           got.bytes() = dense.out;
@@ -221,8 +247,8 @@ TEST(DecodeKv8, MatchesTheReferenceOnTheDequantizedCacheOnEveryTarget) {
               }
             }
           }
-          const DecodeResult paged =
-              decode(q, kp.view(kc), vp.view(vc), kc, vc, positions, kp.table_view());
+          const DecodeResult paged = decode(q, kp.view(kc), vp.view(vc), kp.scale_view(kc),
+                                            vp.scale_view(vc), positions, kp.table_view());
           ASSERT_TRUE(paged.status.ok) << paged.status.message;
           EXPECT_EQ(paged.out, dense.out);
           EXPECT_EQ(paged.lse, dense.lse);
@@ -234,7 +260,7 @@ TEST(DecodeKv8, MatchesTheReferenceOnTheDequantizedCacheOnEveryTarget) {
 }
 
 TEST(DecodeKv8, ScalesAreCheckedByName) {
-  const Cache8 kc(DType::kInt8, kD, true, 1), vc(DType::kFloat8E4M3, kDv, false, 2);
+  const Cache8 kc(DType::kInt8, kD, 1, 1), vc(DType::kFloat8E4M3, kDv, 0, 2);
   Tensor4 q(DType::kFloat32, {kBatch, kQHeads, kTokens, kD});
   const std::vector<int64_t> positions = {1, 2, 3, 4};
   Tensor4 out(DType::kFloat32, {kBatch, kQHeads, kTokens, kDv});
@@ -252,6 +278,12 @@ TEST(DecodeKv8, ScalesAreCheckedByName) {
       refused_for(decode_attention(q.view(), kc.view(), vc.view(), pos, outputs, o), "k_scale"));
   bad = {0.5f, 0.5f, 0.5f};
   o.k_scale = TensorView::contiguous(bad.data(), DType::kFloat32, {3});
+  EXPECT_TRUE(
+      refused_for(decode_attention(q.view(), kc.view(), vc.view(), pos, outputs, o), "k_scale"));
+  // Per token, but not the cache's shape without its last axis.
+  std::vector<float> tokens(static_cast<size_t>(kBatch * kKvHeads * (kMaxLen - 1)), 1.0f);
+  o.k_scale =
+      TensorView::contiguous(tokens.data(), DType::kFloat32, {kBatch, kKvHeads, kMaxLen - 1});
   EXPECT_TRUE(
       refused_for(decode_attention(q.view(), kc.view(), vc.view(), pos, outputs, o), "k_scale"));
   // A scale for a float cache.

@@ -49,8 +49,11 @@ struct DecodeOptions {
   TensorView block_table;
   // 8-bit caches (int8, float8_e4m3fn, float8_e5m2; quantize_kv writes them): the float32
   // dequantization scales, (1,) for the whole cache or (kv_heads,) one per KV head, each finite
-  // and > 0; a cache element c of KV head h stands for c * k_scale[h] (v_scale[h]). Required
-  // with an 8-bit cache, refused with a float one. K and V may use different formats.
+  // and > 0, or one per token: the cache's shape without its last axis ((batch, kv_heads,
+  // max_len), or (num_blocks, kv_heads, block_size) beside a paged cache, in its pages). A cache
+  // element c stands for c times its scale. Per-token scales are data like the cache, not
+  // checked: a NaN or infinity reaches the rows that attend its slot. Required with an 8-bit
+  // cache, refused with a float one. K and V may use different formats and granularities.
   TensorView k_scale;
   TensorView v_scale;
   int num_threads = 0;  // 0: OpenMP's default. Results are bitwise identical for any count.

@@ -67,6 +67,7 @@ struct DecodeScratch {
   std::vector<const void*> k_rows, v_rows;        // the chunk's row addresses (unit stride)
   std::vector<unsigned char> gather_k, gather_v;  // a block of K / V rows when not unit stride
   std::vector<const void*> gather_k_rows, gather_v_rows;
+  std::vector<float> token_scale;  // a block's per-token scales
 };
 
 DecodeScratch& decode_scratch() {
@@ -180,6 +181,21 @@ simd::DecodeRows block_rows(const KvSource& src, const PairShape& ps, const Slot
   return simd::DecodeRows::of_table(buffer_rows.data(), n);
 }
 
+// Multiplies columns [0, n) of rows [r0, r1) of `s` (lds apart) by the per-token scales of slots
+// [lo, lo + n) of the pair: a per-token-scaled 8-bit cache's K scales on the scores, or its V
+// scales on the probabilities.
+void scale_columns(const KvSource& scales, const PairShape& ps, int64_t lo, int64_t n, float* s,
+                   int64_t lds, int64_t r0, int64_t r1, std::vector<float>& buffer) {
+  if (buffer.size() < static_cast<size_t>(n)) buffer.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    buffer[i] = *reinterpret_cast<const float*>(scales.row(ps.b, ps.kv_head, lo + i));
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    float* row = s + r * lds;
+    for (int64_t i = 0; i < n; ++i) row[i] *= buffer[i];
+  }
+}
+
 // The slots of the block [j0, j1) row range `slots` leaves, relative to j0 (empty: lo >= hi).
 SlotRange clip(const SlotRange& slots, int64_t j0, int64_t j1) {
   return {std::max(slots.lo, j0) - j0, std::min(slots.hi, j1) - j0};
@@ -206,6 +222,10 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
     const float scale = p.k_scale.empty() ? p.scale : p.scale * p.k_scale[ps.kv_head];
     ops.decode_qk(sc.q.data(), ps.ldq, ps.rows, k, p.k.dtype, all.hi - all.lo, p.head_dim, scale,
                   sc.s.data(), ps.lds);
+    if (p.k_token_scale.data) {
+      scale_columns(p.k_token_scale, ps, j0 + all.lo, all.hi - all.lo, sc.s.data(), ps.lds, 0,
+                    ps.rows, sc.token_scale);
+    }
   }
 
   // bfloat16 inputs round P to bfloat16 before P.V, as attention_cte; an 8-bit V keeps it float.
@@ -239,6 +259,9 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
     const simd::DecodeRows v = block_rows(p.v, ps, slots, sc.v_rows, p.value_dim, j0 + c.lo,
                                           j0 + c.hi, sc.gather_v, sc.gather_v_rows);
     float* prow = sc.s.data() + r0 * ps.lds + col;
+    if (p.v_token_scale.data) {
+      scale_columns(p.v_token_scale, ps, j0 + c.lo, n, prow, ps.lds, 0, r1 - r0, sc.token_scale);
+    }
     if (ps.native) {
       ops.decode_pv_bf16(prow, ps.lds, r1 - r0, n, v, p.value_dim, state.alpha() + r0, state.o(r0),
                          ps.ldo);

@@ -41,9 +41,13 @@ struct DecodeProblem {
   std::array<int64_t, 4> q_strides{};
   KvSource k, v;  // dense or paged; slots [0, max_len) of each sequence
   // 8-bit caches: element c of KV head h stands for c * k_scale[h] (v_scale[h]); empty for the
-  // float caches. QK folds k_scale into the score scale and the output row takes v_scale, so the
-  // kernels read the raw codes.
+  // float caches and with per-token scales. QK folds k_scale into the score scale and the output
+  // row takes v_scale, so the kernels read the raw codes.
   std::vector<float> k_scale, v_scale;
+  // Per-token scales (data == null: none): float32 sources laid out as the caches without their
+  // channel axis (same sequences, heads, slots and pages; strides[3] unused). Slot j's K scale
+  // multiplies its scores, its V scale its probabilities before P.V.
+  KvSource k_token_scale, v_token_scale;
   void* out = nullptr;
   std::array<int64_t, 4> out_strides{};
   float* lse = nullptr;  // null: not requested
