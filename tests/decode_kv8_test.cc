@@ -25,25 +25,6 @@ namespace {
 constexpr int64_t kBatch = 2, kQHeads = 8, kKvHeads = 2, kTokens = 2, kD = 40, kDv = 24;
 constexpr int64_t kMaxLen = 37;
 
-uint8_t encode(DType format, double x) {
-  switch (format) {
-    case DType::kInt8:
-      return static_cast<uint8_t>(kv8::float_to_int8(x));
-    case DType::kFloat8E4M3:
-      return kv8::float_to_e4m3(x);
-    case DType::kFloat8E5M2:
-      return kv8::float_to_e5m2(x);
-    case DType::kFloat32:
-    case DType::kBFloat16:
-    case DType::kFloat16:
-    case DType::kInt32:
-    case DType::kInt64:
-      break;
-  }
-  ADD_FAILURE() << dtype_name(format);
-  return 0;
-}
-
 // One 8-bit cache (batch, kv_heads, max_len, channels), its codes and the scales.
 struct Cache8 {
   DType format;
@@ -66,7 +47,7 @@ struct Cache8 {
       const int64_t h = static_cast<int64_t>(i) / (kMaxLen * c) % kKvHeads;
       // Values spread to use the format's range at this head's scale.
       const double top = format == DType::kInt8 ? 60.0 : 200.0;
-      codes[i] = encode(format, n(rng) * top);
+      codes[i] = kv8::encode(format, n(rng) * top);
       (void)h;
     }
   }

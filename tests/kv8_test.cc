@@ -19,43 +19,8 @@
 namespace flashcte {
 namespace {
 
-float decode(DType dtype, uint8_t code) {
-  switch (dtype) {
-    case DType::kFloat8E4M3:
-      return kv8::e4m3_to_float(code);
-    case DType::kFloat8E5M2:
-      return kv8::e5m2_to_float(code);
-    case DType::kInt8:
-      return static_cast<int8_t>(code);
-    case DType::kFloat32:
-    case DType::kBFloat16:
-    case DType::kFloat16:
-    case DType::kInt32:
-    case DType::kInt64:
-      break;
-  }
-  ADD_FAILURE() << dtype_name(dtype);
-  return 0;
-}
-
-uint8_t encode(DType dtype, float x) {
-  switch (dtype) {
-    case DType::kFloat8E4M3:
-      return kv8::float_to_e4m3(x);
-    case DType::kFloat8E5M2:
-      return kv8::float_to_e5m2(x);
-    case DType::kInt8:
-      return static_cast<uint8_t>(kv8::float_to_int8(x));
-    case DType::kFloat32:
-    case DType::kBFloat16:
-    case DType::kFloat16:
-    case DType::kInt32:
-    case DType::kInt64:
-      break;
-  }
-  ADD_FAILURE() << dtype_name(dtype);
-  return 0;
-}
+using kv8::decode;
+using kv8::encode;
 
 bool same(double a, double b) {
   return (std::isnan(a) && std::isnan(b)) || (a == b && std::signbit(a) == std::signbit(b));

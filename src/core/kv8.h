@@ -12,6 +12,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include "flashcte/flashcte.h"
 
 namespace flashcte::kv8 {
 
@@ -93,6 +97,68 @@ inline int8_t float_to_int8(double x) {
 
 // The largest finite magnitude of an 8-bit format: a per-token scale is absmax / this.
 inline constexpr float kInt8Max = 127.0f, kE4M3Max = 448.0f, kE5M2Max = 57344.0f;
+
+// The three formats by DType (int8 as the byte of its two's complement code). Any other dtype is
+// a caller's bug: validation keeps them away.
+[[noreturn]] inline void not_8bit(DType dtype) {
+  std::fprintf(stderr, "flashcte internal error: %s is not an 8-bit cache format\n",
+               dtype_name(dtype));
+  std::abort();
+}
+
+inline uint8_t encode(DType dtype, double x) {
+  switch (dtype) {
+    case DType::kInt8:
+      return static_cast<uint8_t>(float_to_int8(x));
+    case DType::kFloat8E4M3:
+      return float_to_e4m3(x);
+    case DType::kFloat8E5M2:
+      return float_to_e5m2(x);
+    case DType::kFloat32:
+    case DType::kBFloat16:
+    case DType::kFloat16:
+    case DType::kInt32:
+    case DType::kInt64:
+      break;
+  }
+  not_8bit(dtype);
+}
+
+inline float decode(DType dtype, uint8_t code) {
+  switch (dtype) {
+    case DType::kInt8:
+      return static_cast<int8_t>(code);
+    case DType::kFloat8E4M3:
+      return e4m3_to_float(code);
+    case DType::kFloat8E5M2:
+      return e5m2_to_float(code);
+    case DType::kFloat32:
+    case DType::kBFloat16:
+    case DType::kFloat16:
+    case DType::kInt32:
+    case DType::kInt64:
+      break;
+  }
+  not_8bit(dtype);
+}
+
+inline float format_max(DType dtype) {
+  switch (dtype) {
+    case DType::kInt8:
+      return kInt8Max;
+    case DType::kFloat8E4M3:
+      return kE4M3Max;
+    case DType::kFloat8E5M2:
+      return kE5M2Max;
+    case DType::kFloat32:
+    case DType::kBFloat16:
+    case DType::kFloat16:
+    case DType::kInt32:
+    case DType::kInt64:
+      break;
+  }
+  not_8bit(dtype);
+}
 
 }  // namespace flashcte::kv8
 

@@ -21,42 +21,6 @@ namespace {
 
 using std::to_string;
 
-float format_max(DType dtype) {
-  switch (dtype) {
-    case DType::kInt8:
-      return kv8::kInt8Max;
-    case DType::kFloat8E4M3:
-      return kv8::kE4M3Max;
-    case DType::kFloat8E5M2:
-      return kv8::kE5M2Max;
-    case DType::kFloat32:
-    case DType::kBFloat16:
-    case DType::kFloat16:
-    case DType::kInt32:
-    case DType::kInt64:
-      break;
-  }
-  internal::unreachable_dtype("quantize_kv", dtype);
-}
-
-uint8_t encode(DType dtype, double x) {
-  switch (dtype) {
-    case DType::kInt8:
-      return static_cast<uint8_t>(kv8::float_to_int8(x));
-    case DType::kFloat8E4M3:
-      return kv8::float_to_e4m3(x);
-    case DType::kFloat8E5M2:
-      return kv8::float_to_e5m2(x);
-    case DType::kFloat32:
-    case DType::kBFloat16:
-    case DType::kFloat16:
-    case DType::kInt32:
-    case DType::kInt64:
-      break;
-  }
-  internal::unreachable_dtype("quantize_kv", dtype);
-}
-
 enum class Granularity { kTensor, kHead, kToken };
 
 struct Call {
@@ -145,7 +109,7 @@ Status quantize_kv(const TensorView& src, const MutableTensorView& dst,
         }
       }
     }
-    const float max = format_max(dst.dtype);
+    const float max = kv8::format_max(dst.dtype);
     auto* scales = static_cast<float*>(scale.data);
     auto* out = static_cast<unsigned char*>(dst.data);
     for (int64_t i = 0; i < n; ++i) {
@@ -174,7 +138,7 @@ Status quantize_kv(const TensorView& src, const MutableTensorView& dst,
       }
       unsigned char* o = out + t * dst.strides[0] + h * dst.strides[1];
       for (int64_t x = 0; x < c.d; ++x) {
-        o[x * dst.strides[2]] = encode(dst.dtype, static_cast<double>(row[x]) / s);
+        o[x * dst.strides[2]] = kv8::encode(dst.dtype, static_cast<double>(row[x]) / s);
       }
     }
     return Status::Ok();
