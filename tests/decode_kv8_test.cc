@@ -43,13 +43,9 @@ struct Cache8 {
       scale = g == 1 ? std::vector<float>{0.013f, 0.0021f} : std::vector<float>{0.007f};
     }
     std::normal_distribution<double> n(0.0, 1.0);
-    for (size_t i = 0; i < codes.size(); ++i) {
-      const int64_t h = static_cast<int64_t>(i) / (kMaxLen * c) % kKvHeads;
-      // Values spread to use the format's range at this head's scale.
-      const double top = format == DType::kInt8 ? 60.0 : 200.0;
-      codes[i] = kv8::encode(format, n(rng) * top);
-      (void)h;
-    }
+    // Codes spread over much of the format's range.
+    const double top = format == DType::kInt8 ? 60.0 : 200.0;
+    for (uint8_t& code : codes) code = kv8::encode(format, n(rng) * top);
   }
   double slot_scale(int64_t b, int64_t h, int64_t j) const {
     if (granularity == 2) return scale[static_cast<size_t>((b * kKvHeads + h) * kMaxLen + j)];

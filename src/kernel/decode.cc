@@ -83,9 +83,10 @@ struct PairShape {
 };
 
 PairShape pair_shape(const DecodeProblem& p, const simd::Ops& ops, int64_t pair) {
-  const bool native = p.dtype == DType::kBFloat16 && p.k.dtype == DType::kBFloat16 &&
-                      p.v.dtype == DType::kBFloat16 && simd::bf16_dot_for(ops) != nullptr &&
-                      ops.decode_qk_bf16 != nullptr && ops.decode_pv_bf16 != nullptr;
+  // A bfloat16 cache means a bfloat16 q (a cache is q's dtype or 8-bit).
+  const bool native = p.k.dtype == DType::kBFloat16 && p.v.dtype == DType::kBFloat16 &&
+                      simd::bf16_dot_for(ops) != nullptr && ops.decode_qk_bf16 != nullptr &&
+                      ops.decode_pv_bf16 != nullptr;
   return {pair / p.kv_heads,
           pair % p.kv_heads,
           p.rows(),
@@ -229,7 +230,7 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
   }
 
   // bfloat16 inputs round P to bfloat16 before P.V, as attention_cte; an 8-bit V keeps it float.
-  const bool round_p = p.dtype == DType::kBFloat16 && p.v.dtype == DType::kBFloat16;
+  const bool round_p = p.v.dtype == DType::kBFloat16;
   for (int64_t t0 = 0; t0 < p.tokens;) {
     // A run of tokens [t0, t1) with the same range in the block: their rows are consecutive.
     const SlotRange c = clip(kernel.row_slots(ps.b, t0), j0, j1);
