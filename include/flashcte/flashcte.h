@@ -18,8 +18,8 @@ namespace flashcte {
 
 // Element types. Attention inputs are float32, bfloat16 or float16 (q, k, v, priors agree);
 // int32/int64 appear only in packing bounds, positions and block tables. int8 and the OCP fp8
-// formats float8_e4m3fn and float8_e5m2 are 8-bit KV cache formats, each element standing for
-// its value times an fp32 scale (kvcache.h, quantize_kv).
+// formats float8_e4m3fn and float8_e5m2 are 8-bit KV cache formats (a prior's, a cache's), each
+// element standing for its value times an fp32 scale (Options::k_prior_scale, kvcache.h).
 enum class DType : int {
   kFloat32,
   kBFloat16,
@@ -98,6 +98,18 @@ struct Options {
   // (S_prior = max_blocks * block_size). Only the pages of the used prior are read, each in
   // [0, num_blocks). Results are bitwise those over the same rows in a dense prior.
   TensorView prior_block_table;
+  // An 8-bit prior: k_prior / v_prior of int8, float8_e4m3fn or float8_e5m2 (else q's dtype),
+  // whose element c stands for c x its float32 scale. Required with an 8-bit prior and refused
+  // with a float one; K and V may differ in format and granularity:
+  //   (1,)                                one scale for the whole prior
+  //   (bs_kv,) dense, (kv_heads,) paged   one per KV batch / KV head
+  //   the prior's shape without its channel axis, (bs_kv, S_prior) dense or (num_blocks,
+  //   kv_heads, block_size) paged (in the prior's pages): one per slot, read like the prior
+  // Each read scale (the first two) must be finite and > 0; per-slot scales are data. The prior
+  // is read in place; its sections run on the float32 kernels (the native bfloat16 ones would
+  // round the dequantized values), so bfloat16 prefill over an 8-bit prior widens there.
+  TensorView k_prior_scale;
+  TensorView v_prior_scale;
   TensorView sink;             // (bs, 1) float32: one extra logit per (batch*head), not scaled
   int64_t sliding_window = 0;  // 0: none; else keep the sw most recent positions (own included)
   bool tp_q = true;            // q is (bs, Sq, d); false: (bs, d, Sq)
@@ -163,11 +175,12 @@ struct [[nodiscard]] Status {
 // Rank-4 q, k, v and out make a batch of independent problems along axis 0 in one call and one
 // parallel region: entry b is the rank-3 call on entry b of every argument, bitwise. Every other
 // tensor argument then has the batch axis first too (a stride of 0 shares one entry across the
-// batch): k_prior / v_prior when dense, prior_block_table, sink, bound_min, bound_max,
-// alibi_slopes, key_bias, neg_max, sum_recip and lse. A paged prior's pools and prior_used_len
-// are shared. FlashAttention's (batch, seqlen, heads, d) is such a batch: (batch, heads, seqlen,
-// d) through its strides, with tp_k. An error in one entry ends in " (batch entry b)", and
-// nothing is written when any entry is refused. plan_attention takes the rank-3 form only.
+// batch): k_prior / v_prior and their scales when dense, prior_block_table, sink, bound_min,
+// bound_max, alibi_slopes, key_bias, neg_max, sum_recip and lse. A paged prior's pools, their
+// scales and prior_used_len are shared. FlashAttention's (batch, seqlen, heads, d) is such a batch:
+// (batch, heads, seqlen, d) through its strides, with tp_k. An error in one entry ends in " (batch
+// entry b)", and nothing is written when any entry is refused. plan_attention takes the rank-3 form
+// only.
 Status attention_cte(const TensorView& q, const TensorView& k, const TensorView& v,
                      const Outputs& outputs, const Options& options = {});
 

@@ -46,6 +46,18 @@ struct KvCacheOptions {
   // page_block_size, kv_heads, d), any page_block_size >= 1. Slot j of sequence b is row
   // j % page_block_size of page block_table[b, j / page_block_size].
   TensorView block_table;
+  // 8-bit caches (k_cache / v_cache of int8, float8_e4m3fn or float8_e5m2): the float32
+  // dequantization scales, cache element c standing for c x scale; required with an 8-bit cache
+  // and refused with a float one. K and V may differ in format and granularity.
+  //   (1,) or (kv_heads,)  one per cache or per KV head, read: each finite and > 0; the appended
+  //                        k / v are quantized with it
+  //   per token            the cache's shape without its last axis, (batch_cache, seqlen_cache,
+  //                        kv_heads) or, paged, (num_blocks, page_block_size, kv_heads): read
+  //                        like the cache; the append writes its new tokens' entries (quantize_kv)
+  // The append rounds to nearest even and saturates (quantize_kv); int8 holds no NaN, so a NaN
+  // in an appended int8 row is refused. Not in FlashAttention's call (vLLM's k_scale, v_scale).
+  MutableTensorView k_scale;
+  MutableTensorView v_scale;
   // (heads,) or (batch, heads) float32: score(i, j) -= slope * |i + seqlen_k - seqlen_q - j|.
   TensorView alibi_slopes;
   // (heads,) float32: an attention sink per query head, a logit that joins every row's softmax
@@ -64,7 +76,8 @@ struct KvCacheOptions {
 // Attention of q (batch, seqlen_q, heads, d) over each sequence's cache after the append:
 //   k_cache, v_cache  (batch_cache, seqlen_cache, kv_heads, d / dv), or pages (num_blocks,
 //                     page_block_size, kv_heads, d / dv) with options.block_table; q's dtype
-//                     (float32, bfloat16 or float16); written in place where k and v are given
+//                     (float32, bfloat16 or float16) or an 8-bit format with options.k_scale /
+//                     v_scale; written in place where k and v are given
 //   out               (batch, seqlen_q, heads, dv), q's dtype
 //   lse               optional (batch, heads, seqlen_q) float32, log-sum-exp of the scaled
 //                     scores
@@ -104,6 +117,10 @@ struct VarlenKvCacheOptions {
   // (num_blocks, page_block_size, kv_heads, d). Absent: dense caches (batch, seqlen_cache,
   // kv_heads, d), row b for sequence b.
   TensorView block_table;
+  // 8-bit caches: their float32 scales, as in KvCacheOptions (read only: per token, (batch,
+  // seqlen_cache, kv_heads) or, paged, (num_blocks, page_block_size, kv_heads)).
+  TensorView k_scale;
+  TensorView v_scale;
   // (heads,) or (batch, heads) float32, as in KvCacheOptions.
   TensorView alibi_slopes;
   // (heads,) float32: an attention sink per query head, a logit that joins every row's softmax
@@ -123,7 +140,8 @@ struct VarlenKvCacheOptions {
 // and seq_lens) over each sequence's cache, read only:
 //   q       (total_q, heads, d), float32, bfloat16 or float16
 //   k_cache, v_cache  (batch, seqlen_cache, kv_heads, d / dv) or, with options.block_table, pages
-//           (num_blocks, page_block_size, kv_heads, d / dv), any page_block_size >= 1; q's dtype.
+//           (num_blocks, page_block_size, kv_heads, d / dv), any page_block_size >= 1; q's dtype
+//           or an 8-bit format with options.k_scale / v_scale.
 //           The queries' own keys and values are already in the cache (seqused_k counts them).
 //   out     (total_q, heads, dv), q's dtype
 //   lse     optional (heads, total_q) float32

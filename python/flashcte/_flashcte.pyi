@@ -49,6 +49,8 @@ def flash_attn_with_kvcache(
     out: object,
     lse: object | None,
     bf16_bits: bool,
+    k_cache_format: str = "",
+    v_cache_format: str = "",
     **options: object,
 ) -> None:
     """
@@ -63,6 +65,8 @@ def flash_attn_varlen_kvcache(
     out: object,
     lse: object | None,
     bf16_bits: bool,
+    k_cache_format: str = "",
+    v_cache_format: str = "",
     **options: object,
 ) -> None:
     """

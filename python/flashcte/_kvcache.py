@@ -32,15 +32,81 @@ def _writable(name: str, x: Any, why: str) -> Tensor:
     return t
 
 
-def _cache(name: str, x: Any) -> Tensor:
-    """A cache the call writes in place."""
-    t = _writable(name, x, "new k and v are appended into it")
-    if t.ndim != 4:
-        raise ValueError(
-            f"{name}: must have rank 4 (batch_cache, seqlen_cache, heads_k, head_dim) or, with "
-            f"block_table, (num_blocks, page_block_size, heads_k, head_dim); got shape {t.shape}"
-        )
-    return t
+_KV8_NAMES = ("int8", "float8_e4m3fn", "float8_e5m2")
+
+
+def _kv8_format(x: Any) -> str:
+    """The 8-bit cache format of a numpy array (ml_dtypes' float8 types) or a torch tensor, or
+    "" for any other dtype."""
+    if isinstance(x, np.ndarray):
+        return x.dtype.name if x.dtype.name in _KV8_NAMES else ""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        fmt = str(x.dtype).replace("torch.", "")
+        return fmt if fmt in _KV8_NAMES else ""
+    return ""
+
+
+def _kv8_bytes(name: str, x: Any, written: bool = True) -> tuple[str, Any]:
+    """An 8-bit cache array as (its format's name, its bytes as an int8 / uint8 view, in place):
+    numpy has no float8 of its own and DLPack producers differ on float8."""
+    fmt = _kv8_format(x)
+    if isinstance(x, np.ndarray):
+        if not fmt:
+            raise TypeError(
+                f"{name}: dtype must be int8, float8_e4m3fn or float8_e5m2 (ml_dtypes), got "
+                f"{x.dtype.name}"
+            )
+        if written and not x.flags.writeable:
+            raise ValueError(f"{name}: must be writable: the call writes the quantized rows there")
+        return fmt, x if fmt == "int8" else x.view(np.uint8)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if not fmt:
+            raise TypeError(
+                f"{name}: dtype must be int8, float8_e4m3fn or float8_e5m2, got {x.dtype}"
+            )
+        if x.device.type != "cpu":
+            raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
+        return fmt, x if fmt == "int8" else x.view(torch.uint8)
+    raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+class _Cache:
+    """A KV cache argument: a float one as a normalised Tensor, an 8-bit one as its bytes with
+    its format (the scales then dequantize it)."""
+
+    __slots__ = ("fmt", "arr", "shape", "tensor")
+
+    def __init__(self, name: str, x: Any, written: bool):
+        self.fmt = _kv8_format(x)
+        self.tensor: Tensor | None = None
+        if self.fmt:
+            self.fmt, self.arr = _kv8_bytes(name, x, written)
+        else:
+            why = "new k and v are appended into it"
+            self.tensor = _writable(name, x, why) if written else Tensor(name, x)
+            self.arr = native(self.tensor)
+        self.shape = tuple(int(n) for n in self.arr.shape)
+        if len(self.shape) != 4:
+            raise ValueError(
+                f"{name}: must have rank 4 (batch_cache, seqlen_cache, heads_k, head_dim) or, "
+                f"with block_table, (num_blocks, page_block_size, heads_k, head_dim); got shape "
+                f"{self.shape}"
+            )
+
+    def bf16(self) -> bool:
+        return self.tensor is not None and is_bf16_numpy(self.tensor.arr)
+
+
+def _scale(name: str, x: Any, written: bool) -> Any:
+    """An 8-bit cache's float32 scale (None: none): per-token scales are written by an append."""
+    if x is None:
+        return None
+    if isinstance(x, (int, float)):
+        return np.full((1,), float(x), np.float32)
+    t = _writable(name, x, "the append writes the new tokens' scales") if written else Tensor(name, x)
+    return native(t)
 
 
 def _int32(name: str, x: Any, batch: int | None = None) -> Any:
@@ -83,6 +149,8 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     return_softmax_lse: bool = False,
     *,
+    k_scale: ArrayLike | float | None = None,
+    v_scale: ArrayLike | float | None = None,
     num_threads: int | None = None,
 ) -> ArrayLike | tuple[ArrayLike, ArrayLike]:
     """FlashAttention's ``flash_attn_with_kvcache`` on the CPU.
@@ -91,8 +159,10 @@ def flash_attn_with_kvcache(
         q: ``(batch, seqlen_q, heads, d)``.
         k_cache, v_cache: ``(batch_cache, seqlen_cache, heads_k, d / dv)``, or with
             ``block_table`` pages ``(num_blocks, page_block_size, heads_k, d / dv)`` with any
-            ``page_block_size`` from 1. q's dtype (float32, float16, bfloat16); numpy arrays or
-            torch tensors, written in place when ``k`` and ``v`` are given.
+            ``page_block_size`` from 1. q's dtype (float32, float16, bfloat16), or an 8-bit
+            cache (int8, float8_e4m3fn, float8_e5m2: torch dtypes, or numpy int8 and ml_dtypes'
+            float8 types) with ``k_scale`` / ``v_scale``; numpy arrays or torch tensors,
+            written in place when ``k`` and ``v`` are given.
         k, v: optional new tokens ``(batch, seqlen_new, heads_k, d / dv)``, appended at
             ``cache_seqlens`` before the attention.
         rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)`` (q's dtype or float32),
@@ -115,6 +185,13 @@ def flash_attn_with_kvcache(
         num_splits: accepted for compatibility and not used: the split of the cache over threads
             is the kernel's, and results are bitwise the same for any split and thread count.
         return_softmax_lse: also return the log-sum-exp of the final scores.
+        k_scale, v_scale: an 8-bit cache's float32 dequantization scale (element ``c`` stands for
+            ``c * scale``; vLLM's ``k_scale``): a float or ``(1,)`` per cache, ``(heads_k,)`` per
+            KV head (each finite and > 0; the append quantizes with it), or per token, the
+            cache's shape without its last axis, read like the cache and written for the
+            appended tokens (their largest ``|value|`` over the format's largest, as
+            :func:`quantize_kv`). Required with an 8-bit cache, refused with a float one. An
+            int8 cache holds no NaN: appending one is refused.
         num_threads: OpenMP threads; None for OpenMP's default.
 
     Returns:
@@ -136,8 +213,9 @@ def flash_attn_with_kvcache(
     if qt.ndim != 4:
         raise ValueError(f"q: must have rank 4 (batch, seqlen_q, heads, head_dim), got shape {qt.shape}")
     batch, seqlen_q, heads, d = qt.shape
-    kc, vc = _cache("k_cache", k_cache), _cache("v_cache", v_cache)
-    bf16 = is_bf16_numpy(qt.arr) or is_bf16_numpy(kc.arr)
+    appending = k is not None
+    kc, vc = _Cache("k_cache", k_cache, appending), _Cache("v_cache", v_cache, appending)
+    bf16 = is_bf16_numpy(qt.arr) or kc.bf16()
     tensors = {}
     for name, x in (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if x is not None:
@@ -151,11 +229,15 @@ def flash_attn_with_kvcache(
     lse = empty(qt, (batch, heads, seqlen_q), "float32") if return_softmax_lse else None
     _flashcte.flash_attn_with_kvcache(
         q=native(qt),
-        k_cache=native(kc),
-        v_cache=native(vc),
+        k_cache=kc.arr,
+        v_cache=vc.arr,
         out=native(out),
         lse=lse,
         bf16_bits=bf16,
+        k_cache_format=kc.fmt,
+        v_cache_format=vc.fmt,
+        k_scale=_scale("k_scale", k_scale, appending),
+        v_scale=_scale("v_scale", v_scale, appending),
         cache_seqlens=_int32("cache_seqlens", cache_seqlens, batch),
         cache_batch_idx=_int32("cache_batch_idx", cache_batch_idx),
         cache_leftpad=_int32("cache_leftpad", cache_leftpad),
@@ -175,17 +257,6 @@ def flash_attn_with_kvcache(
     return give_back(qt, out)
 
 
-def _cache_view(name: str, x: Any) -> Tensor:
-    """A cache the call only reads: (num_blocks, page_block_size, heads_k, d) or dense rows."""
-    t = Tensor(name, x)
-    if t.ndim != 4:
-        raise ValueError(
-            f"{name}: must have rank 4 (num_blocks, page_block_size, heads_k, head_dim) with "
-            f"block_table, else (batch, seqlen_cache, heads_k, head_dim); got shape {t.shape}"
-        )
-    return t
-
-
 def varlen_over_cache(
     q: ArrayLike,
     k_cache: ArrayLike,
@@ -202,17 +273,20 @@ def varlen_over_cache(
     return_softmax_lse: bool,
     num_threads: int | None,
     out: ArrayLike | None = None,
+    k_scale: ArrayLike | float | None = None,
+    v_scale: ArrayLike | float | None = None,
 ) -> ArrayLike | tuple[ArrayLike, ArrayLike]:
     """The mixed batch (flashcte/kvcache.h, flash_attn_varlen_kvcache): varlen queries
     ``(total_q, heads, d)`` over each sequence's cache (pages with ``block_table``), every
     sequence's queries the last ``seqlen_q`` of its ``seqused_k`` keys; one parallel region.
-    ``out``, when given, is written in place (and returned)."""
+    ``out``, when given, is written in place (and returned). 8-bit caches take ``k_scale`` /
+    ``v_scale`` as :func:`flash_attn_with_kvcache` (read only)."""
     qt = Tensor("q", q)
     if qt.ndim != 3:
         raise ValueError(f"q: must have rank 3 (total_q, heads, head_dim), got shape {qt.shape}")
     total_q, heads, _ = qt.shape
-    kc, vc = _cache_view("k_cache", k_cache), _cache_view("v_cache", v_cache)
-    bf16 = is_bf16_numpy(qt.arr) or is_bf16_numpy(kc.arr)
+    kc, vc = _Cache("k_cache", k_cache, False), _Cache("v_cache", v_cache, False)
+    bf16 = is_bf16_numpy(qt.arr) or kc.bf16()
     cu = _int32("cu_seqlens_q", cu_seqlens_q)
     batch = int(cu.shape[0]) - 1 if cu is not None and len(cu.shape) == 1 else 0
     left, right = _window(window_size, causal)
@@ -226,11 +300,15 @@ def varlen_over_cache(
         sink_values = native(Tensor("sinks", sinks))
     _flashcte.flash_attn_varlen_kvcache(
         q=native(qt),
-        k_cache=native(kc),
-        v_cache=native(vc),
+        k_cache=kc.arr,
+        v_cache=vc.arr,
         out=native(result),
         lse=native(lse),
         bf16_bits=bf16,
+        k_cache_format=kc.fmt,
+        v_cache_format=vc.fmt,
+        k_scale=_scale("k_scale", k_scale, False),
+        v_scale=_scale("v_scale", v_scale, False),
         cu_seqlens_q=cu,
         seqused_k=_int32("seqused_k", seqused_k),
         block_table=_int32("block_table", block_table),
@@ -247,31 +325,6 @@ def varlen_over_cache(
     if return_softmax_lse:
         return o, give_back(qt, lse)
     return o
-
-
-_KV8_NAMES = ("int8", "float8_e4m3fn", "float8_e5m2")
-
-
-def _kv8_bytes(name: str, x: Any) -> tuple[str, Any]:
-    """An 8-bit cache array as (its format's name, its bytes as an int8 / uint8 view, in place)."""
-    if isinstance(x, np.ndarray):
-        fmt = x.dtype.name
-        if fmt not in _KV8_NAMES:
-            raise TypeError(
-                f"{name}: dtype must be int8, float8_e4m3fn or float8_e5m2 (ml_dtypes), got {fmt}"
-            )
-        if not x.flags.writeable:
-            raise ValueError(f"{name}: must be writable: the call writes the quantized rows there")
-        return fmt, x if fmt == "int8" else x.view(np.uint8)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        fmt = str(x.dtype).replace("torch.", "")
-        if fmt not in _KV8_NAMES:
-            raise TypeError(f"{name}: dtype must be int8, float8_e4m3fn or float8_e5m2, got {fmt}")
-        if x.device.type != "cpu":
-            raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
-        return fmt, x if fmt == "int8" else x.view(torch.uint8)
-    raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
 def quantize_kv(src: ArrayLike, dst: ArrayLike, scale: ArrayLike) -> tuple[ArrayLike, ArrayLike]:
@@ -317,6 +370,8 @@ def paged_attention(
     output: ArrayLike | None = None,
     *,
     kv_layout: str = "HND",
+    k_scale: ArrayLike | float | None = None,
+    v_scale: ArrayLike | float | None = None,
     num_threads: int | None = None,
 ) -> ArrayLike:
     """Attention over a paged KV cache in vLLM's shapes, for engines that keep vLLM's layout: one
@@ -340,6 +395,10 @@ def paged_attention(
         alibi_slopes: ``(heads,)`` float32.
         sinks: ``(heads,)`` float32: an attention sink logit per head (gpt-oss).
         output: ``(num_tokens, heads, dv)`` written in place when given, else allocated.
+        k_scale, v_scale: for an 8-bit cache (int8, float8_e4m3fn, float8_e5m2, as vLLM's fp8
+            cache), its float32 scale: a float or ``(1,)`` (vLLM's per-tensor scale),
+            ``(heads_k,)``, or per token the cache's shape without its last axis (in
+            ``kv_layout``).
 
     Returns:
         ``output``. Results are the ones :func:`flash_attn_with_kvcache` gives each sequence,
@@ -347,10 +406,19 @@ def paged_attention(
     """
     if kv_layout not in ("HND", "NHD"):
         raise ValueError(f"kv_layout: must be 'HND' (vLLM) or 'NHD' (FlashAttention), got {kv_layout!r}")
-    caches = []
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        t = _cache_view(name, cache)
-        caches.append(transpose(t.arr, 1, 2) if kv_layout == "HND" else t.arr)
+    caches, scales = [], []
+    hnd = kv_layout == "HND"
+    for name, cache, cache_scale in (
+        ("key_cache", key_cache, k_scale),
+        ("value_cache", value_cache, v_scale),
+    ):
+        arr = cache if _kv8_format(cache) else Tensor(name, cache).arr
+        if arr.ndim != 4:
+            layout = "num_blocks, heads_k, block_size" if hnd else "num_blocks, block_size, heads_k"
+            raise ValueError(f"{name}: must have rank 4 ({layout}, head_dim), got shape {tuple(arr.shape)}")
+        caches.append(transpose(arr, 1, 2) if hnd else arr)
+        per_token = getattr(cache_scale, "ndim", 0) == 3
+        scales.append(transpose(cache_scale, 1, 2) if hnd and per_token else cache_scale)
     return varlen_over_cache(
         query,
         caches[0],
@@ -367,4 +435,6 @@ def paged_attention(
         False,
         num_threads,
         out=output,
+        k_scale=scales[0],
+        v_scale=scales[1],
     )

@@ -321,12 +321,14 @@ _KVCACHE_SCHEMA = (
     "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, Tensor? block_table=None, "
     "float? softmax_scale=None, bool causal=False, int window_left=-1, int window_right=-1, "
     "float softcap=0., bool rotary_interleaved=True, Tensor? alibi_slopes=None, "
-    "int? num_threads=None) -> (Tensor, Tensor)"
+    "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None, int? num_threads=None) -> (Tensor, Tensor)"
 )
 
 
 @torch.library.custom_op(
-    "flashcte::flash_attn_with_kvcache", mutates_args=("k_cache", "v_cache"), schema=_KVCACHE_SCHEMA
+    "flashcte::flash_attn_with_kvcache",
+    mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"),
+    schema=_KVCACHE_SCHEMA,
 )
 def _kvcache_op(
     q: torch.Tensor,
@@ -347,12 +349,15 @@ def _kvcache_op(
     softcap: float = 0.0,
     rotary_interleaved: bool = True,
     alibi_slopes: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
     num_threads: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _kvcache.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, (window_left, window_right), softcap,
-        rotary_interleaved, alibi_slopes, return_softmax_lse=True, num_threads=num_threads,
+        rotary_interleaved, alibi_slopes, return_softmax_lse=True, k_scale=k_scale,
+        v_scale=v_scale, num_threads=num_threads,
     )
 
 
@@ -384,20 +389,27 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     return_softmax_lse: bool = False,
     *,
+    k_scale=None,
+    v_scale=None,
     num_threads: Optional[int] = None,
 ):
     """``torch.ops.flashcte.flash_attn_with_kvcache``: :func:`flashcte.flash_attn_with_kvcache`
     (FlashAttention's signature and semantics) as a torch operator that declares its writes to
-    ``k_cache`` and ``v_cache``; ``cache_seqlens`` may be an int."""
+    ``k_cache`` and ``v_cache`` (and to per-token ``k_scale`` / ``v_scale`` of an 8-bit cache);
+    ``cache_seqlens`` and the scales may be numbers."""
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32)
+    if isinstance(k_scale, (int, float)):
+        k_scale = torch.full((1,), float(k_scale), dtype=torch.float32)
+    if isinstance(v_scale, (int, float)):
+        v_scale = torch.full((1,), float(v_scale), dtype=torch.float32)
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.to(torch.float32)
     left, right = (int(w) for w in window_size)
     out, lse = torch.ops.flashcte.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
         cache_leftpad, block_table, softmax_scale, causal, left, right, softcap,
-        rotary_interleaved, alibi_slopes, num_threads,
+        rotary_interleaved, alibi_slopes, k_scale, v_scale, num_threads,
     )
     return (out, lse) if return_softmax_lse else out
 

@@ -75,6 +75,17 @@ std::optional<flashcte::DType> to_dtype(nb::dlpack::dtype t, bool bf16_bits) {
   return std::nullopt;
 }
 
+// The 8-bit cache formats by the names Python gives them; "" for an argument that is not one.
+std::optional<flashcte::DType> kv8_format(const char* name, const std::string& format) {
+  if (format.empty()) return std::nullopt;
+  if (format == "int8") return flashcte::DType::kInt8;
+  if (format == "float8_e4m3fn") return flashcte::DType::kFloat8E4M3;
+  if (format == "float8_e5m2") return flashcte::DType::kFloat8E5M2;
+  throw nb::type_error(
+      (std::string(name) + ": dtype must be int8, float8_e4m3fn or float8_e5m2, got " + format)
+          .c_str());
+}
+
 std::string shape_str(size_t ndim, const int64_t* shape) {
   std::string s = "(";
   for (size_t i = 0; i < ndim; ++i) {
@@ -87,15 +98,26 @@ std::string shape_str(size_t ndim, const int64_t* shape) {
 
 // Fills the rank/shape/strides/dtype of a view from an imported array; raises on what the
 // library's views cannot express.
+// With `kv8` set, an int8 or uint8 array holds the codes of that 8-bit cache format (numpy has
+// no float8 of its own, and DLPack producers differ on float8, so Python passes the bytes).
 template <typename Array, typename View>
-void fill_view(const char* name, const Array& a, bool bf16_bits, View* view) {
+void fill_view(const char* name, const Array& a, bool bf16_bits, View* view,
+               std::optional<flashcte::DType> kv8 = std::nullopt) {
   if (!cpu_readable(a.device_type())) {
     throw nb::value_error((std::string(name) +
                            ": must live in CPU memory, got DLPack device type " +
                            std::to_string(a.device_type()))
                               .c_str());
   }
-  const auto dtype = to_dtype(a.dtype(), bf16_bits);
+  const auto code = static_cast<nb::dlpack::dtype_code>(a.dtype().code);
+  const bool bytes = a.dtype().bits == 8 && a.dtype().lanes == 1 &&
+                     (code == nb::dlpack::dtype_code::Int || code == nb::dlpack::dtype_code::UInt);
+  if (kv8 && !bytes) {
+    throw nb::type_error((std::string(name) + ": expected the 8-bit cache's bytes as int8 or " +
+                          "uint8, got " + dtype_str(a.dtype()))
+                             .c_str());
+  }
+  const auto dtype = kv8 ? kv8 : to_dtype(a.dtype(), bf16_bits);
   if (!dtype) {
     throw nb::type_error((std::string(name) + ": dtype " + dtype_str(a.dtype()) +
                           " is not supported (attention inputs are float32, float16 or bfloat16)")
@@ -134,7 +156,8 @@ struct Imports {
   std::vector<OutArray> outputs;
   bool bf16_bits = false;
 
-  flashcte::TensorView in(const char* name, nb::handle h) {
+  flashcte::TensorView in(const char* name, nb::handle h,
+                          std::optional<flashcte::DType> kv8 = std::nullopt) {
     flashcte::TensorView view;
     if (h.is_none()) return view;
     InArray a;
@@ -145,13 +168,14 @@ struct Imports {
                             nb::type_name(h.type()).c_str())
                                .c_str());
     }
-    fill_view(name, a, bf16_bits, &view);
+    fill_view(name, a, bf16_bits, &view, kv8);
     view.data = a.data();
     inputs.push_back(std::move(a));
     return view;
   }
 
-  flashcte::MutableTensorView out(const char* name, nb::handle h) {
+  flashcte::MutableTensorView out(const char* name, nb::handle h,
+                                  std::optional<flashcte::DType> kv8 = std::nullopt) {
     flashcte::MutableTensorView view;
     if (h.is_none()) return view;
     OutArray a;
@@ -161,7 +185,7 @@ struct Imports {
                             nb::type_name(h.type()).c_str())
                                .c_str());
     }
-    fill_view(name, a, bf16_bits, &view);
+    fill_view(name, a, bf16_bits, &view, kv8);
     view.data = a.data();
     outputs.push_back(std::move(a));
     return view;
@@ -188,6 +212,10 @@ using OptionTable = std::pair<const char*, Setter<O>>;
 #define FLASHCTE_TENSOR_OPTION(O, field)                                          \
   OptionTable<O> {                                                                \
 #field, [](Imports & im, O & o, nb::handle h) { o.field = im.in(#field, h); } \
+  }
+#define FLASHCTE_OUT_TENSOR_OPTION(O, field)                                       \
+  OptionTable<O> {                                                                 \
+#field, [](Imports & im, O & o, nb::handle h) { o.field = im.out(#field, h); } \
   }
 #define FLASHCTE_VALUE_OPTION(O, field, type)           \
   OptionTable<O> {                                      \
@@ -216,6 +244,8 @@ const OptionTable<flashcte::Options> kAttentionOptions[] = {
     FLASHCTE_TENSOR_OPTION(flashcte::Options, v_prior),
     FLASHCTE_VALUE_OPTION(flashcte::Options, prior_used_len, std::vector<int64_t>),
     FLASHCTE_TENSOR_OPTION(flashcte::Options, prior_block_table),
+    FLASHCTE_TENSOR_OPTION(flashcte::Options, k_prior_scale),
+    FLASHCTE_TENSOR_OPTION(flashcte::Options, v_prior_scale),
     FLASHCTE_TENSOR_OPTION(flashcte::Options, sink),
     FLASHCTE_VALUE_OPTION(flashcte::Options, scale, float),
     FLASHCTE_VALUE_OPTION(flashcte::Options, causal_mask, bool),
@@ -260,6 +290,8 @@ const OptionTable<flashcte::KvCacheOptions> kKvCacheOptions[] = {
     FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, cache_batch_idx),
     FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, cache_leftpad),
     FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, block_table),
+    FLASHCTE_OUT_TENSOR_OPTION(flashcte::KvCacheOptions, k_scale),
+    FLASHCTE_OUT_TENSOR_OPTION(flashcte::KvCacheOptions, v_scale),
     FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, alibi_slopes),
     FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, softmax_scale, float),
     FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, causal, bool),
@@ -272,6 +304,8 @@ const OptionTable<flashcte::VarlenKvCacheOptions> kVarlenKvCacheOptions[] = {
     FLASHCTE_TENSOR_OPTION(flashcte::VarlenKvCacheOptions, cu_seqlens_q),
     FLASHCTE_TENSOR_OPTION(flashcte::VarlenKvCacheOptions, seqused_k),
     FLASHCTE_TENSOR_OPTION(flashcte::VarlenKvCacheOptions, block_table),
+    FLASHCTE_TENSOR_OPTION(flashcte::VarlenKvCacheOptions, k_scale),
+    FLASHCTE_TENSOR_OPTION(flashcte::VarlenKvCacheOptions, v_scale),
     FLASHCTE_TENSOR_OPTION(flashcte::VarlenKvCacheOptions, alibi_slopes),
     FLASHCTE_TENSOR_OPTION(flashcte::VarlenKvCacheOptions, sinks),
     FLASHCTE_VALUE_OPTION(flashcte::VarlenKvCacheOptions, softmax_scale, float),
@@ -282,6 +316,7 @@ const OptionTable<flashcte::VarlenKvCacheOptions> kVarlenKvCacheOptions[] = {
     FLASHCTE_VALUE_OPTION(flashcte::VarlenKvCacheOptions, num_threads, int),
 };
 #undef FLASHCTE_TENSOR_OPTION
+#undef FLASHCTE_OUT_TENSOR_OPTION
 #undef FLASHCTE_VALUE_OPTION
 
 // attention_cte into caller-allocated outputs; every other argument by keyword, as Options names
@@ -312,22 +347,24 @@ void attention_cte(nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb:
 // flash_attn_with_kvcache (flashcte/kvcache.h) into caller-allocated outputs, the caches written
 // in place; every other argument by keyword, as KvCacheOptions names it.
 void flash_attn_with_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle out,
-                             nb::handle lse, bool bf16_bits, const nb::kwargs& options) {
+                             nb::handle lse, bool bf16_bits, const std::string& k_cache_format,
+                             const std::string& v_cache_format, const nb::kwargs& options) {
   Imports im;
   im.bf16_bits = bf16_bits;
   const flashcte::TensorView qv = im.in("q", q);
   // The caches are written only when k and v are appended; otherwise they are read, and may be
   // read-only arrays (flash_attn_func's k and v).
   const bool appending = options.contains("k") && !options["k"].is_none();
-  const auto cache = [&](const char* name, nb::handle h) {
-    if (appending) return im.out(name, h);
-    const flashcte::TensorView view = im.in(name, h);
+  const auto cache = [&](const char* name, nb::handle h, const std::string& format) {
+    const auto kv8 = kv8_format(name, format);
+    if (appending) return im.out(name, h, kv8);
+    const flashcte::TensorView view = im.in(name, h, kv8);
     // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): never written without an append
     return flashcte::MutableTensorView{const_cast<void*>(view.data), view.dtype, view.rank,
                                        view.shape, view.strides};
   };
-  const flashcte::MutableTensorView kc = cache("k_cache", k_cache);
-  const flashcte::MutableTensorView vc = cache("v_cache", v_cache);
+  const flashcte::MutableTensorView kc = cache("k_cache", k_cache, k_cache_format);
+  const flashcte::MutableTensorView vc = cache("v_cache", v_cache, v_cache_format);
   const flashcte::MutableTensorView ov = im.out("out", out), lv = im.out("lse", lse);
   flashcte::KvCacheOptions o;
   set_options(im, o, options, kKvCacheOptions, "flash_attn_with_kvcache");
@@ -342,12 +379,13 @@ void flash_attn_with_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cach
 // flash_attn_varlen_kvcache (flashcte/kvcache.h) into caller-allocated outputs, the caches only
 // read; every other argument by keyword, as VarlenKvCacheOptions names it.
 void flash_attn_varlen_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle out,
-                               nb::handle lse, bool bf16_bits, const nb::kwargs& options) {
+                               nb::handle lse, bool bf16_bits, const std::string& k_cache_format,
+                               const std::string& v_cache_format, const nb::kwargs& options) {
   Imports im;
   im.bf16_bits = bf16_bits;
   const flashcte::TensorView qv = im.in("q", q);
-  const flashcte::TensorView kc = im.in("k_cache", k_cache);
-  const flashcte::TensorView vc = im.in("v_cache", v_cache);
+  const flashcte::TensorView kc = im.in("k_cache", k_cache, kv8_format("k_cache", k_cache_format));
+  const flashcte::TensorView vc = im.in("v_cache", v_cache, kv8_format("v_cache", v_cache_format));
   const flashcte::MutableTensorView ov = im.out("out", out), lv = im.out("lse", lse);
   flashcte::VarlenKvCacheOptions o;
   set_options(im, o, options, kVarlenKvCacheOptions, "flash_attn_varlen_kvcache");
@@ -359,15 +397,6 @@ void flash_attn_varlen_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_ca
   if (!status.ok) raise_status(status);
 }
 
-// The 8-bit cache formats by the names Python gives them.
-flashcte::DType kv8_format(const std::string& name) {
-  if (name == "int8") return flashcte::DType::kInt8;
-  if (name == "float8_e4m3fn") return flashcte::DType::kFloat8E4M3;
-  if (name == "float8_e5m2") return flashcte::DType::kFloat8E5M2;
-  throw nb::type_error(
-      ("dst: dtype must be int8, float8_e4m3fn or float8_e5m2, got " + name).c_str());
-}
-
 // quantize_kv (flashcte/kvcache.h). dst arrives as its bytes (an int8 or uint8 array: numpy has
 // no float8 of its own, and DLPack producers differ on float8) with its format by name.
 void quantize_kv(nb::handle src, nb::handle dst, nb::handle scale, const std::string& format,
@@ -376,28 +405,11 @@ void quantize_kv(nb::handle src, nb::handle dst, nb::handle scale, const std::st
   im.bf16_bits = bf16_bits;
   const flashcte::TensorView sv = im.in("src", src);
   const flashcte::MutableTensorView scv = im.out("scale", scale);
-  OutArray a;
-  if (!nb::try_cast<OutArray>(dst, a, /*convert=*/false)) {
-    throw nb::type_error("dst: expected a writable array (numpy, or a DLPack tensor)");
-  }
-  const auto code = static_cast<nb::dlpack::dtype_code>(a.dtype().code);
-  if (a.dtype().bits != 8 || a.dtype().lanes != 1 ||
-      (code != nb::dlpack::dtype_code::Int && code != nb::dlpack::dtype_code::UInt)) {
-    throw nb::type_error(
-        ("dst: expected its bytes as int8 or uint8, got " + dtype_str(a.dtype())).c_str());
-  }
-  flashcte::MutableTensorView dv;
-  dv.data = a.data();
-  dv.dtype = kv8_format(format);
-  dv.rank = static_cast<int>(std::min<size_t>(a.ndim(), flashcte::kMaxRank));
-  for (int i = 0; i < dv.rank; ++i) {
-    dv.shape[i] = static_cast<int64_t>(a.shape(i));
-    dv.strides[i] = a.stride(i);
-  }
-  if (a.ndim() != 3) {
-    throw nb::value_error(("dst: must have rank 3 (tokens, kv_heads, d), got shape " +
-                           shape_str(a.ndim(), a.shape_ptr()))
-                              .c_str());
+  const flashcte::MutableTensorView dv = im.out("dst", dst, kv8_format("dst", format));
+  if (dv.rank != 3) {
+    throw nb::value_error(
+        ("dst: must have rank 3 (tokens, kv_heads, d), got rank " + std::to_string(dv.rank))
+            .c_str());
   }
   flashcte::Status status;
   {
@@ -715,13 +727,15 @@ NB_MODULE(_flashcte, m) {
         "scales are written into scale. Raises TypeError/ValueError with the library's message.");
   m.def("flash_attn_with_kvcache", &flash_attn_with_kvcache, nb::kw_only(), nb::arg("q"),
         nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"), nb::arg("lse").none(),
-        nb::arg("bf16_bits"), nb::arg("options"),
+        nb::arg("bf16_bits"), nb::arg("k_cache_format") = "", nb::arg("v_cache_format") = "",
+        nb::arg("options"),
         "flash_attn_with_kvcache into caller-allocated outputs, the caches appended in place; "
         "the other arguments are KvCacheOptions' fields by name. Raises TypeError/ValueError "
         "with the library's message.");
   m.def("flash_attn_varlen_kvcache", &flash_attn_varlen_kvcache, nb::kw_only(), nb::arg("q"),
         nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"), nb::arg("lse").none(),
-        nb::arg("bf16_bits"), nb::arg("options"),
+        nb::arg("bf16_bits"), nb::arg("k_cache_format") = "", nb::arg("v_cache_format") = "",
+        nb::arg("options"),
         "flash_attn_varlen_kvcache into caller-allocated outputs, the caches read only; the "
         "other arguments are VarlenKvCacheOptions' fields by name. Raises TypeError/ValueError "
         "with the library's message.");

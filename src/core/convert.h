@@ -12,6 +12,7 @@
 
 #include "flashcte/flashcte.h"
 #include "src/core/half.h"
+#include "src/core/kv8.h"
 
 namespace flashcte::internal {
 
@@ -60,7 +61,8 @@ inline float round_to(DType dtype, float x) {
   unreachable_dtype("round_to", dtype);
 }
 
-// dst[c] = base[offset + c * stride] for c < n, as float32: one dtype switch per row.
+// dst[c] = base[offset + c * stride] for c < n, as float32: one dtype switch per row. An 8-bit
+// cache format gives its codes' values, unscaled.
 inline void load_row_as_float(const void* base, int64_t offset, int64_t stride, DType dtype,
                               float* dst, int64_t n) {
   switch (dtype) {
@@ -79,11 +81,15 @@ inline void load_row_as_float(const void* base, int64_t offset, int64_t stride, 
       for (int64_t c = 0; c < n; ++c) dst[c] = src[c * stride];
       return;
     }
-    case DType::kInt32:
-    case DType::kInt64:
     case DType::kInt8:
     case DType::kFloat8E4M3:
-    case DType::kFloat8E5M2:
+    case DType::kFloat8E5M2: {  // an 8-bit cache's codes, unscaled
+      const uint8_t* src = static_cast<const uint8_t*>(base) + offset;
+      for (int64_t c = 0; c < n; ++c) dst[c] = kv8::decode(dtype, src[c * stride]);
+      return;
+    }
+    case DType::kInt32:
+    case DType::kInt64:
       break;
   }
   unreachable_dtype("load_row_as_float", dtype);

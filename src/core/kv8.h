@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 
 #include "flashcte/flashcte.h"
 
@@ -98,6 +99,11 @@ inline int8_t float_to_int8(double x) {
 // The largest finite magnitude of an 8-bit format: a per-token scale is absmax / this.
 inline constexpr float kInt8Max = 127.0f, kE4M3Max = 448.0f, kE5M2Max = 57344.0f;
 
+// `dtype` is an 8-bit KV cache format: int8, float8_e4m3fn or float8_e5m2.
+inline bool is_8bit(DType dtype) {
+  return dtype == DType::kInt8 || dtype == DType::kFloat8E4M3 || dtype == DType::kFloat8E5M2;
+}
+
 // The three formats by DType (int8 as the byte of its two's complement code). Any other dtype is
 // a caller's bug: validation keeps them away.
 [[noreturn]] inline void not_8bit(DType dtype) {
@@ -158,6 +164,27 @@ inline float format_max(DType dtype) {
       break;
   }
   not_8bit(dtype);
+}
+
+// A per-token scale: the largest finite |row[c]| over the format's largest value, so that the
+// row's largest element encodes to the format's largest; 1 for a row with no finite nonzero
+// value; never 0 (a subnormal quotient that rounds to 0 becomes the smallest float).
+inline float row_scale(DType dtype, const float* row, int64_t n) {
+  float absmax = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    if (std::isfinite(row[c])) absmax = std::max(absmax, std::fabs(row[c]));
+  }
+  if (absmax == 0) return 1.0f;
+  const float s = absmax / format_max(dtype);
+  return s > 0 ? s : std::numeric_limits<float>::denorm_min();
+}
+
+// dst[c * stride] = encode(row[c] / scale) for c < n, the quotient taken in double.
+inline void encode_row(DType dtype, const float* row, int64_t n, float scale, uint8_t* dst,
+                       int64_t stride) {
+  for (int64_t c = 0; c < n; ++c) {
+    dst[c * stride] = encode(dtype, static_cast<double>(row[c]) / scale);
+  }
 }
 
 }  // namespace flashcte::kv8

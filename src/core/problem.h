@@ -60,6 +60,11 @@ struct Problem {
   KvSource k_prior, v_prior;
   int64_t prior_heads = 1;
   std::vector<int64_t> prior_used;  // per KV batch (size kv_batch); all zero without prefix
+  // An 8-bit prior's scales (its element c stands for c x scale): one per KV batch, or, when the
+  // token source's data is set, one per slot read beside the prior's rows (KvSource of float32,
+  // channel stride 0). Empty and null for a prior of q's dtype.
+  std::vector<float> k_prior_scale, v_prior_scale;
+  KvSource k_prior_token_scale, v_prior_token_scale;
 
   const float* sink = nullptr;  // one logit per query batch, or null
   int64_t sink_stride = 0;
@@ -95,6 +100,10 @@ struct Problem {
   int threads = 0;  // Options::num_threads: 0 = OpenMP's default (the schedule resolves it)
 
   bool has_prior() const { return k_prior.data != nullptr; }
+  // Whether K or V of the prior is an 8-bit format (read with its scales).
+  bool prior_is_kv8() const {
+    return has_prior() && (k_prior.dtype != dtype || v_prior.dtype != dtype);
+  }
   // The first element of prior row j of KV batch kv_b in `src` (k_prior or v_prior).
   const unsigned char* prior_row(const KvSource& src, int64_t kv_b, int64_t j) const {
     return src.row(kv_b / prior_heads, kv_b % prior_heads, j);

@@ -2,6 +2,7 @@
 
 #include <iterator>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "src/dispatch/validate.h"
@@ -59,7 +60,7 @@ Status validate_batch(const TensorView& q, const TensorView& k, const TensorView
                       std::vector<Problem>* problems) {
   const int64_t batch = q.shape[0];
   const bool paged = options.prior_block_table.present();
-  Extent eq, ek, ev, ekp, evp, etable, esink, emin, emax, ealibi, ebias;
+  Extent eq, ek, ev, ekp, evp, eks, evs, etable, esink, emin, emax, ealibi, ebias;
   Extent eout, eneg, esum, e_lse;
   for (const auto& [name, view] : {std::pair<const char*, const TensorView&>{"k", k}, {"v", v}}) {
     if (!view.present()) return Status::Error(std::string(name) + ": is required");
@@ -85,9 +86,16 @@ Status validate_batch(const TensorView& q, const TensorView& k, const TensorView
     if (options.v_prior.present()) {
       FLASHCTE_RETURN_IF_ERROR(check_view("v_prior", options.v_prior, false, &evp));
     }
+    for (const auto& [name, view, extent] : {std::tuple<const char*, const TensorView&, Extent*>{
+                                                 "k_prior_scale", options.k_prior_scale, &eks},
+                                             {"v_prior_scale", options.v_prior_scale, &evs}}) {
+      if (view.present()) FLASHCTE_RETURN_IF_ERROR(check_view(name, view, false, extent));
+    }
   } else {
     FLASHCTE_RETURN_IF_ERROR(check_batched("k_prior", options.k_prior, batch, &ekp));
     FLASHCTE_RETURN_IF_ERROR(check_batched("v_prior", options.v_prior, batch, &evp));
+    FLASHCTE_RETURN_IF_ERROR(check_batched("k_prior_scale", options.k_prior_scale, batch, &eks));
+    FLASHCTE_RETURN_IF_ERROR(check_batched("v_prior_scale", options.v_prior_scale, batch, &evs));
   }
   if (!outputs.out.present()) return Status::Error("out: is required");
   if (outputs.out.rank != 4) {
@@ -100,11 +108,18 @@ Status validate_batch(const TensorView& q, const TensorView& k, const TensorView
   FLASHCTE_RETURN_IF_ERROR(check_batched("neg_max", outputs.neg_max, batch, &eneg));
   FLASHCTE_RETURN_IF_ERROR(check_batched("sum_recip", outputs.sum_recip, batch, &esum));
   FLASHCTE_RETURN_IF_ERROR(check_batched("lse", outputs.lse, batch, &e_lse));
-  const Named inputs[] = {{"q", eq},           {"k", ek},
-                          {"v", ev},           {"k_prior", ekp},
-                          {"v_prior", evp},    {"prior_block_table", etable},
-                          {"sink", esink},     {"bound_min", emin},
-                          {"bound_max", emax}, {"alibi_slopes", ealibi},
+  const Named inputs[] = {{"q", eq},
+                          {"k", ek},
+                          {"v", ev},
+                          {"k_prior", ekp},
+                          {"v_prior", evp},
+                          {"k_prior_scale", eks},
+                          {"v_prior_scale", evs},
+                          {"prior_block_table", etable},
+                          {"sink", esink},
+                          {"bound_min", emin},
+                          {"bound_max", emax},
+                          {"alibi_slopes", ealibi},
                           {"key_bias", ebias}};
   // Across entries: an entry's own call sees only its own slices.
   for (size_t w = 0; w < std::size(written); ++w) {
@@ -135,6 +150,8 @@ Status validate_batch(const TensorView& q, const TensorView& k, const TensorView
     if (!paged) {
       o.k_prior = batch_entry(options.k_prior, b);
       o.v_prior = batch_entry(options.v_prior, b);
+      o.k_prior_scale = batch_entry(options.k_prior_scale, b);
+      o.v_prior_scale = batch_entry(options.v_prior_scale, b);
     }
     o.prior_block_table = batch_entry(options.prior_block_table, b);
     o.sink = batch_entry(options.sink, b);

@@ -5,9 +5,10 @@
 // the rank-3 call's bs axis: without this, callers looped over the batch in Python.
 //
 // Every tensor argument then carries the batch axis first, entry b being what the rank-3 call of
-// problem b takes (a stride of 0 shares one across the batch): k_prior / v_prior (dense),
-// prior_block_table, sink, bound_min, bound_max, alibi_slopes, key_bias and the statistics. The
-// paged prior's pools are shared (the block tables choose the pages), as is prior_used_len.
+// problem b takes (a stride of 0 shares one across the batch): k_prior / v_prior and their
+// scales (dense), prior_block_table, sink, bound_min, bound_max, alibi_slopes, key_bias and the
+// statistics. The paged prior's pools and their scales are shared (the block tables choose the
+// pages), as is prior_used_len.
 #ifndef FLASHCTE_SRC_DISPATCH_BATCH_H_
 #define FLASHCTE_SRC_DISPATCH_BATCH_H_
 

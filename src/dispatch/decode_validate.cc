@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -25,77 +26,6 @@ Status error(const std::string& message) { return Status::Error(message); }
 struct Extents {
   Extent q, k, v, positions, block_table, sink, k_scale, v_scale, out, lse;
 };
-
-// A cache's dtype: q's, or an 8-bit format (read with its scale).
-Status expect_cache_dtype(const char* name, DType cache, DType q) {
-  if (is_kv8_dtype(cache)) return Status::Ok();
-  if (cache != q) {
-    return error(std::string(name) + ": dtype " + dtype_name(cache) + " must be q's " +
-                 dtype_name(q) + " or an 8-bit cache format (int8, float8_e4m3fn, float8_e5m2)");
-  }
-  return Status::Ok();
-}
-
-// k_scale / v_scale: required with an 8-bit cache and refused with a float one; float32, (1,) or
-// (kv_heads,) with each entry finite and > 0 (filling `scales` with one value per KV head), or
-// per token: the cache's shape without its channel axis (then `per_token` is set; its entries are
-// data like the cache's and not checked).
-Status check_scale(const char* name, const TensorView& t, const char* cache_name,
-                   const TensorView& cache, std::vector<float>* scales, bool* per_token,
-                   Extent* extent) {
-  *per_token = false;
-  if (!is_kv8_dtype(cache.dtype)) {
-    if (!t.present()) return Status::Ok();
-    return error(std::string(name) + ": is for 8-bit caches; " + cache_name + " is " +
-                 dtype_name(cache.dtype));
-  }
-  if (!t.present()) {
-    return error(std::string(name) + ": is required with the " + dtype_name(cache.dtype) + " " +
-                 cache_name + " (its dequantization scale)");
-  }
-  const int64_t kv_heads = cache.shape[1];
-  FLASHCTE_RETURN_IF_ERROR(
-      check_tensor(name, t, t.rank == 3 ? 3 : 1,
-                   "(1,), (kv_heads,) or the cache's shape without its last axis", extent));
-  if (t.dtype != DType::kFloat32) {
-    return error(std::string(name) + ": dtype must be float32, got " + dtype_name(t.dtype));
-  }
-  if (t.rank == 3) {
-    for (int axis = 0; axis < 3; ++axis) {
-      if (t.shape[axis] != cache.shape[axis]) {
-        return error(std::string(name) + ": shape " + shape_str(t.shape.data(), 3) + " must be " +
-                     cache_name + "'s without its last axis, " + shape_str(cache.shape.data(), 3) +
-                     " (one scale per token)");
-      }
-    }
-    *per_token = true;
-    return Status::Ok();
-  }
-  if (t.shape[0] != 1 && t.shape[0] != kv_heads) {
-    return error(std::string(name) + ": shape " + shape_str(t.shape.data(), 1) +
-                 " must be (1,) (per tensor), (kv_heads,) = (" + to_string(kv_heads) +
-                 ",) (per KV head) or " + cache_name + "'s shape without its last axis");
-  }
-  scales->resize(static_cast<size_t>(kv_heads));
-  for (int64_t h = 0; h < kv_heads; ++h) {
-    const float x = static_cast<const float*>(t.data)[t.shape[0] == 1 ? 0 : h * t.strides[0]];
-    if (!std::isfinite(x) || !(x > 0)) {
-      return error(std::string(name) + ": entry " + to_string(t.shape[0] == 1 ? 0 : h) + " = " +
-                   std::to_string(x) + " must be finite and > 0");
-    }
-    (*scales)[static_cast<size_t>(h)] = x;
-  }
-  return Status::Ok();
-}
-
-// A per-token scale view as a source beside its cache's (same sequences, heads, slots, pages).
-KvSource token_scale_source(const KvSource& cache, const TensorView& t) {
-  KvSource s = cache;
-  s.data = t.data;
-  s.dtype = DType::kFloat32;
-  s.strides = {t.strides[0], t.strides[1], t.strides[2], 0};
-  return s;
-}
 
 // q and the caches: ranks, dtypes, the shared sizes, GQA. A paged cache (`paged`: a block table
 // was given) is (num_blocks, kv_heads, block_size, d) and its slot count is set by the table.
@@ -345,10 +275,10 @@ Status validate_decode(const TensorView& q, const TensorView& k_cache, const Ten
   }
   FLASHCTE_RETURN_IF_ERROR(check_options(options, problem, &e.sink));
   bool k_per_token = false, v_per_token = false;
-  FLASHCTE_RETURN_IF_ERROR(check_scale("k_scale", options.k_scale, "k_cache", k_cache,
-                                       &problem->k_scale, &k_per_token, &e.k_scale));
-  FLASHCTE_RETURN_IF_ERROR(check_scale("v_scale", options.v_scale, "v_cache", v_cache,
-                                       &problem->v_scale, &v_per_token, &e.v_scale));
+  FLASHCTE_RETURN_IF_ERROR(check_cache_scale("k_scale", options.k_scale, "k_cache", k_cache, 1,
+                                             &problem->k_scale, &k_per_token, &e.k_scale));
+  FLASHCTE_RETURN_IF_ERROR(check_cache_scale("v_scale", options.v_scale, "v_cache", v_cache, 1,
+                                             &problem->v_scale, &v_per_token, &e.v_scale));
   FLASHCTE_RETURN_IF_ERROR(
       check_positions(positions, options.sliding_window, problem, &e.positions));
   if (paged) {
@@ -356,8 +286,14 @@ Status validate_decode(const TensorView& q, const TensorView& k_cache, const Ten
         check_block_table_entries(options.block_table, k_cache.shape[0], problem));
   }
   // After the block table: a per-token scale reads the cache's pages.
-  if (k_per_token) problem->k_token_scale = token_scale_source(problem->k, options.k_scale);
-  if (v_per_token) problem->v_token_scale = token_scale_source(problem->v, options.v_scale);
+  // (batch or page, kv_heads, slot), as the cache.
+  for (auto [per_token, t, source, cache] :
+       {std::tuple{k_per_token, &options.k_scale, &problem->k_token_scale, &problem->k},
+        std::tuple{v_per_token, &options.v_scale, &problem->v_token_scale, &problem->v}}) {
+    if (per_token) {
+      *source = token_scale_source(*cache, t->data, t->strides[0], t->strides[1], t->strides[2]);
+    }
+  }
   FLASHCTE_RETURN_IF_ERROR(check_outputs(outputs, problem, &e));
   return check_aliasing(e);
 }

@@ -15,6 +15,7 @@
 
 #include "flashcte/kvcache.h"
 #include "src/core/convert.h"
+#include "src/core/kv8.h"
 #include "src/dispatch/kvcache.h"
 #include "src/dispatch/validate.h"
 #include "src/dispatch/views.h"
@@ -65,81 +66,128 @@ std::vector<unsigned char> rotated_q(const KvAppend& a, DecodeProblem* p) {
   return out;
 }
 
-// Calls f(source, new tensor, channels, b, t, head, element offset of the cache row) for every
-// row the append writes, K rows first.
+// One row the append writes: where (its cache source and, for an 8-bit cache, its scales) and
+// what (the new tensor's row of sequence b, token i, KV head h).
+struct NewRow {
+  const KvSource& cache;
+  const KvSource& token_scale;       // per-token scales (data null otherwise)
+  const std::vector<float>& scales;  // per KV head (8-bit caches without per-token scales)
+  const TensorView& source;
+  int64_t channels, b, i, h, slot;
+  bool rotates;
+
+  int64_t offset() const { return cache.offset(b, h, slot); }
+  // The new row as float32, turned where it rotates.
+  void load(const KvAppend& a, float* row) const {
+    load_row_as_float(source.data,
+                      b * source.strides[0] + i * source.strides[1] + h * source.strides[2],
+                      source.strides[3], source.dtype, row, channels);
+    if (rotates) rotate(a, slot, row);
+  }
+};
+
+// Calls f(NewRow) for every row the append writes, K rows first.
 template <class F>
 void for_each_new_row(const DecodeProblem& p, const KvAppend& a, const F& f) {
-  for (auto [src, t, channels] :
-       {std::tuple{&p.k, &a.k, p.head_dim}, std::tuple{&p.v, &a.v, p.value_dim}}) {
+  for (auto [src, token_scale, scales, t, channels] :
+       {std::tuple{&p.k, &p.k_token_scale, &p.k_scale, &a.k, p.head_dim},
+        std::tuple{&p.v, &p.v_token_scale, &p.v_scale, &a.v, p.value_dim}}) {
     for (int64_t b = 0; b < p.batch; ++b) {
       for (int64_t i = 0; i < a.tokens; ++i) {
         for (int64_t h = 0; h < p.kv_heads; ++h) {
-          f(*src, *t, channels, b, i, h, src->offset(b, h, a.start[b] + i));
+          f(NewRow{*src, *token_scale, *scales, *t, channels, b, i, h, a.start[b] + i,
+                   a.rotary_dim > 0 && t == &a.k});
         }
       }
     }
   }
 }
 
-// The bytes of the cache elements the append overwrites, in its order, to put back on failure:
-// a row at a time where its channels are back to back (the usual layouts), else element by
-// element.
+// Calls f(address, bytes) for every run of the caller's memory the append writes: each row's
+// elements (a row at a time where its channels are back to back, the usual layouts, else element
+// by element) and its per-token scale.
+template <class F>
+void for_each_written_run(const DecodeProblem& p, const KvAppend& a, const F& f) {
+  for_each_new_row(p, a, [&](const NewRow& r) {
+    const int64_t elem = r.cache.element_bytes(), step = r.cache.strides[3] * elem;
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the caller's writable cache
+    auto* e = static_cast<unsigned char*>(const_cast<void*>(r.cache.data)) + r.offset() * elem;
+    const int64_t run = r.cache.strides[3] == 1 ? r.channels : 1;
+    for (int64_t x = 0; x < r.channels; x += run, e += step * run) f(e, run * elem);
+    if (r.token_scale.data != nullptr) {
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the caller's writable scales
+      f(const_cast<unsigned char*>(r.token_scale.row(r.b, r.h, r.slot)), int64_t{sizeof(float)});
+    }
+  });
+}
+
+// The bytes the append overwrites, in its order, to put back on failure.
 std::vector<unsigned char> save_slots(const DecodeProblem& p, const KvAppend& a) {
   std::vector<unsigned char> saved;
-  saved.reserve(static_cast<size_t>(p.batch * a.tokens * p.kv_heads * (p.head_dim + p.value_dim) *
-                                    dtype_size(p.dtype)));
-  for_each_new_row(p, a,
-                   [&](const KvSource& src, const TensorView&, int64_t channels, int64_t, int64_t,
-                       int64_t, int64_t offset) {
-                     const int64_t elem = src.element_bytes(), step = src.strides[3] * elem;
-                     const unsigned char* e =
-                         static_cast<const unsigned char*>(src.data) + offset * elem;
-                     if (src.strides[3] == 1) {
-                       saved.insert(saved.end(), e, e + channels * elem);
-                       return;
-                     }
-                     for (int64_t x = 0; x < channels; ++x, e += step) {
-                       saved.insert(saved.end(), e, e + elem);
-                     }
-                   });
+  for_each_written_run(p, a, [&](const unsigned char* e, int64_t bytes) {
+    saved.insert(saved.end(), e, e + bytes);
+  });
   return saved;
 }
 
 void restore_slots(const DecodeProblem& p, const KvAppend& a,
                    const std::vector<unsigned char>& saved) {
   size_t at = 0;
-  for_each_new_row(p, a,
-                   [&](const KvSource& src, const TensorView&, int64_t channels, int64_t, int64_t,
-                       int64_t, int64_t offset) {
-                     const int64_t elem = src.element_bytes(), step = src.strides[3] * elem;
-                     // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the caller's writable
-                     // cache
-                     auto* e =
-                         static_cast<unsigned char*>(const_cast<void*>(src.data)) + offset * elem;
-                     const int64_t run = src.strides[3] == 1 ? channels : 1;
-                     for (int64_t x = 0; x < channels; x += run, e += step * run) {
-                       std::memcpy(e, &saved[at], static_cast<size_t>(run * elem));
-                       at += static_cast<size_t>(run * elem);
-                     }
-                   });
+  for_each_written_run(p, a, [&](unsigned char* e, int64_t bytes) {
+    std::memcpy(e, &saved[at], static_cast<size_t>(bytes));
+    at += static_cast<size_t>(bytes);
+  });
 }
 
-// Writes k (turned) and v into their slots. Values of the caches' dtype round-trip float32
+// An int8 cache holds no NaN: the first new row that would put one there, as an error naming the
+// element, before anything is written.
+Status check_int8_rows(const DecodeProblem& p, const KvAppend& a) {
+  if (p.k.dtype != DType::kInt8 && p.v.dtype != DType::kInt8) return Status::Ok();
+  std::vector<float> row(static_cast<size_t>(std::max(p.head_dim, p.value_dim)));
+  Status status = Status::Ok();
+  for_each_new_row(p, a, [&](const NewRow& r) {
+    if (!status.ok || r.cache.dtype != DType::kInt8) return;
+    r.load(a, row.data());
+    for (int64_t x = 0; x < r.channels; ++x) {
+      if (std::isnan(row[x])) {
+        status = Status::Error(std::string(&r.source == &a.k ? "k" : "v") + ": element (" +
+                               std::to_string(r.b) + ", " + std::to_string(r.i) + ", " +
+                               std::to_string(r.h) + ", " + std::to_string(x) +
+                               ") is NaN, which the int8 cache cannot hold");
+        return;
+      }
+    }
+  });
+  return status;
+}
+
+// Writes k (turned) and v into their slots. Values of a float cache's dtype round-trip float32
 // exactly, so v is copied bit for bit (a NaN's payload aside) and k rounds once after turning.
+// An 8-bit cache takes the row quantized with its KV head's scale or, per token, with a scale
+// from the row's own largest magnitude, written beside it (quantize_kv's rule).
 void append(const DecodeProblem& p, const KvAppend& a) {
   std::vector<float> row(static_cast<size_t>(std::max(p.head_dim, p.value_dim)));
-  for_each_new_row(p, a,
-                   [&](const KvSource& src, const TensorView& t, int64_t channels, int64_t b,
-                       int64_t i, int64_t h, int64_t offset) {
-                     load_row_as_float(t.data,
-                                       b * t.strides[0] + i * t.strides[1] + h * t.strides[2],
-                                       t.strides[3], t.dtype, row.data(), channels);
-                     if (a.rotary_dim > 0 && &t == &a.k) rotate(a, a.start[b] + i, row.data());
-                     // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the caller's writable
-                     // cache
-                     store_row_from_float(const_cast<void*>(src.data), offset, src.strides[3],
-                                          src.dtype, row.data(), channels);
-                   });
+  for_each_new_row(p, a, [&](const NewRow& r) {
+    r.load(a, row.data());
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the caller's writable cache
+    void* cache = const_cast<void*>(r.cache.data);
+    if (!kv8::is_8bit(r.cache.dtype)) {
+      store_row_from_float(cache, r.offset(), r.cache.strides[3], r.cache.dtype, row.data(),
+                           r.channels);
+      return;
+    }
+    float scale = 0;
+    if (r.token_scale.data != nullptr) {
+      scale = kv8::row_scale(r.cache.dtype, row.data(), r.channels);
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the caller's writable scales
+      *reinterpret_cast<float*>(const_cast<unsigned char*>(r.token_scale.row(r.b, r.h, r.slot))) =
+          scale;
+    } else {
+      scale = r.scales[static_cast<size_t>(r.h)];
+    }
+    kv8::encode_row(r.cache.dtype, row.data(), r.channels, scale,
+                    static_cast<uint8_t*>(cache) + r.offset(), r.cache.strides[3]);
+  });
 }
 
 }  // namespace
@@ -169,22 +217,46 @@ Status prefill_problem(const DecodeProblem& p, const KvAppend& a, const MutableT
   opt.num_threads = p.threads;
   opt.prior_used_len = {seqlen_k};
   // The cache as the prior: its pages with this sequence's row of the table, or its cache row.
+  const int64_t cache_row = !paged && p.k.paged() ? p.k.table[static_cast<size_t>(b)] : b;
   for (auto [prior, cache] :
        {std::pair{&opt.k_prior, &k_cache}, std::pair{&opt.v_prior, &v_cache}}) {
     const auto& st = cache->strides;
     if (paged) {
       *prior = {cache->data,
-                p.dtype,
+                cache->dtype,
                 4,
                 {cache->shape[0], cache->shape[2], cache->shape[1], cache->shape[3]},
                 {st[0], st[2], st[1], st[3]}};
     } else {
-      const int64_t row = p.k.paged() ? p.k.table[static_cast<size_t>(b)] : b;
-      *prior = {static_cast<const unsigned char*>(cache->data) + row * st[0] * elem,
-                p.dtype,
+      *prior = {static_cast<const unsigned char*>(cache->data) +
+                    cache_row * st[0] * dtype_size(cache->dtype),
+                cache->dtype,
                 3,
                 {kv_heads, cache->shape[1], cache->shape[3]},
                 {st[2], st[1], st[3]}};
+    }
+  }
+  // An 8-bit cache's scales as the prior's: one per cache or KV head as they are; one per token
+  // as the same slice of the scales as of the cache, without the channel axis.
+  for (auto [prior_scale, scale, per_token] :
+       {std::tuple{&opt.k_prior_scale, &o.k_scale, p.k_token_scale.data != nullptr},
+        std::tuple{&opt.v_prior_scale, &o.v_scale, p.v_token_scale.data != nullptr}}) {
+    if (!scale->present()) continue;
+    const auto& st = scale->strides;
+    if (!per_token) {
+      *prior_scale = as_input(*scale);
+    } else if (paged) {
+      *prior_scale = {scale->data,
+                      DType::kFloat32,
+                      3,
+                      {scale->shape[0], scale->shape[2], scale->shape[1]},
+                      {st[0], st[2], st[1]}};
+    } else {
+      *prior_scale = {static_cast<const float*>(scale->data) + cache_row * st[0],
+                      DType::kFloat32,
+                      2,
+                      {kv_heads, scale->shape[1]},
+                      {st[2], st[1]}};
     }
   }
   if (paged) {
@@ -243,6 +315,8 @@ Status flash_attn_with_kvcache(const TensorView& q, const MutableTensorView& k_c
     if (!s.ok) return s;
     std::vector<unsigned char> q_turned;
     if (append.rotary_dim > 0) q_turned = internal::rotated_q(append, &problem);
+    s = internal::check_int8_rows(problem, append);
+    if (!s.ok) return s;
     saved = internal::save_slots(problem, append);
     appended = true;
     internal::append(problem, append);

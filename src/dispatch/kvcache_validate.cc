@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <string>
@@ -33,8 +34,9 @@ struct Shape {
 };
 
 struct Extents {
-  Extent q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi, sinks, out,
-      lse;
+  Extent q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi, sinks,
+      k_scale, v_scale, out, lse;
+  bool k_scale_written = false, v_scale_written = false;  // per-token scales the append writes
 };
 
 // q and the caches: ranks, dtypes, sizes, GQA; the K/V sources over the caches.
@@ -52,8 +54,8 @@ Status check_q_and_caches(const TensorView& q, const MutableTensorView& k_cache,
   FLASHCTE_RETURN_IF_ERROR(check_tensor("k_cache", k_cache, 4, k_layout, &e->k_cache));
   FLASHCTE_RETURN_IF_ERROR(check_tensor("v_cache", v_cache, 4, v_layout, &e->v_cache));
   FLASHCTE_RETURN_IF_ERROR(expect_attention_dtype("q", q.dtype));
-  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("k_cache", k_cache.dtype, q.dtype, "q"));
-  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("v_cache", v_cache.dtype, q.dtype, "q"));
+  FLASHCTE_RETURN_IF_ERROR(expect_cache_dtype("k_cache", k_cache.dtype, q.dtype));
+  FLASHCTE_RETURN_IF_ERROR(expect_cache_dtype("v_cache", v_cache.dtype, q.dtype));
   s->batch = q.shape[0];
   s->seqlen_q = q.shape[1];
   s->heads = q.shape[2];
@@ -291,21 +293,33 @@ Status check_aliasing(const Extents& e, bool appending) {
     const char* name;
     Extent extent;
   };
-  const Named inputs[] = {{"q", e.q},
-                          {"k", e.k},
-                          {"v", e.v},
-                          {"rotary_cos", e.cos},
-                          {"rotary_sin", e.sin},
-                          {"cache_seqlens", e.seqlens},
-                          {"cache_batch_idx", e.batch_idx},
-                          {"cache_leftpad", e.leftpad},
-                          {"block_table", e.table},
-                          {"alibi_slopes", e.alibi},
-                          {"sinks", e.sinks}};
+  const Named read_only[] = {{"q", e.q},
+                             {"k", e.k},
+                             {"v", e.v},
+                             {"rotary_cos", e.cos},
+                             {"rotary_sin", e.sin},
+                             {"cache_seqlens", e.seqlens},
+                             {"cache_batch_idx", e.batch_idx},
+                             {"cache_leftpad", e.leftpad},
+                             {"block_table", e.table},
+                             {"alibi_slopes", e.alibi},
+                             {"sinks", e.sinks}};
+  std::vector<Named> inputs(std::begin(read_only), std::end(read_only));
   std::vector<Named> written = {{"out", e.out}, {"lse", e.lse}};
   if (appending) {
     written.push_back({"k_cache", e.k_cache});
     written.push_back({"v_cache", e.v_cache});
+  }
+  for (const auto& [scale, is_written] :
+       {std::pair{Named{"k_scale", e.k_scale}, e.k_scale_written},
+        std::pair{Named{"v_scale", e.v_scale}, e.v_scale_written}}) {
+    (is_written ? written : inputs).push_back(scale);
+    for (const Named& cache : {Named{"k_cache", e.k_cache}, Named{"v_cache", e.v_cache}}) {
+      if (overlaps(scale.extent, cache.extent)) {
+        return error(std::string(scale.name) + ": overlaps " + cache.name +
+                     "; a cache's scales are memory of their own");
+      }
+    }
   }
   for (const Named& w : written) {
     for (const Named& in : inputs) {
@@ -315,7 +329,8 @@ Status check_aliasing(const Extents& e, bool appending) {
       }
     }
   }
-  for (const Named& cache : {Named{"k_cache", e.k_cache}, Named{"v_cache", e.v_cache}}) {
+  for (const Named& cache : {Named{"k_cache", e.k_cache}, Named{"v_cache", e.v_cache},
+                             Named{"k_scale", e.k_scale}, Named{"v_scale", e.v_scale}}) {
     for (const Named& output : {Named{"out", e.out}, Named{"lse", e.lse}}) {
       if (overlaps(output.extent, cache.extent)) {
         return error(std::string(output.name) + ": overlaps " + cache.name +
@@ -341,6 +356,17 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   FLASHCTE_RETURN_IF_ERROR(check_q_and_caches(q, k_cache, v_cache, paged, &s, p, &e));
   FLASHCTE_RETURN_IF_ERROR(check_new_kv(o, s, p->dtype, a, &e));
   FLASHCTE_RETURN_IF_ERROR(check_rotary(o, s, p->dtype, a, &e));
+  bool k_per_token = false, v_per_token = false;
+  FLASHCTE_RETURN_IF_ERROR(check_cache_scale("k_scale", as_input(o.k_scale), "k_cache",
+                                             as_input(k_cache), 2, &p->k_scale, &k_per_token,
+                                             &e.k_scale));
+  FLASHCTE_RETURN_IF_ERROR(check_cache_scale("v_scale", as_input(o.v_scale), "v_cache",
+                                             as_input(v_cache), 2, &p->v_scale, &v_per_token,
+                                             &e.v_scale));
+  e.k_scale_written = k_per_token && a->tokens > 0;
+  e.v_scale_written = v_per_token && a->tokens > 0;
+  if (e.k_scale_written) FLASHCTE_RETURN_IF_ERROR(check_no_self_overlap("k_scale", o.k_scale));
+  if (e.v_scale_written) FLASHCTE_RETURN_IF_ERROR(check_no_self_overlap("v_scale", o.v_scale));
 
   // Where sequence b's cache is: its pages, or its cache row.
   if (paged) {
@@ -460,6 +486,15 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
     FLASHCTE_RETURN_IF_ERROR(check_pages(o, s, read, written, p));
   }
 
+  // After the pages: a per-token scale reads (and the append writes) the cache's pages.
+  // (batch_cache or page, slot, kv_heads), as the cache.
+  for (auto [per_token, t, source, cache] :
+       {std::tuple{k_per_token, &o.k_scale, &p->k_token_scale, &p->k},
+        std::tuple{v_per_token, &o.v_scale, &p->v_token_scale, &p->v}}) {
+    if (per_token) {
+      *source = token_scale_source(*cache, t->data, t->strides[0], t->strides[2], t->strides[1]);
+    }
+  }
   FLASHCTE_RETURN_IF_ERROR(check_outputs(out, lse, s, p, &e));
   return check_aliasing(e, a->tokens > 0);
 }

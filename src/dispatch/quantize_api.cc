@@ -2,11 +2,9 @@
 // check (shapes, dtypes, overlaps, the scales it reads, NaN for int8) runs before the first
 // write, so a refused call leaves dst and scale as they were. Element by element: a write path
 // of O(tokens * heads * d), bound by memory, not by the conversion.
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <exception>
-#include <limits>
 #include <new>
 #include <string>
 #include <vector>
@@ -37,7 +35,7 @@ Status check(const TensorView& src, const MutableTensorView& dst, const MutableT
   FLASHCTE_RETURN_IF_ERROR(internal::check_tensor("src", src, 3, "(tokens, kv_heads, d)", &esrc));
   FLASHCTE_RETURN_IF_ERROR(internal::expect_attention_dtype("src", src.dtype));
   FLASHCTE_RETURN_IF_ERROR(internal::check_tensor("dst", dst, 3, "(tokens, kv_heads, d)", &edst));
-  if (!internal::is_kv8_dtype(dst.dtype)) {
+  if (!kv8::is_8bit(dst.dtype)) {
     return Status::Error(std::string("dst: dtype must be an 8-bit cache format (int8, "
                                      "float8_e4m3fn or float8_e5m2), got ") +
                          dtype_name(dst.dtype));
@@ -109,9 +107,8 @@ Status quantize_kv(const TensorView& src, const MutableTensorView& dst,
         }
       }
     }
-    const float max = kv8::format_max(dst.dtype);
     auto* scales = static_cast<float*>(scale.data);
-    auto* out = static_cast<unsigned char*>(dst.data);
+    auto* out = static_cast<uint8_t*>(dst.data);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = i / c.heads, h = i % c.heads;
       internal::load_row_as_float(src.data, t * src.strides[0] + h * src.strides[1], src.strides[2],
@@ -124,22 +121,13 @@ Status quantize_kv(const TensorView& src, const MutableTensorView& dst,
         case Granularity::kHead:
           s = scales[h * scale.strides[0]];
           break;
-        case Granularity::kToken: {
-          float absmax = 0;
-          for (float x : row) {
-            if (std::isfinite(x)) absmax = std::max(absmax, std::fabs(x));
-          }
-          s = absmax > 0 ? absmax / max : 1.0f;
-          // A subnormal quotient could round to 0, which no scale may be.
-          if (!(s > 0)) s = std::numeric_limits<float>::denorm_min();
+        case Granularity::kToken:
+          s = kv8::row_scale(dst.dtype, row.data(), c.d);
           scales[t * scale.strides[0] + h * scale.strides[1]] = s;
           break;
-        }
       }
-      unsigned char* o = out + t * dst.strides[0] + h * dst.strides[1];
-      for (int64_t x = 0; x < c.d; ++x) {
-        o[x * dst.strides[2]] = kv8::encode(dst.dtype, static_cast<double>(row[x]) / s);
-      }
+      kv8::encode_row(dst.dtype, row.data(), c.d, s, out + t * dst.strides[0] + h * dst.strides[1],
+                      dst.strides[2]);
     }
     return Status::Ok();
   } catch (const std::bad_alloc&) {

@@ -5,6 +5,7 @@
 #include "src/dispatch/validate.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <iterator>
@@ -14,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "src/core/kv8.h"
 #include "src/dispatch/views.h"
 
 namespace flashcte::internal {
@@ -31,8 +33,9 @@ constexpr int64_t kMaxPosition = int64_t{1} << 60;
 
 // The bytes every view addresses (empty when it is absent), for the aliasing check.
 struct ViewExtents {
-  Extent q, k, v, k_prior, v_prior, sink, alibi_slopes, key_bias;  // inputs
-  Extent out, neg_max, sum_recip, lse;                             // outputs
+  Extent q, k, v, k_prior, v_prior, k_prior_scale, v_prior_scale, sink, alibi_slopes,
+      key_bias;                         // inputs
+  Extent out, neg_max, sum_recip, lse;  // outputs
 };
 
 // The sequence and channel axes of q or of k (and k_prior): (bs, S, d) when transposed (tp_q,
@@ -141,8 +144,8 @@ Status read_paged_prefix(const Options& options, bool shapes_only, Problem* prob
       expect_rank("k_prior", k.rank, 4, "(num_blocks, kv_heads, block_size, d) with pages"));
   FLASHCTE_RETURN_IF_ERROR(
       expect_rank("v_prior", v.rank, 4, "(num_blocks, kv_heads, block_size, dv) with pages"));
-  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("k_prior", k.dtype, problem->dtype, "q"));
-  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("v_prior", v.dtype, problem->dtype, "q"));
+  FLASHCTE_RETURN_IF_ERROR(expect_cache_dtype("k_prior", k.dtype, problem->dtype));
+  FLASHCTE_RETURN_IF_ERROR(expect_cache_dtype("v_prior", v.dtype, problem->dtype));
   FLASHCTE_RETURN_IF_ERROR(check_view("prior_block_table", t, shapes_only, nullptr));
   FLASHCTE_RETURN_IF_ERROR(
       expect_rank("prior_block_table", t.rank, 2, "(bs_kv / kv_heads, max_blocks)"));
@@ -173,7 +176,7 @@ Status read_paged_prefix(const Options& options, bool shapes_only, Problem* prob
   problem->prior_heads = heads;
   for (auto [src, view] : {std::pair{&problem->k_prior, &k}, std::pair{&problem->v_prior, &v}}) {
     src->data = view->data;
-    src->dtype = problem->dtype;
+    src->dtype = view->dtype;
     src->strides = view->strides;
     src->block_size = block;
     src->pages_per_sequence = t.shape[1];
@@ -224,8 +227,8 @@ Status read_prefix(const Options& options, bool shapes_only, Problem* problem,
   if (options.prior_block_table.present()) return read_paged_prefix(options, shapes_only, problem);
   FLASHCTE_RETURN_IF_ERROR(expect_rank("k_prior", k_prior.rank, 3, "laid out like k"));
   FLASHCTE_RETURN_IF_ERROR(expect_rank("v_prior", v_prior.rank, 3, "(bs_kv, S_prior, dv)"));
-  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("k_prior", k_prior.dtype, problem->dtype, "q"));
-  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("v_prior", v_prior.dtype, problem->dtype, "q"));
+  FLASHCTE_RETURN_IF_ERROR(expect_cache_dtype("k_prior", k_prior.dtype, problem->dtype));
+  FLASHCTE_RETURN_IF_ERROR(expect_cache_dtype("v_prior", v_prior.dtype, problem->dtype));
   const int k_seq = seq_axis(options.tp_k), k_channel = channel_axis(options.tp_k);
   problem->seqlen_prior = k_prior.shape[k_seq];
   // Each KV batch its own sequence of one head.
@@ -234,7 +237,8 @@ Status read_prefix(const Options& options, bool shapes_only, Problem* problem,
                               k_prior.strides[k_channel]};
   problem->v_prior.data = v_prior.data;
   problem->v_prior.strides = {v_prior.strides[0], 0, v_prior.strides[1], v_prior.strides[2]};
-  problem->k_prior.dtype = problem->v_prior.dtype = problem->dtype;
+  problem->k_prior.dtype = k_prior.dtype;
+  problem->v_prior.dtype = v_prior.dtype;
   const int64_t* k_shape = k_prior.shape.data();
   const int64_t* v_shape = v_prior.shape.data();
   FLASHCTE_RETURN_IF_ERROR(expect_dim("k_prior", k_shape, 3, 0, problem->kv_batch, "bs_kv"));
@@ -244,6 +248,80 @@ Status read_prefix(const Options& options, bool shapes_only, Problem* problem,
       expect_dim("v_prior", v_shape, 3, 1, problem->seqlen_prior, "S_prior of k_prior"));
   FLASHCTE_RETURN_IF_ERROR(expect_dim("v_prior", v_shape, 3, 2, problem->value_dim, "dv of v"));
   return read_prior_used(options.prior_used_len, problem);
+}
+
+// k_prior_scale / v_prior_scale (Options): required with an 8-bit prior and refused otherwise;
+// (1,), one per KV batch (dense) or KV head (paged), each read and checked, or one per slot (the
+// prior's shape without its channel axis, `seqlen` slots when dense), a source beside the prior's
+// rows.
+Status read_prior_scale(const char* name, const TensorView& t, const char* prior_name,
+                        const TensorView& prior, const Options& options, bool shapes_only,
+                        const KvSource& rows, int64_t kv_batch, int64_t seqlen,
+                        std::vector<float>* scales, KvSource* token_scale, Extent* extent) {
+  if (!prior.present() || !kv8::is_8bit(prior.dtype)) {
+    if (!t.present()) return Status::Ok();
+    return Status::Error(std::string(name) + ": is for an 8-bit " + prior_name + "; " +
+                         (prior.present()
+                              ? std::string(prior_name) + " is " + dtype_name(prior.dtype)
+                              : std::string("there is no ") + prior_name));
+  }
+  if (!t.present()) {
+    return Status::Error(std::string(name) + ": is required with the " + dtype_name(prior.dtype) +
+                         " " + prior_name + " (its dequantization scale)");
+  }
+  const bool paged = options.prior_block_table.present();
+  const char* layout = paged ? "(1,), (kv_heads,) or (num_blocks, kv_heads, block_size)"
+                             : "(1,), (bs_kv,) or (bs_kv, S_prior)";
+  FLASHCTE_RETURN_IF_ERROR(check_view(name, t, shapes_only, extent));
+  FLASHCTE_RETURN_IF_ERROR(expect_float32(name, t.dtype));
+  const int per_slot_rank = paged ? 3 : 2;
+  if (t.rank == per_slot_rank) {
+    // The prior's shape without its channel axis: paged (num_blocks, kv_heads, block_size),
+    // dense (bs_kv, S_prior) of (bs_kv, d, S_prior) or (bs_kv, S_prior, d).
+    const std::array<int64_t, 3> want =
+        paged ? std::array<int64_t, 3>{prior.shape[0], prior.shape[1], prior.shape[2]}
+              : std::array<int64_t, 3>{prior.shape[0], seqlen, 0};
+    for (int axis = 0; axis < per_slot_rank; ++axis) {
+      if (t.shape[axis] != want[axis]) {
+        return Status::Error(std::string(name) + ": shape " + shape_str(t.shape.data(), t.rank) +
+                             " must be " + layout + "; one per slot is " + prior_name +
+                             "'s shape without its channel axis, " +
+                             shape_str(want.data(), per_slot_rank));
+      }
+    }
+    *token_scale = rows;
+    token_scale->data = t.data;
+    token_scale->dtype = DType::kFloat32;
+    token_scale->strides = paged
+                               ? std::array<int64_t, 4>{t.strides[0], t.strides[1], t.strides[2], 0}
+                               : std::array<int64_t, 4>{t.strides[0], 0, t.strides[1], 0};
+    return Status::Ok();
+  }
+  const int64_t heads = paged ? prior.shape[1] : kv_batch;
+  if (t.rank != 1 || (t.shape[0] != 1 && t.shape[0] != heads)) {
+    return Status::Error(std::string(name) + ": shape " + shape_str(t.shape.data(), t.rank) +
+                         " must be " + layout + " for " + prior_name + " of shape " +
+                         shape_str(prior.shape.data(), prior.rank));
+  }
+  if (shapes_only && t.data == nullptr) return Status::Ok();
+  std::vector<float> entries;
+  FLASHCTE_RETURN_IF_ERROR(read_scale_entries(name, t, heads, &entries));
+  // One per KV batch: KV batch kv_b is head kv_b % heads of a paged prior (Problem::prior_row).
+  scales->resize(static_cast<size_t>(kv_batch));
+  for (int64_t b = 0; b < kv_batch; ++b) (*scales)[b] = entries[static_cast<size_t>(b % heads)];
+  return Status::Ok();
+}
+
+Status read_prior_scales(const Options& options, bool shapes_only, Problem* problem,
+                         ViewExtents* extents) {
+  FLASHCTE_RETURN_IF_ERROR(read_prior_scale(
+      "k_prior_scale", options.k_prior_scale, "k_prior", options.k_prior, options, shapes_only,
+      problem->k_prior, problem->kv_batch, problem->seqlen_prior, &problem->k_prior_scale,
+      &problem->k_prior_token_scale, &extents->k_prior_scale));
+  return read_prior_scale("v_prior_scale", options.v_prior_scale, "v_prior", options.v_prior,
+                          options, shapes_only, problem->v_prior, problem->kv_batch,
+                          problem->seqlen_prior, &problem->v_prior_scale,
+                          &problem->v_prior_token_scale, &extents->v_prior_scale);
 }
 
 // sink: one logit per query batch, finite or -inf (no sink).
@@ -499,6 +577,8 @@ Status check_aliasing(const ViewExtents& extents) {
                                 {"v", extents.v},
                                 {"k_prior", extents.k_prior},
                                 {"v_prior", extents.v_prior},
+                                {"k_prior_scale", extents.k_prior_scale},
+                                {"v_prior_scale", extents.v_prior_scale},
                                 {"sink", extents.sink},
                                 {"alibi_slopes", extents.alibi_slopes},
                                 {"key_bias", extents.key_bias}};
@@ -565,6 +645,7 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
   FLASHCTE_RETURN_IF_ERROR(check_qkv(q, k, v, options, shapes_only, problem, &extents));
   FLASHCTE_RETURN_IF_ERROR(read_shapes(q, k, v, options, problem));
   FLASHCTE_RETURN_IF_ERROR(read_prefix(options, shapes_only, problem, &extents));
+  FLASHCTE_RETURN_IF_ERROR(read_prior_scales(options, shapes_only, problem, &extents));
   FLASHCTE_RETURN_IF_ERROR(read_sink(options, problem, &extents));
   FLASHCTE_RETURN_IF_ERROR(read_scalars_and_windows(options, problem));
   FLASHCTE_RETURN_IF_ERROR(read_query_positions(options, problem));

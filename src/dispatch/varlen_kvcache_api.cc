@@ -9,6 +9,8 @@
 #include <exception>
 #include <new>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "flashcte/kvcache.h"
@@ -38,7 +40,7 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
                   const MutableTensorView& out, const MutableTensorView& lse,
                   const VarlenKvCacheOptions& o, Varlen* c) {
   if (!q.present()) return error("q: is required");
-  Extent eq, ek, ev, eout, e_lse, ecu, eused, etable, ealibi, esinks;
+  Extent eq, ek, ev, eout, e_lse, ecu, eused, etable, ealibi, esinks, ekscale, evscale;
   FLASHCTE_RETURN_IF_ERROR(check_tensor("q", q, 3, "(total_q, heads, d)", &eq));
   c->total_q = q.shape[0];
   c->heads = q.shape[1];
@@ -134,6 +136,11 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
     FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 0, c->heads, "q's heads"));
     FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 1, c->total_q, "q's total_q"));
   }
+  for (const auto& [name, view, extent] :
+       {std::tuple<const char*, const TensorView&, Extent*>{"k_scale", o.k_scale, &ekscale},
+        {"v_scale", o.v_scale, &evscale}}) {
+    if (view.present()) FLASHCTE_RETURN_IF_ERROR(check_view(name, view, false, extent));
+  }
   // The per-sequence calls check their own rows; across sequences only this sees the whole.
   struct Named {
     const char* name;
@@ -146,7 +153,9 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
                           {"seqused_k", eused},
                           {"block_table", etable},
                           {"alibi_slopes", ealibi},
-                          {"sinks", esinks}};
+                          {"sinks", esinks},
+                          {"k_scale", ekscale},
+                          {"v_scale", evscale}};
   for (const Named& w : {Named{"out", eout}, Named{"lse", e_lse}}) {
     for (const Named& in : inputs) {
       if (overlaps(w.extent, in.extent)) {
@@ -230,6 +239,12 @@ Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
       const MutableTensorView v_b = internal::writable(paged ? v_cache : entry(v_cache, b));
       o.cache_seqlens = entry(options.seqused_k, b);
       if (paged) o.block_table = entry(options.block_table, b);
+      // An 8-bit cache's scales: one per cache or KV head as they are, one per token as the
+      // cache (row b when dense).
+      for (auto [scale, given] :
+           {std::pair{&o.k_scale, &options.k_scale}, std::pair{&o.v_scale, &options.v_scale}}) {
+        *scale = internal::writable(given->rank == 3 && !paged ? entry(*given, b) : *given);
+      }
       o.sinks = options.sinks;
       o.alibi_slopes = options.alibi_slopes;
       if (o.alibi_slopes.present() && o.alibi_slopes.rank == 2) {

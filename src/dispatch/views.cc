@@ -5,6 +5,8 @@
 #include <cmath>
 #include <utility>
 
+#include "src/core/kv8.h"
+
 namespace flashcte::internal {
 
 bool overlaps(const Extent& a, const Extent& b) {
@@ -97,6 +99,65 @@ Status expect_same_dtype(const char* name, DType dtype, DType want, const char* 
                          reference + "'s dtype " + dtype_name(want));
   }
   return Status::Ok();
+}
+
+Status expect_cache_dtype(const char* name, DType cache, DType q) {
+  if (kv8::is_8bit(cache) || cache == q) return Status::Ok();
+  return Status::Error(std::string(name) + ": dtype " + dtype_name(cache) + " must be q's " +
+                       dtype_name(q) +
+                       " or an 8-bit cache format (int8, float8_e4m3fn, float8_e5m2)");
+}
+
+Status read_scale_entries(const char* name, const TensorView& view, int64_t n,
+                          std::vector<float>* scales) {
+  scales->resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t entry = view.shape[0] == 1 ? 0 : i;
+    const float x = static_cast<const float*>(view.data)[entry * view.strides[0]];
+    if (!std::isfinite(x) || !(x > 0)) {
+      return Status::Error(std::string(name) + ": entry " + std::to_string(entry) + " = " +
+                           std::to_string(x) + " must be finite and > 0");
+    }
+    (*scales)[static_cast<size_t>(i)] = x;
+  }
+  return Status::Ok();
+}
+
+Status check_cache_scale(const char* name, const TensorView& scale, const char* cache_name,
+                         const TensorView& cache, int heads_axis, std::vector<float>* scales,
+                         bool* per_token, Extent* extent) {
+  *per_token = false;
+  if (!kv8::is_8bit(cache.dtype)) {
+    if (!scale.present()) return Status::Ok();
+    return Status::Error(std::string(name) + ": is for 8-bit caches; " + cache_name + " is " +
+                         dtype_name(cache.dtype));
+  }
+  if (!scale.present()) {
+    return Status::Error(std::string(name) + ": is required with the " + dtype_name(cache.dtype) +
+                         " " + cache_name + " (its dequantization scale)");
+  }
+  const int64_t kv_heads = cache.shape[heads_axis];
+  FLASHCTE_RETURN_IF_ERROR(
+      check_tensor(name, scale, scale.rank == 3 ? 3 : 1,
+                   "(1,), (kv_heads,) or the cache's shape without its last axis", extent));
+  FLASHCTE_RETURN_IF_ERROR(expect_float32(name, scale.dtype));
+  if (scale.rank == 3) {
+    for (int axis = 0; axis < 3; ++axis) {
+      if (scale.shape[axis] != cache.shape[axis]) {
+        return Status::Error(std::string(name) + ": shape " + shape_str(scale.shape.data(), 3) +
+                             " must be " + cache_name + "'s without its last axis, " +
+                             shape_str(cache.shape.data(), 3) + " (one scale per token)");
+      }
+    }
+    *per_token = true;
+    return Status::Ok();
+  }
+  if (scale.shape[0] != 1 && scale.shape[0] != kv_heads) {
+    return Status::Error(std::string(name) + ": shape " + shape_str(scale.shape.data(), 1) +
+                         " must be (1,) (per tensor), (kv_heads,) = (" + std::to_string(kv_heads) +
+                         ",) (per KV head) or " + cache_name + "'s shape without its last axis");
+  }
+  return read_scale_entries(name, scale, kv_heads, scales);
 }
 
 Status expect_float32(const char* name, DType dtype) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "flashcte/flashcte.h"
+#include "src/core/kv_source.h"
 
 // Evaluates `expr`, a Status, and returns it from the enclosing function when it is an error
 // (Abseil's RETURN_IF_ERROR idiom).
@@ -69,13 +70,41 @@ Status expect_same_dtype(const char* name, DType dtype, DType want, const char* 
 // `dtype` is float32.
 Status expect_float32(const char* name, DType dtype);
 
-// `dtype` is an 8-bit KV cache format: int8, float8_e4m3fn or float8_e5m2.
-inline bool is_kv8_dtype(DType dtype) {
-  return dtype == DType::kInt8 || dtype == DType::kFloat8E4M3 || dtype == DType::kFloat8E5M2;
-}
-
 // `dtype` is one of the attention input types: float32, bfloat16 or float16.
 Status expect_attention_dtype(const char* name, DType dtype);
+
+// A cache's (or prior's) dtype: q's, or an 8-bit format (read with its scale).
+Status expect_cache_dtype(const char* name, DType cache, DType q);
+
+// An 8-bit cache's scale of one value (per tensor) or of n (one per KV head or KV batch), float32
+// rank 1 (its shape is the caller's check), read into `scales` as n values, each finite and > 0.
+Status read_scale_entries(const char* name, const TensorView& view, int64_t n,
+                          std::vector<float>* scales);
+
+// k_scale / v_scale of a rank-4 cache (decode_attention, flash_attn_with_kvcache): required with
+// an 8-bit cache and refused with a float one; float32, (1,) or (kv_heads,) (the cache's axis
+// heads_axis), each entry finite and > 0, read into `scales` one per KV head; or one per token,
+// the cache's shape without its channel axis (then `per_token` is set; its entries are data like
+// the cache's and not checked).
+Status check_cache_scale(const char* name, const TensorView& scale, const char* cache_name,
+                         const TensorView& cache, int heads_axis, std::vector<float>* scales,
+                         bool* per_token, Extent* extent);
+
+// A per-token scale tensor as a source beside its cache's (the same sequences, slots and pages):
+// float32 at `data` with the (sequence or page, head, slot) strides given, channel stride 0.
+inline KvSource token_scale_source(const KvSource& cache, const void* data, int64_t seq_stride,
+                                   int64_t head_stride, int64_t slot_stride) {
+  KvSource s = cache;
+  s.data = data;
+  s.dtype = DType::kFloat32;
+  s.strides = {seq_stride, head_stride, slot_stride, 0};
+  return s;
+}
+
+// A writable view read as an input.
+inline TensorView as_input(const MutableTensorView& v) {
+  return {v.data, v.dtype, v.rank, v.shape, v.strides};
+}
 
 // Distinct elements of an output are distinct memory (else threads would race on them).
 Status check_no_self_overlap(const char* name, const MutableTensorView& view);

@@ -68,6 +68,35 @@ const void* element(const View3& t, DType dtype, int64_t b, int64_t row) {
          (b * t.batch_stride + row * t.row_stride) * dtype_size(dtype);
 }
 
+// An 8-bit prior's packed codes of keys [begin, end) (key j at dst + (j - begin) * key_step,
+// its channels channel_step apart) times their scales: one per KV batch or one per slot. The
+// product is float32's rounding of code x scale, the dequantized cache's value.
+void scale_prior_keys(const Problem& problem, const std::vector<float>& per_batch,
+                      const KvSource& per_slot, int64_t kv_b, int64_t begin, int64_t end,
+                      float* dst, int64_t key_step, int64_t channel_step, int64_t channels) {
+  const int64_t n = end - begin;
+  thread_local std::vector<float> scales;
+  scales.resize(static_cast<size_t>(n));
+  if (per_slot.data != nullptr) {
+    for (int64_t j = begin; j < end; ++j) {
+      scales[j - begin] = *reinterpret_cast<const float*>(problem.prior_row(per_slot, kv_b, j));
+    }
+  } else {
+    std::fill(scales.begin(), scales.end(), per_batch[static_cast<size_t>(kv_b)]);
+  }
+  if (key_step == 1) {  // K, transposed: a channel's keys are contiguous
+    for (int64_t c = 0; c < channels; ++c) {
+      float* row = dst + c * channel_step;
+      for (int64_t j = 0; j < n; ++j) row[j] *= scales[j];
+    }
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    float* row = dst + j * key_step;
+    for (int64_t c = 0; c < channels; ++c) row[c * channel_step] *= scales[j];
+  }
+}
+
 }  // namespace
 
 // Packs keys [begin, end) of KV batch kv_b's concatenated axis: K transposed into
@@ -85,22 +114,30 @@ void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t
       thread_local std::vector<const unsigned char*> rows;
       rows.resize(static_cast<size_t>(n));
       for (int64_t j = begin; j < prior_end; ++j) rows[j - begin] = problem.prior_row(kp, kv_b, j);
-      pack_matrix(ops, nullptr, problem.dtype, 0, kp.strides[3], n, problem.head_dim,
-                  k + (begin - base), 1, ldk, tmp, rows.data());
+      pack_matrix(ops, nullptr, kp.dtype, 0, kp.strides[3], n, problem.head_dim, k + (begin - base),
+                  1, ldk, tmp, rows.data());
       if (v != nullptr) {
         for (int64_t j = begin; j < prior_end; ++j) {
           rows[j - begin] = problem.prior_row(vp, kv_b, j);
         }
-        pack_matrix(ops, nullptr, problem.dtype, 0, vp.strides[3], n, problem.value_dim,
+        pack_matrix(ops, nullptr, vp.dtype, 0, vp.strides[3], n, problem.value_dim,
                     v + (begin - base) * ldv, ldv, 1, tmp, rows.data());
       }
     } else {
-      pack_matrix(ops, problem.prior_row(kp, kv_b, begin), problem.dtype, kp.strides[2],
-                  kp.strides[3], n, problem.head_dim, k + (begin - base), 1, ldk, tmp);
+      pack_matrix(ops, problem.prior_row(kp, kv_b, begin), kp.dtype, kp.strides[2], kp.strides[3],
+                  n, problem.head_dim, k + (begin - base), 1, ldk, tmp);
       if (v != nullptr) {
-        pack_matrix(ops, problem.prior_row(vp, kv_b, begin), problem.dtype, vp.strides[2],
-                    vp.strides[3], n, problem.value_dim, v + (begin - base) * ldv, ldv, 1, tmp);
+        pack_matrix(ops, problem.prior_row(vp, kv_b, begin), vp.dtype, vp.strides[2], vp.strides[3],
+                    n, problem.value_dim, v + (begin - base) * ldv, ldv, 1, tmp);
       }
+    }
+    if (kp.dtype != problem.dtype) {
+      scale_prior_keys(problem, problem.k_prior_scale, problem.k_prior_token_scale, kv_b, begin,
+                       prior_end, k + (begin - base), 1, ldk, problem.head_dim);
+    }
+    if (v != nullptr && vp.dtype != problem.dtype) {
+      scale_prior_keys(problem, problem.v_prior_scale, problem.v_prior_token_scale, kv_b, begin,
+                       prior_end, v + (begin - base) * ldv, ldv, 1, problem.value_dim);
     }
   }
   if (const int64_t j0 = std::max(begin, prior); j0 < end) {
@@ -171,8 +208,9 @@ bool can_pack_pairs_directly(const Problem& problem) {
   // a key contiguous ((Skv, dv)); the prior part, when there is one, alike (a paged prior keeps
   // a key's channels together, so it takes the float32 path).
   return problem.k.row_stride == 1 && problem.v.col_stride == 1 &&
-         (!problem.has_prior() || (!problem.k_prior.paged() && problem.k_prior.strides[2] == 1 &&
-                                   problem.v_prior.strides[3] == 1));
+         (!problem.has_prior() ||
+          (!problem.prior_is_kv8() && !problem.k_prior.paged() && problem.k_prior.strides[2] == 1 &&
+           problem.v_prior.strides[3] == 1));
 }
 
 bool pack_pairs_directly(const Problem& problem, const simd::Ops& ops, int64_t kv_b,
@@ -243,7 +281,9 @@ const float* v_in_place(const Problem& problem, int64_t kv_b, int64_t begin, int
   if (begin < prior && end > prior) return nullptr;
   if (begin < prior) {  // in the prior: within one run of its rows (one page of a paged prior)
     const KvSource& v = problem.v_prior;
-    if (v.strides[3] != 1 || v.strides[2] != dv || v.run_end(begin, end) != end) return nullptr;
+    if (v.dtype != DType::kFloat32 || v.strides[3] != 1 || v.strides[2] != dv ||
+        v.run_end(begin, end) != end)
+      return nullptr;
     *ldv = v.strides[2];
     return reinterpret_cast<const float*>(problem.prior_row(v, kv_b, begin));
   }
@@ -258,6 +298,9 @@ PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
                            int64_t ldk, int64_t ldv, Scratch& scratch) {
   const TileWork* tiles = scratch.plan.tiles.data() + section.first_tile;
   const int64_t num_tiles = section.end_tile - section.first_tile;
+  // An 8-bit prior's dequantized values (code x scale) are not bfloat16 values in general: the
+  // sections that read it run on the float32 kernels.
+  if (problem.prior_is_kv8() && section.begin < problem.prior_used[kv_b]) dot = nullptr;
   PackedSection packed;
   packed.begin = section.begin;
   packed.ldk = ldk;

@@ -1,5 +1,6 @@
 // Conversions for the packers, once per element of a K/V tile or a Q block: bfloat16 / float16
-// runs to float32 (2 or 4 bytes in, 4 out per element), and float32 that holds bfloat16 values to
+// runs to float32 (2 or 4 bytes in, 4 out per element), and an 8-bit cache's codes (their
+// values, unscaled: the packer applies the scale), and float32 that holds bfloat16 values to
 // the native bf16 kernels' layouts (bf16_dot.h): narrowed rows, and pairs of rows interleaved.
 // And the way back for the output rows, once per element of the output: float32 rounded to the
 // output's dtype.
@@ -17,6 +18,7 @@
 
 #include "hwy/highway.h"
 #include "src/core/half.h"
+#include "src/core/kv8.h"
 #include "src/simd/shared-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -35,6 +37,19 @@ HWY_INLINE void PromoteRow(const T* HWY_RESTRICT src, int64_t n, float* HWY_REST
   for (; i < n; ++i) hn::StoreU(hn::PromoteTo(d1, hn::LoadU(dh1, src + i)), d1, dst + i);
 }
 
+// The 8-bit cache formats' codes as float32 values (unscaled): whole vectors, then one code at
+// a time (kv8::decode, exact as the vector path).
+template <typename T>
+HWY_INLINE void WidenCodes(const T* HWY_RESTRICT src, DType dtype, int64_t n,
+                           float* HWY_RESTRICT dst) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(LoadAsFloat(df, src + i), df, dst + i);
+  const auto* bytes = reinterpret_cast<const uint8_t*>(src);
+  for (; i < n; ++i) dst[i] = kv8::decode(dtype, bytes[i]);
+}
+
 void ToFloat(const void* src, DType dtype, int64_t n, float* dst) {
   switch (dtype) {
     case DType::kBFloat16:
@@ -46,12 +61,18 @@ void ToFloat(const void* src, DType dtype, int64_t n, float* dst) {
     case DType::kFloat32:
       std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
       break;
+    case DType::kInt8:
+      WidenCodes(static_cast<const int8_t*>(src), dtype, n, dst);
+      break;
+    case DType::kFloat8E4M3:
+      WidenCodes(static_cast<const Fp8E4M3*>(src), dtype, n, dst);
+      break;
+    case DType::kFloat8E5M2:
+      WidenCodes(static_cast<const Fp8E5M2*>(src), dtype, n, dst);
+      break;
     case DType::kInt32:
     case DType::kInt64:
-    case DType::kInt8:
-    case DType::kFloat8E4M3:
-    case DType::kFloat8E5M2:
-      HWY_ABORT("to_float: %s is not an attention dtype", dtype_name(dtype));
+      HWY_ABORT("to_float: %s is not an attention or cache dtype", dtype_name(dtype));
   }
 }
 

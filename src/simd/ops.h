@@ -127,7 +127,8 @@ struct Ops {
   unsigned (*classify)(const float* x, int64_t n);
 
   // dst[i] = float(src[i]) for i < n, src contiguous of dtype float32, bfloat16 or float16
-  // (F16C on x86). Used by the packers, which run once per tile.
+  // (F16C on x86), or an 8-bit cache format (the codes' values, unscaled). Used by the packers,
+  // which run once per tile.
   void (*to_float)(const void* src, DType dtype, int64_t n, float* dst);
   // The way back, for the output rows: dst[i] = src[i] as dtype for i < n, dst contiguous;
   // bfloat16 and float16 rounded to nearest even with half::float_to_bf16's and

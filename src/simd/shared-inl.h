@@ -1,6 +1,7 @@
 // Per-target definitions shared by the kernel families (included once per Highway target by
 // ops.cc): the float vector type, the register block height, the width contracts of ops.h that
-// depend on this target's lane count, and the row-block loop of the two matmuls.
+// depend on this target's lane count, the row-block loop of the two matmuls, and the loads that
+// widen a cache row of any K/V dtype (8-bit formats included) to float32 in registers.
 
 // Per-target include guard (Highway's idiom: toggled for every target foreach_target compiles).
 #if defined(FLASHCTE_SRC_SIMD_SHARED_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -11,6 +12,8 @@
 #endif
 
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "hwy/highway.h"
@@ -72,6 +75,61 @@ HWY_INLINE V RoundToBf16(D d, V x) {
   const auto lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
   const auto rounded = hn::Add(bits, hn::Add(hn::Set(du, 0x7FFFu), lsb));
   return hn::BitCast(d, hn::And(rounded, hn::Set(du, 0xFFFF0000u)));
+}
+
+// The fp8 cache formats as element types (one byte each, src/core/kv8.h): the kernels read their
+// codes; the scale is applied outside (DecodeProblem::k_scale, v_scale).
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+struct Fp8E5M2 {
+  uint8_t bits;
+};
+
+// N values of a cache row from p, as float32 (8-bit formats: their codes' values, unscaled).
+template <class T>
+HWY_INLINE hn::Vec<DF> LoadAsFloat(DF df, const T* HWY_RESTRICT p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return hn::LoadU(df, p);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    const hn::RebindToSigned<DF> di;
+    const hn::Rebind<int8_t, DF> d8;
+    return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, p)));
+  } else if constexpr (std::is_same_v<T, Fp8E4M3> || std::is_same_v<T, Fp8E5M2>) {
+    // Through binary16, exactly: e5m2 is binary16's upper byte; e4m3fn's 7 magnitude bits placed
+    // at binary16's bits 7..13 (exponent bias 15 against 7) are its value times 2^-8, subnormals
+    // included, and its one NaN pattern (magnitude 0x7F) must be made NaN by hand.
+    const hn::Rebind<uint8_t, DF> d8;
+    const hn::Rebind<uint16_t, DF> d16;
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    const auto bytes = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p)));
+    if constexpr (std::is_same_v<T, Fp8E5M2>) {
+      return hn::PromoteTo(df, hn::BitCast(dh, hn::ShiftLeft<8>(bytes)));
+    } else {
+      const auto magnitude = hn::And(bytes, hn::Set(d16, 0x7F));
+      const auto half =
+          hn::Or(hn::ShiftLeft<8>(hn::And(bytes, hn::Set(d16, 0x80))), hn::ShiftLeft<7>(magnitude));
+      const auto value = hn::Mul(hn::PromoteTo(df, hn::BitCast(dh, half)), hn::Set(df, 256.0f));
+      const hn::RebindToSigned<DF> di;
+      const auto nan_lanes = hn::RebindMask(
+          df, hn::Eq(hn::PromoteTo(di, hn::BitCast(hn::Rebind<int16_t, DF>(), magnitude)),
+                     hn::Set(di, 0x7F)));
+      return hn::IfThenElse(nan_lanes, hn::Set(df, std::numeric_limits<float>::quiet_NaN()), value);
+    }
+  } else {
+    const hn::Rebind<T, DF> dh;
+    return hn::PromoteTo(df, hn::LoadU(dh, p));
+  }
+}
+
+// The `count` (< N) values at p, zero-extended to N, as float32: the tail of a row that may end
+// a mapping.
+template <class T>
+HWY_INLINE hn::Vec<DF> LoadTailAsFloat(DF df, const T* HWY_RESTRICT p, int64_t count) {
+  HWY_ALIGN T buf[kMaxLanes];
+  std::memset(static_cast<void*>(buf), 0, sizeof buf);
+  std::memcpy(static_cast<void*>(buf), p, static_cast<size_t>(count) * sizeof(T));
+  return LoadAsFloat(df, buf);
 }
 
 }  // namespace HWY_NAMESPACE

@@ -260,7 +260,20 @@ std::vector<Row> api_rows() {
          c.with_prior();
          c.options.k_prior.dtype = DType::kBFloat16;
        },
-       "k_prior", "differs from q's dtype"},
+       "k_prior", "must be q's float32 or an 8-bit cache format"},
+      {"k_prior_scale_missing",
+       [](Call& c) {
+         c.with_prior();
+         c.options.k_prior.dtype = DType::kInt8;
+       },
+       "k_prior_scale", "is required with the int8 k_prior"},
+      {"v_prior_scale_without_8bit_prior",
+       [](Call& c) {
+         c.with_prior();
+         c.with_sink();
+         c.options.v_prior_scale = c.options.sink;
+       },
+       "v_prior_scale", "is for an 8-bit v_prior"},
       {"k_prior_head_dim",
        [](Call& c) {
          c.with_prior();

@@ -1,0 +1,688 @@
+// 8-bit KV caches outside decode_attention: attention_cte over an 8-bit prior (prefix caching,
+// chunked prefill), dense and paged, and flash_attn_with_kvcache / flash_attn_varlen_kvcache over
+// 8-bit caches with the append quantizing the new tokens. Against the float64 reference on the
+// dequantized cache (code x scale); a float32 prefill is bitwise the same call on the prior
+// dequantized to float32 (the packer computes exactly that product), on every SIMD target.
+#include <gtest/gtest.h>
+#include <hwy/targets.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashcte/flashcte.h"
+#include "flashcte/kvcache.h"
+#include "src/core/kv8.h"
+#include "src/reference/reference.h"
+#include "tests/test_util.h"
+
+namespace flashcte::test {
+namespace {
+
+const DType kFormats[] = {DType::kInt8, DType::kFloat8E4M3, DType::kFloat8E5M2};
+enum Granularity { kPerTensor, kPerHead, kPerToken };
+
+// ---------------------------------------------------------------------------------------------
+// attention_cte with an 8-bit prior.
+
+// One KV batch per head of one sequence, so that the dense prior (bs_kv, S_prior, d) and the
+// paged one (num_blocks, kv_heads, block, d) hold the same rows.
+constexpr int64_t kKvHeads = 2, kGroup = 2, kSq = 21, kSkv = 5, kSPrior = 38, kD = 40, kDv = 24;
+constexpr int64_t kBlock = 4, kPages = (kSPrior + kBlock - 1) / kBlock;
+
+// An 8-bit prior (kv_heads, S_prior, channels) with its scales.
+struct Prior8 {
+  DType format;
+  int64_t channels;
+  Granularity granularity;
+  std::vector<uint8_t> codes;
+  std::vector<float> scale;  // (1,), (kv_heads,) or (kv_heads, S_prior)
+
+  Prior8(DType f, int64_t c, Granularity g, uint32_t seed, double scale_base = 0.01)
+      : format(f), channels(c), granularity(g) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<double> u(0.5, 2.0);
+    const int64_t n = g == kPerTensor ? 1 : g == kPerHead ? kKvHeads : kKvHeads * kSPrior;
+    for (int64_t i = 0; i < n; ++i) scale.push_back(static_cast<float>(scale_base * u(rng)));
+    std::normal_distribution<double> normal(0.0, format == DType::kInt8 ? 50.0 : 150.0);
+    codes.resize(static_cast<size_t>(kKvHeads * kSPrior * c));
+    for (uint8_t& code : codes) code = kv8::encode(format, normal(rng));
+  }
+  float slot_scale(int64_t h, int64_t j) const {
+    if (granularity == kPerToken) return scale[static_cast<size_t>(h * kSPrior + j)];
+    return scale[granularity == kPerHead ? h : 0];
+  }
+  // float32's product, as the packer forms it.
+  float value(int64_t h, int64_t j, int64_t x) const {
+    return kv8::decode(format, codes[static_cast<size_t>((h * kSPrior + j) * channels + x)]) *
+           slot_scale(h, j);
+  }
+  TensorView view() const {
+    return TensorView::contiguous(codes.data(), format, {kKvHeads, kSPrior, channels});
+  }
+  TensorView scale_view() const {
+    if (granularity == kPerToken) {
+      return TensorView::contiguous(scale.data(), DType::kFloat32, {kKvHeads, kSPrior});
+    }
+    return TensorView::contiguous(scale.data(), DType::kFloat32,
+                                  {static_cast<int64_t>(scale.size())});
+  }
+  HostTensor dequantized() const {
+    HostTensor t(DType::kFloat32, {kKvHeads, kSPrior, channels});
+    for (int64_t h = 0; h < kKvHeads; ++h) {
+      for (int64_t j = 0; j < kSPrior; ++j) {
+        for (int64_t x = 0; x < channels; ++x) t.set(h, j, x, value(h, j, x));
+      }
+    }
+    return t;
+  }
+};
+
+// The same rows in shuffled pages, the per-token scales in the pages too; unused rows hold codes
+// that would poison a result that read them (NaN in fp8, the largest in int8).
+struct PagedPrior8 {
+  std::vector<uint8_t> codes;
+  std::vector<float> scale;
+  std::vector<int32_t> table;
+  const Prior8& prior;
+
+  explicit PagedPrior8(const Prior8& p) : prior(p) {
+    table.resize(kPages);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), std::mt19937(7));
+    codes.assign(static_cast<size_t>(kPages * kKvHeads * kBlock * p.channels), 0x7F);
+    scale.assign(static_cast<size_t>(kPages * kKvHeads * kBlock),
+                 std::numeric_limits<float>::quiet_NaN());
+    for (int64_t h = 0; h < kKvHeads; ++h) {
+      for (int64_t j = 0; j < kSPrior; ++j) {
+        const int64_t row = (table[j / kBlock] * kKvHeads + h) * kBlock + j % kBlock;
+        std::memcpy(&codes[static_cast<size_t>(row * p.channels)],
+                    &p.codes[static_cast<size_t>((h * kSPrior + j) * p.channels)],
+                    static_cast<size_t>(p.channels));
+        scale[static_cast<size_t>(row)] = p.slot_scale(h, j);
+      }
+    }
+  }
+  TensorView view() const {
+    return TensorView::contiguous(codes.data(), prior.format,
+                                  {kPages, kKvHeads, kBlock, prior.channels});
+  }
+  TensorView scale_view() const {
+    if (prior.granularity != kPerToken) return prior.scale_view();
+    return TensorView::contiguous(scale.data(), DType::kFloat32, {kPages, kKvHeads, kBlock});
+  }
+  TensorView table_view() const {
+    return TensorView::contiguous(table.data(), DType::kInt32, {1, kPages});
+  }
+};
+
+struct Prefill {
+  HostTensor q, k, v;
+  Options options;
+  Prefill(DType dtype, uint32_t seed)
+      : q(dtype, {kKvHeads * kGroup, kSq, kD}),
+        k(dtype, {kKvHeads, kSkv, kD}),
+        v(dtype, {kKvHeads, kSkv, kDv}) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    for (HostTensor* t : {&q, &k, &v}) {
+      for (int64_t a = 0; a < t->shape()[0]; ++a) {
+        for (int64_t b = 0; b < t->shape()[1]; ++b) {
+          for (int64_t c = 0; c < t->shape()[2]; ++c) t->set(a, b, c, 2 * u(rng));
+        }
+      }
+    }
+    options.tp_k = true;
+    options.scale = static_cast<float>(1.0 / std::sqrt(double{kD}));
+    options.prior_used_len = {kSPrior - 3, kSPrior};  // per KV batch
+    options.tiles.kv_tile = 16;                       // tiles that straddle the prior's end
+  }
+  struct Result {
+    Status status;
+    std::vector<uint8_t> out;
+    std::vector<float> lse;
+  };
+  Result run(const Options& o) const {
+    HostTensor out(q.dtype(), {kKvHeads * kGroup, kSq, kDv});
+    Result r;
+    r.lse.assign(static_cast<size_t>(kKvHeads * kGroup * kSq), 0.0f);
+    Outputs outputs;
+    outputs.out = out.mutable_view();
+    outputs.lse =
+        MutableTensorView::contiguous(r.lse.data(), DType::kFloat32, {kKvHeads * kGroup, kSq});
+    r.status = attention_cte(q.view(), k.view(), v.view(), outputs, o);
+    r.out = out.bytes();
+    return r;
+  }
+};
+
+TEST(Kv8Prior, Float32IsBitwiseTheDequantizedPriorDenseAndPagedOnEveryTarget) {
+  const Prefill call(DType::kFloat32, 3);
+  for (int f = 0; f < 3; ++f) {
+    for (int g = 0; g < 3; ++g) {
+      for (bool causal : {true, false}) {
+        // K and V in different formats and granularities.
+        const Prior8 kp(kFormats[f], kD, static_cast<Granularity>(g), 11);
+        const Prior8 vp(kFormats[(f + 1) % 3], kDv, static_cast<Granularity>((g + 1) % 3), 12);
+        const HostTensor kf = kp.dequantized(), vf = vp.dequantized();
+        Options wide = call.options;
+        wide.causal_mask = causal;
+        wide.k_prior = kf.view();
+        wide.v_prior = vf.view();
+        Options o = wide;
+        o.k_prior = kp.view();
+        o.v_prior = vp.view();
+        o.k_prior_scale = kp.scale_view();
+        o.v_prior_scale = vp.scale_view();
+        const PagedPrior8 kpp(kp), vpp(vp);
+        Options paged = o;
+        paged.k_prior = kpp.view();
+        paged.v_prior = vpp.view();
+        paged.k_prior_scale = kpp.scale_view();
+        paged.v_prior_scale = vpp.scale_view();
+        paged.prior_block_table = kpp.table_view();
+
+        // On each target: the float32 prior against the reference, then the 8-bit runs bitwise
+        // it (targets differ in their summation order, so each is its own yardstick).
+        reference::Result exact;
+        ASSERT_TRUE(
+            reference::attention(call.q.view(), call.k.view(), call.v.view(), wide, &exact).ok);
+        for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+          hwy::SetSupportedTargetsForTest(target);
+          SCOPED_TRACE(std::string("target ") + hwy::TargetName(target) + ", k " +
+                       dtype_name(kp.format) + ", v " + dtype_name(vp.format) + ", granularities " +
+                       std::to_string(g) + "/" + std::to_string((g + 1) % 3) +
+                       (causal ? ", causal" : ""));
+          const Prefill::Result want = call.run(wide);
+          ASSERT_TRUE(want.status.ok) << want.status.message;
+          double top = 0, err = 0;
+          for (int64_t b = 0; b < kKvHeads * kGroup; ++b) {
+            for (int64_t i = 0; i < kSq; ++i) {
+              for (int64_t x = 0; x < kDv; ++x) {
+                const double y = reference::load_element(want.out.data(), DType::kFloat32,
+                                                         (b * kSq + i) * kDv + x);
+                top = std::max(top, std::fabs(exact.out_at(b, i, x)));
+                err = std::max(err, std::fabs(y - exact.out_at(b, i, x)));
+              }
+            }
+          }
+          EXPECT_LE(err, 1e-5 * top);
+          const Prefill::Result dense = call.run(o), pages = call.run(paged);
+          ASSERT_TRUE(dense.status.ok) << dense.status.message;
+          ASSERT_TRUE(pages.status.ok) << pages.status.message;
+          EXPECT_EQ(dense.out, want.out);
+          EXPECT_EQ(dense.lse, want.lse);
+          EXPECT_EQ(pages.out, want.out);
+          EXPECT_EQ(pages.lse, want.lse);
+        }
+        hwy::SetSupportedTargetsForTest(0);
+      }
+    }
+  }
+}
+
+// bfloat16 q, k, v over an 8-bit prior: the prior's sections run on the float32 kernels (the
+// dequantized values are not bfloat16), so the error is the float32 path's on bfloat16 inputs,
+// and the rows that see only new keys may run natively; against the reference on the
+// dequantized prior. Scales of 2^-20 and 2^20 included: the product stays exact in float32.
+TEST(Kv8Prior, Bfloat16MatchesTheReferenceOnTheDequantizedPrior) {
+  const Prefill call(DType::kBFloat16, 4);
+  for (int f = 0; f < 3; ++f) {
+    for (double base : {0.01, std::ldexp(1.0, -20), std::ldexp(1.0, 20)}) {
+      const Prior8 kp(kFormats[f], kD, kPerToken, 21, base);
+      const Prior8 vp(kFormats[f], kDv, kPerHead, 22, base);
+      Options o = call.options;
+      o.k_prior = kp.view();
+      o.v_prior = vp.view();
+      o.k_prior_scale = kp.scale_view();
+      o.v_prior_scale = vp.scale_view();
+      // The reference reads the dequantized prior.
+      const HostTensor kf = kp.dequantized(), vf = vp.dequantized();
+      Options wide = call.options;
+      wide.k_prior = kf.view();
+      wide.v_prior = vf.view();
+      reference::Result exact;
+      ASSERT_TRUE(
+          reference::attention(call.q.view(), call.k.view(), call.v.view(), wide, &exact).ok);
+      const Prefill::Result got = call.run(o);
+      ASSERT_TRUE(got.status.ok) << got.status.message;
+      double top = 0, err = 0;
+      for (int64_t b = 0; b < kKvHeads * kGroup; ++b) {
+        for (int64_t i = 0; i < kSq; ++i) {
+          for (int64_t x = 0; x < kDv; ++x) {
+            const double g =
+                reference::load_element(got.out.data(), DType::kBFloat16, (b * kSq + i) * kDv + x);
+            top = std::max(top, std::fabs(exact.out_at(b, i, x)));
+            err = std::max(err, std::fabs(g - exact.out_at(b, i, x)));
+          }
+        }
+      }
+      EXPECT_LE(err, std::ldexp(1.0, -7) * top) << dtype_name(kp.format) << " base " << base;
+    }
+  }
+}
+
+TEST(Kv8Prior, ScalesAreCheckedByName) {
+  const Prefill call(DType::kFloat32, 5);
+  const Prior8 kp(DType::kInt8, kD, kPerHead, 1), vp(DType::kFloat8E5M2, kDv, kPerToken, 2);
+  Options o = call.options;
+  o.k_prior = kp.view();
+  o.v_prior = vp.view();
+  o.v_prior_scale = vp.scale_view();
+  EXPECT_TRUE(refused_for(call.run(o).status, "k_prior_scale"));  // missing
+  std::vector<float> bad = {0.5f, -1.0f};
+  o.k_prior_scale = TensorView::contiguous(bad.data(), DType::kFloat32, {2});
+  EXPECT_TRUE(refused_for(call.run(o).status, "k_prior_scale"));
+  bad = {0.5f, std::numeric_limits<float>::infinity()};
+  EXPECT_TRUE(refused_for(call.run(o).status, "k_prior_scale"));
+  bad = {0.5f, 0.5f, 0.5f};
+  o.k_prior_scale = TensorView::contiguous(bad.data(), DType::kFloat32, {3});
+  EXPECT_TRUE(refused_for(call.run(o).status, "k_prior_scale"));
+  // Per slot, but not the prior's shape without its channel axis.
+  std::vector<float> slots(static_cast<size_t>(kKvHeads * (kSPrior - 1)), 1.0f);
+  o.k_prior_scale = TensorView::contiguous(slots.data(), DType::kFloat32, {kKvHeads, kSPrior - 1});
+  EXPECT_TRUE(refused_for(call.run(o).status, "k_prior_scale"));
+  o.k_prior_scale = kp.scale_view();
+  ASSERT_TRUE(call.run(o).status.ok);
+  // A scale beside a float prior.
+  const HostTensor vf = vp.dequantized();
+  o.v_prior = vf.view();
+  EXPECT_TRUE(refused_for(call.run(o).status, "v_prior_scale"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// flash_attn_with_kvcache over 8-bit caches.
+
+constexpr int64_t kBatch = 2, kHeads = 4, kCacheKvHeads = 2, kCacheLen = 48, kCd = 24;
+
+struct Cache8 {
+  DType format;
+  Granularity granularity;
+  std::vector<uint8_t> codes;  // (batch, cache_len, kv_heads, d)
+  std::vector<float> scale;    // (1,), (kv_heads,) or (batch, cache_len, kv_heads)
+
+  Cache8(DType f, Granularity g, uint32_t seed) : format(f), granularity(g) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<double> u(0.005, 0.02);
+    const int64_t n = g == kPerTensor ? 1
+                      : g == kPerHead ? kCacheKvHeads
+                                      : kBatch * kCacheLen * kCacheKvHeads;
+    for (int64_t i = 0; i < n; ++i) scale.push_back(static_cast<float>(u(rng)));
+    std::normal_distribution<double> normal(0.0, format == DType::kInt8 ? 50.0 : 150.0);
+    codes.resize(static_cast<size_t>(kBatch * kCacheLen * kCacheKvHeads * kCd));
+    for (uint8_t& code : codes) code = kv8::encode(format, normal(rng));
+  }
+  float slot_scale(int64_t b, int64_t j, int64_t h) const {
+    if (granularity == kPerToken) {
+      return scale[static_cast<size_t>((b * kCacheLen + j) * kCacheKvHeads + h)];
+    }
+    return scale[granularity == kPerHead ? h : 0];
+  }
+  double value(int64_t b, int64_t j, int64_t h, int64_t x) const {
+    return double{kv8::decode(
+               format,
+               codes[static_cast<size_t>(((b * kCacheLen + j) * kCacheKvHeads + h) * kCd + x)])} *
+           slot_scale(b, j, h);
+  }
+  MutableTensorView view() {
+    return MutableTensorView::contiguous(codes.data(), format,
+                                         {kBatch, kCacheLen, kCacheKvHeads, kCd});
+  }
+  MutableTensorView scale_view() {
+    if (granularity == kPerToken) {
+      return MutableTensorView::contiguous(scale.data(), DType::kFloat32,
+                                           {kBatch, kCacheLen, kCacheKvHeads});
+    }
+    return MutableTensorView::contiguous(scale.data(), DType::kFloat32,
+                                         {static_cast<int64_t>(scale.size())});
+  }
+};
+
+// q (batch, seqlen_q, heads, d) and new k, v (batch, seqlen_q, kv_heads, d), float32.
+struct Step {
+  int64_t seqlen;
+  Tensor4 q, k, v;
+  std::vector<int32_t> seqlens = {9, 17};
+  Step(int64_t s, uint32_t seed)
+      : seqlen(s),
+        q(DType::kFloat32, {kBatch, s, kHeads, kCd}),
+        k(DType::kFloat32, {kBatch, s, kCacheKvHeads, kCd}),
+        v(DType::kFloat32, {kBatch, s, kCacheKvHeads, kCd}) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    for (Tensor4* t : {&q, &k, &v}) {
+      const TensorView w = t->view();
+      for (int64_t a = 0; a < w.shape[0]; ++a) {
+        for (int64_t b = 0; b < w.shape[1]; ++b) {
+          for (int64_t c = 0; c < w.shape[2]; ++c) {
+            for (int64_t x = 0; x < w.shape[3]; ++x) t->set(a, b, c, x, u(rng));
+          }
+        }
+      }
+    }
+  }
+};
+
+Status attend(Step& step, Cache8& kc, Cache8& vc, Tensor4& out, bool append) {
+  KvCacheOptions o;
+  if (append) {
+    o.k = step.k.view();
+    o.v = step.v.view();
+  }
+  o.cache_seqlens = TensorView::contiguous(step.seqlens.data(), DType::kInt32, {kBatch});
+  o.k_scale = kc.scale_view();
+  o.v_scale = vc.scale_view();
+  o.causal = true;
+  return flash_attn_with_kvcache(step.q.view(), kc.view(), vc.view(), out.mutable_view(), {}, o);
+}
+
+// A dense Cache8 as pages (num_blocks, kPageSlots, kv_heads, d) in shuffled order, the per-token
+// scales in pages (num_blocks, kPageSlots, kv_heads); and back, to compare with the dense cache.
+constexpr int64_t kPageSlots = 5, kSeqPages = (kCacheLen + kPageSlots - 1) / kPageSlots;
+
+struct Paged8 {
+  Cache8& dense;
+  std::vector<uint8_t> codes;
+  std::vector<float> scale;
+  std::vector<int32_t> table;
+
+  explicit Paged8(Cache8& c) : dense(c) {
+    table.resize(static_cast<size_t>(kBatch * kSeqPages));
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), std::mt19937(17));
+    codes.resize(static_cast<size_t>(kBatch * kSeqPages * kPageSlots * kCacheKvHeads * kCd));
+    scale.resize(static_cast<size_t>(kBatch * kSeqPages * kPageSlots * kCacheKvHeads));
+    copy(true);
+  }
+  // Each slot's codes (and per-token scale) between the dense cache and its page row.
+  void copy(bool to_pages) {
+    for (int64_t b = 0; b < kBatch; ++b) {
+      for (int64_t j = 0; j < kCacheLen; ++j) {
+        const int64_t row =
+            table[static_cast<size_t>(b * kSeqPages + j / kPageSlots)] * kPageSlots +
+            j % kPageSlots;
+        for (int64_t h = 0; h < kCacheKvHeads; ++h) {
+          uint8_t* page = &codes[static_cast<size_t>((row * kCacheKvHeads + h) * kCd)];
+          uint8_t* slot =
+              &dense.codes[static_cast<size_t>(((b * kCacheLen + j) * kCacheKvHeads + h) * kCd)];
+          std::memcpy(to_pages ? page : slot, to_pages ? slot : page, kCd);
+          if (dense.granularity != kPerToken) continue;
+          float& ps = scale[static_cast<size_t>(row * kCacheKvHeads + h)];
+          float& ds = dense.scale[static_cast<size_t>((b * kCacheLen + j) * kCacheKvHeads + h)];
+          (to_pages ? ps : ds) = to_pages ? ds : ps;
+        }
+      }
+    }
+  }
+  MutableTensorView view() {
+    return MutableTensorView::contiguous(codes.data(), dense.format,
+                                         {kBatch * kSeqPages, kPageSlots, kCacheKvHeads, kCd});
+  }
+  MutableTensorView scale_view() {
+    if (dense.granularity != kPerToken) return dense.scale_view();
+    return MutableTensorView::contiguous(scale.data(), DType::kFloat32,
+                                         {kBatch * kSeqPages, kPageSlots, kCacheKvHeads});
+  }
+};
+
+Status attend_paged(Step& step, Paged8& kc, Paged8& vc, Tensor4& out) {
+  KvCacheOptions o;
+  o.k = step.k.view();
+  o.v = step.v.view();
+  o.cache_seqlens = TensorView::contiguous(step.seqlens.data(), DType::kInt32, {kBatch});
+  o.block_table = TensorView::contiguous(kc.table.data(), DType::kInt32, {kBatch, kSeqPages});
+  o.k_scale = kc.scale_view();
+  o.v_scale = vc.scale_view();
+  o.causal = true;
+  return flash_attn_with_kvcache(step.q.view(), kc.view(), vc.view(), out.mutable_view(), {}, o);
+}
+
+// The append writes quantize_kv's codes and per-token scales; the attention over the cache then
+// matches the reference on its dequantized values, on the decode kernel (3 new tokens) and on
+// attention_cte (20 > kDecodeMaxQueries).
+TEST(KvCacheKv8, AppendQuantizesAndTheQueriesAttendTheDequantizedCache) {
+  for (int64_t seqlen : {3, 20}) {
+    for (int f = 0; f < 3; ++f) {
+      for (int g = 0; g < 3; ++g) {
+        Step step(seqlen, 31);
+        Cache8 kc(kFormats[f], static_cast<Granularity>(g), 41);
+        Cache8 vc(kFormats[(f + 2) % 3], static_cast<Granularity>((g + 2) % 3), 42);
+        SCOPED_TRACE("seqlen_new " + std::to_string(seqlen) + ", k " + dtype_name(kc.format) +
+                     ", v " + dtype_name(vc.format) + ", granularities " + std::to_string(g));
+        // The oracle of the append: quantize_kv on each sequence's new rows, into the slots.
+        Cache8 kw = kc, vw = vc;
+        for (auto [cache, src] : {std::pair{&kw, &step.k}, std::pair{&vw, &step.v}}) {
+          for (int64_t b = 0; b < kBatch; ++b) {
+            const int64_t slot = step.seqlens[static_cast<size_t>(b)];
+            TensorView rows = src->view();
+            rows.rank = 3;
+            rows.data = static_cast<const float*>(rows.data) + b * rows.strides[0];
+            rows.shape = {seqlen, kCacheKvHeads, kCd, 0};
+            rows.strides = {rows.strides[1], rows.strides[2], rows.strides[3], 0};
+            MutableTensorView dst = cache->view();
+            dst.rank = 3;
+            dst.data = static_cast<uint8_t*>(dst.data) + (b * kCacheLen + slot) * dst.strides[1];
+            dst.shape = {seqlen, kCacheKvHeads, kCd, 0};
+            dst.strides = {dst.strides[1], dst.strides[2], dst.strides[3], 0};
+            MutableTensorView scale = cache->scale_view();
+            if (cache->granularity == kPerToken) {
+              scale.rank = 2;
+              scale.data = static_cast<float*>(scale.data) + (b * kCacheLen + slot) * kCacheKvHeads;
+              scale.shape = {seqlen, kCacheKvHeads, 0, 0};
+              scale.strides = {kCacheKvHeads, 1, 0, 0};
+            }
+            ASSERT_TRUE(quantize_kv(rows, dst, scale).ok);
+          }
+        }
+        // The same caches in pages (copied before the dense call appends).
+        Cache8 kpd = kc, vpd = vc;
+        Paged8 kp(kpd), vp(vpd);
+        vp.table = kp.table;
+        vp.copy(true);
+        Tensor4 out(DType::kFloat32, {kBatch, seqlen, kHeads, kCd});
+        const Status s = attend(step, kc, vc, out, true);
+        ASSERT_TRUE(s.ok) << s.message;
+        EXPECT_EQ(kc.codes, kw.codes);
+        EXPECT_EQ(vc.codes, vw.codes);
+        EXPECT_EQ(kc.scale, kw.scale);
+        EXPECT_EQ(vc.scale, vw.scale);
+        // Paged: bitwise the dense call, the same codes and scales written into the pages.
+        Tensor4 paged_out(DType::kFloat32, {kBatch, seqlen, kHeads, kCd});
+        const Status ps = attend_paged(step, kp, vp, paged_out);
+        ASSERT_TRUE(ps.ok) << ps.message;
+        EXPECT_EQ(paged_out.bytes(), out.bytes());
+        kp.copy(false);
+        vp.copy(false);
+        EXPECT_EQ(kpd.codes, kc.codes);
+        EXPECT_EQ(vpd.codes, vc.codes);
+        EXPECT_EQ(kpd.scale, kc.scale);
+        EXPECT_EQ(vpd.scale, vc.scale);
+        // The reference per sequence on the dequantized cache, bottom-right causal.
+        for (int64_t b = 0; b < kBatch; ++b) {
+          const int64_t seqlen_k = step.seqlens[static_cast<size_t>(b)] + seqlen;
+          HostTensor q(DType::kFloat32, {kHeads, seqlen, kCd});
+          HostTensor k(DType::kFloat32, {kCacheKvHeads, seqlen_k, kCd});
+          HostTensor v(DType::kFloat32, {kCacheKvHeads, seqlen_k, kCd});
+          for (int64_t h = 0; h < kHeads; ++h) {
+            for (int64_t i = 0; i < seqlen; ++i) {
+              for (int64_t x = 0; x < kCd; ++x) q.set(h, i, x, step.q.get(b, i, h, x));
+            }
+          }
+          for (int64_t h = 0; h < kCacheKvHeads; ++h) {
+            for (int64_t j = 0; j < seqlen_k; ++j) {
+              for (int64_t x = 0; x < kCd; ++x) {
+                k.set(h, j, x, kc.value(b, j, h, x));
+                v.set(h, j, x, vc.value(b, j, h, x));
+              }
+            }
+          }
+          Options o;
+          o.tp_k = true;
+          o.bottom_right = true;
+          o.scale = static_cast<float>(1.0 / std::sqrt(double{kCd}));
+          reference::Result exact;
+          ASSERT_TRUE(reference::attention(q.view(), k.view(), v.view(), o, &exact).ok);
+          for (int64_t h = 0; h < kHeads; ++h) {
+            for (int64_t i = 0; i < seqlen; ++i) {
+              for (int64_t x = 0; x < kCd; ++x) {
+                ASSERT_NEAR(out.get(b, i, h, x), exact.out_at(h, i, x),
+                            4e-6 + 1e-5 * std::fabs(exact.out_at(h, i, x)))
+                    << b << " " << h << " " << i << " " << x;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// A refused call leaves the caches and their scales byte for byte as they were: a NaN for an
+// int8 cache (found before anything is written), a bad scale, a scale beside a float cache.
+TEST(KvCacheKv8, RefusedCallsLeaveCachesAndScalesAlone) {
+  for (int64_t seqlen : {3, 20}) {
+    Step step(seqlen, 51);
+    Cache8 kc(DType::kFloat8E4M3, kPerToken, 61), vc(DType::kInt8, kPerToken, 62);
+    const Cache8 k0 = kc, v0 = vc;
+    Tensor4 out(DType::kFloat32, {kBatch, seqlen, kHeads, kCd});
+    step.v.set(1, seqlen - 1, 1, 5, std::numeric_limits<double>::quiet_NaN());
+    EXPECT_TRUE(refused_for(attend(step, kc, vc, out, true), "v"));
+    step.v.set(1, seqlen - 1, 1, 5, 0.25);
+    Cache8 vh(DType::kInt8, kPerHead, 63);
+    vh.scale[1] = 0;
+    const Cache8 vh0 = vh;
+    EXPECT_TRUE(refused_for(attend(step, kc, vh, out, true), "v_scale"));
+    EXPECT_EQ(kc.codes, k0.codes);
+    EXPECT_EQ(kc.scale, k0.scale);
+    EXPECT_EQ(vc.codes, v0.codes);
+    EXPECT_EQ(vc.scale, v0.scale);
+    EXPECT_EQ(vh.codes, vh0.codes);
+    // Without the scale.
+    KvCacheOptions o;
+    o.cache_seqlens = TensorView::contiguous(step.seqlens.data(), DType::kInt32, {kBatch});
+    o.v_scale = vc.scale_view();
+    EXPECT_TRUE(refused_for(
+        flash_attn_with_kvcache(step.q.view(), kc.view(), vc.view(), out.mutable_view(), {}, o),
+        "k_scale"));
+  }
+}
+
+// e4m3 saturates an appended value beyond 448 x scale; e5m2 keeps an Inf, which reaches only
+// the rows that attend its slot (as a float cache's would).
+TEST(KvCacheKv8, AppendSaturatesAndAnInfReachesOnlyTheRowsThatSeeIt) {
+  Step step(3, 71);
+  Cache8 kc(DType::kFloat8E4M3, kPerHead, 81), vc(DType::kFloat8E5M2, kPerHead, 82);
+  step.k.set(0, 0, 1, 3, 1e6);
+  step.v.set(1, 2, 0, 7, std::numeric_limits<double>::infinity());
+  Tensor4 out(DType::kFloat32, {kBatch, 3, kHeads, kCd});
+  ASSERT_TRUE(attend(step, kc, vc, out, true).ok);
+  const size_t k_at = static_cast<size_t>(((0 * kCacheLen + 9) * kCacheKvHeads + 1) * kCd + 3);
+  EXPECT_EQ(kv8::decode(kc.format, kc.codes[k_at]), 448.0f);
+  const size_t v_at = static_cast<size_t>(((1 * kCacheLen + 19) * kCacheKvHeads + 0) * kCd + 7);
+  EXPECT_TRUE(std::isinf(kv8::decode(vc.format, vc.codes[v_at])));
+  // Sequence 1's new token 2 sits at slot 19: only its own query row (causal) sees it, and only
+  // the query heads of KV head 0 (heads 0 and 1).
+  for (int64_t b = 0; b < kBatch; ++b) {
+    for (int64_t i = 0; i < 3; ++i) {
+      for (int64_t h = 0; h < kHeads; ++h) {
+        const bool sees = b == 1 && i == 2 && h / (kHeads / kCacheKvHeads) == 0;
+        for (int64_t x = 0; x < kCd; ++x) {
+          const double y = out.get(b, i, h, x);
+          if (!sees) {
+            ASSERT_TRUE(std::isfinite(y)) << b << " " << i << " " << h << " " << x;
+          } else if (x == 7) {
+            EXPECT_FALSE(std::isfinite(y));
+          }
+        }
+      }
+    }
+  }
+}
+
+// NaN and Inf in q against an 8-bit cache reach only their own rows.
+TEST(KvCacheKv8, NonFiniteQueriesStayInTheirRows) {
+  for (int64_t seqlen : {3, 20}) {
+    Step step(seqlen, 91);
+    Cache8 kc(DType::kInt8, kPerToken, 92), vc(DType::kFloat8E4M3, kPerTensor, 93);
+    step.q.set(0, 1, 2, 0, std::numeric_limits<double>::quiet_NaN());
+    step.q.set(1, 0, 3, 4, std::numeric_limits<double>::infinity());
+    Tensor4 out(DType::kFloat32, {kBatch, seqlen, kHeads, kCd});
+    ASSERT_TRUE(attend(step, kc, vc, out, false).ok);
+    for (int64_t b = 0; b < kBatch; ++b) {
+      for (int64_t i = 0; i < seqlen; ++i) {
+        for (int64_t h = 0; h < kHeads; ++h) {
+          const bool poisoned = (b == 0 && i == 1 && h == 2) || (b == 1 && i == 0 && h == 3);
+          for (int64_t x = 0; x < kCd; ++x) {
+            if (!poisoned) {
+              ASSERT_TRUE(std::isfinite(out.get(b, i, h, x))) << b << i << h << x;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// flash_attn_varlen_kvcache over the same 8-bit caches: each sequence bitwise its
+// flash_attn_with_kvcache call (a decode sequence and a prefill chunk in one batch).
+TEST(KvCacheKv8, VarlenIsBitwiseThePerSequenceCalls) {
+  Cache8 kc(DType::kFloat8E5M2, kPerToken, 101), vc(DType::kInt8, kPerHead, 102);
+  const std::vector<int64_t> lens = {2, 19};
+  const std::vector<int32_t> cu = {0, 2, 21}, used = {30, 40};
+  HostTensor q(DType::kFloat32, {21, kHeads, kCd});
+  std::mt19937 rng(103);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  for (int64_t i = 0; i < 21; ++i) {
+    for (int64_t h = 0; h < kHeads; ++h) {
+      for (int64_t x = 0; x < kCd; ++x) q.set(i, h, x, u(rng));
+    }
+  }
+  HostTensor out(DType::kFloat32, {21, kHeads, kCd});
+  VarlenKvCacheOptions o;
+  o.cu_seqlens_q = TensorView::contiguous(cu.data(), DType::kInt32, {3});
+  o.seqused_k = TensorView::contiguous(used.data(), DType::kInt32, {2});
+  const MutableTensorView ks = kc.scale_view(), vs = vc.scale_view();
+  o.k_scale = {ks.data, ks.dtype, ks.rank, ks.shape, ks.strides};
+  o.v_scale = {vs.data, vs.dtype, vs.rank, vs.shape, vs.strides};
+  o.causal = true;
+  const MutableTensorView kv = kc.view(), vv = vc.view();
+  const Status s = flash_attn_varlen_kvcache(q.view(), {kv.data, kv.dtype, 4, kv.shape, kv.strides},
+                                             {vv.data, vv.dtype, 4, vv.shape, vv.strides},
+                                             out.mutable_view(), {}, o);
+  ASSERT_TRUE(s.ok) << s.message;
+  for (int64_t b = 0; b < 2; ++b) {
+    const int64_t n = lens[static_cast<size_t>(b)];
+    Tensor4 qb(DType::kFloat32, {kBatch, n, kHeads, kCd}),
+        ob(DType::kFloat32, {kBatch, n, kHeads, kCd});
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t h = 0; h < kHeads; ++h) {
+        for (int64_t x = 0; x < kCd; ++x) qb.set(b, i, h, x, q.get(cu[b] + i, h, x));
+      }
+    }
+    // Both sequences' cache lengths as they were before the queries' own tokens.
+    std::vector<int32_t> seqlens = {used[0], used[1]};
+    KvCacheOptions ko;
+    ko.cache_seqlens = TensorView::contiguous(seqlens.data(), DType::kInt32, {kBatch});
+    ko.k_scale = kc.scale_view();
+    ko.v_scale = vc.scale_view();
+    ko.causal = true;
+    ASSERT_TRUE(
+        flash_attn_with_kvcache(qb.view(), kc.view(), vc.view(), ob.mutable_view(), {}, ko).ok);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t h = 0; h < kHeads; ++h) {
+        for (int64_t x = 0; x < kCd; ++x) {
+          ASSERT_EQ(ob.get(b, i, h, x), out.get(cu[b] + i, h, x)) << b << " " << i << " " << h;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace flashcte::test
