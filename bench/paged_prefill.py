@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """bench/paged_prefill.py: a prefill chunk over a cached prior, the prior in a paged cache
-against the same rows in a dense cache, through flashcte.flash_attn_with_kvcache (chunks longer
-than 16 queries run on attention_cte with the cache as its prior, packed from the pages).
+(or an 8-bit cache) against the same rows in a dense cache of the activation dtype, through
+flashcte.flash_attn_with_kvcache (chunks longer than 16 queries run on attention_cte with the
+cache as its prior, packed from the pages).
 
     build/python-venv/bin/python bench/paged_prefill.py                  # 2048 over 8192
     build/python-venv/bin/python bench/paged_prefill.py --chunk 1024 --prior 4096 --blocks 16
+    build/python-venv/bin/python bench/paged_prefill.py --blocks --kv8 int8 float8_e4m3fn
+
+--kv8 adds dense 8-bit caches of the same rows (quantize_kv, one scale per token and head).
 
 Each round times the dense call and every paged call once, in a rotating order; it prints the
 medians and, per block size, the median over rounds of the dense time over the paged time of the
-same round (>= 1: paged as fast). Pages sit at shuffled places in the pool, as a serving
+same round (>= 1: as fast as the dense cache). Pages sit at shuffled places in the pool, as a serving
 engine's allocator leaves them. Causal, 32/8 heads, d = 128 by default; the chunk's own keys are
 in the cache already (cache_seqlens = prior + chunk, no append), so every call reads the same
 bytes.
@@ -33,7 +37,9 @@ def parse_args():
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--d", type=int, default=128)
-    p.add_argument("--blocks", type=int, nargs="+", default=[16, 128])
+    p.add_argument("--blocks", type=int, nargs="*", default=[16, 128])
+    p.add_argument("--kv8", nargs="*", default=[],
+                   choices=["int8", "float8_e4m3fn", "float8_e5m2"])
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=None)
@@ -72,6 +78,16 @@ def main():
                 pool_v[order[i], :n] = dense_v[0, rows]
             calls[f"page{block}"] = dict(k_cache=pool_k, v_cache=pool_v,
                                          block_table=order[None, :])
+        for fmt in a.kv8:
+            import ml_dtypes  # noqa: F401  (numpy's float8 dtypes)
+
+            cache8 = {}
+            for name, dense in (("k", dense_k), ("v", dense_v)):
+                codes = np.zeros(dense.shape, np.dtype(fmt))
+                scale = np.zeros(dense.shape[:3], np.float32)
+                flashcte.quantize_kv(dense[0], codes[0], scale[0])
+                cache8[f"{name}_cache"], cache8[f"{name}_scale"] = codes, scale
+            calls[fmt] = cache8
         lens = np.array([total], np.int32)
         times = {name: [] for name in calls}
         outs = {}
@@ -79,6 +95,8 @@ def main():
             outs[name] = flashcte.flash_attn_with_kvcache(
                 q, cache_seqlens=lens, causal=True, num_threads=a.threads, **kw)
         for name in calls:
+            if name in a.kv8:
+                continue  # other values: the dequantized cache
             assert np.array_equal(np.asarray(outs[name]).view(np.uint8),
                                   np.asarray(outs["dense"]).view(np.uint8)), name
         names = list(calls)
@@ -94,7 +112,7 @@ def main():
             line = f"{dtype:9} {name:8} median {med * 1e3:8.2f} ms  {flops / med * 1e-9:7.1f} GFLOP/s"
             if name != "dense":
                 ratios = [d / p for d, p in zip(times["dense"], times[name])]
-                line += (f"  paged/dense speed {statistics.median(ratios):.3f} "
+                line += (f"  speed vs dense {statistics.median(ratios):.3f} "
                          f"({min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} rounds)")
             print(line)
 
