@@ -563,6 +563,19 @@ TEST(KvCacheKv8, RefusedCallsLeaveCachesAndScalesAlone) {
     EXPECT_EQ(vc.codes, v0.codes);
     EXPECT_EQ(vc.scale, v0.scale);
     EXPECT_EQ(vh.codes, vh0.codes);
+    // Per-token K and V scales in one tensor: the append would write each over the other.
+    Cache8 vs(DType::kInt8, kPerToken, 64);
+    vs.scale = kc.scale;
+    KvCacheOptions shared;
+    shared.k = step.k.view();
+    shared.v = step.v.view();
+    shared.cache_seqlens = TensorView::contiguous(step.seqlens.data(), DType::kInt32, {kBatch});
+    shared.k_scale = kc.scale_view();
+    shared.v_scale = kc.scale_view();
+    EXPECT_TRUE(refused_for(flash_attn_with_kvcache(step.q.view(), kc.view(), vs.view(),
+                                                    out.mutable_view(), {}, shared),
+                            "v_scale"));
+    EXPECT_EQ(kc.scale, k0.scale);
     // Without the scale.
     KvCacheOptions o;
     o.cache_seqlens = TensorView::contiguous(step.seqlens.data(), DType::kInt32, {kBatch});

@@ -321,6 +321,9 @@ Status check_aliasing(const Extents& e, bool appending) {
       }
     }
   }
+  if (e.k_scale_written && e.v_scale_written && overlaps(e.k_scale, e.v_scale)) {
+    return error("v_scale: overlaps k_scale; the append writes both (one scale per token each)");
+  }
   for (const Named& w : written) {
     for (const Named& in : inputs) {
       if (overlaps(w.extent, in.extent)) {
