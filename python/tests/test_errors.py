@@ -72,7 +72,12 @@ def test_dtypes():
         raises(TypeError, "v: dtype bfloat16 differs", flashcte.attention_cte, q, k, v.astype(BF16))
     x = np.zeros((1, 4, 2, 8), np.float32)
     raises(
-        TypeError, "k: dtype float16 differs", flashcte.flash_attn_func, x, x.astype(np.float16), x
+        TypeError,
+        "k: dtype float16 must be q's float32",
+        flashcte.flash_attn_func,
+        x,
+        x.astype(np.float16),
+        x,
     )
     raises(TypeError, "q: expected a numpy array", flashcte.attention_cte, q.tolist(), k, v)
     raises(TypeError, "sink: dtype", flashcte.attention_cte, q, k, v, sink=np.array(["a", "b"]))
