@@ -147,6 +147,20 @@ struct Prefill {
     Status status;
     std::vector<uint8_t> out;
     std::vector<float> lse;
+    // The largest |out - exact| over the largest |exact|.
+    double relative_error(DType dtype, const reference::Result& exact) const {
+      double top = 0, err = 0;
+      for (int64_t b = 0; b < kKvHeads * kGroup; ++b) {
+        for (int64_t i = 0; i < kSq; ++i) {
+          for (int64_t x = 0; x < kDv; ++x) {
+            const double y = reference::load_element(out.data(), dtype, (b * kSq + i) * kDv + x);
+            top = std::max(top, std::fabs(exact.out_at(b, i, x)));
+            err = std::max(err, std::fabs(y - exact.out_at(b, i, x)));
+          }
+        }
+      }
+      return err / top;
+    }
   };
   Result run(const Options& o) const {
     HostTensor out(q.dtype(), {kKvHeads * kGroup, kSq, kDv});
@@ -201,18 +215,7 @@ TEST(Kv8Prior, Float32IsBitwiseTheDequantizedPriorDenseAndPagedOnEveryTarget) {
                        (causal ? ", causal" : ""));
           const Prefill::Result want = call.run(wide);
           ASSERT_TRUE(want.status.ok) << want.status.message;
-          double top = 0, err = 0;
-          for (int64_t b = 0; b < kKvHeads * kGroup; ++b) {
-            for (int64_t i = 0; i < kSq; ++i) {
-              for (int64_t x = 0; x < kDv; ++x) {
-                const double y = reference::load_element(want.out.data(), DType::kFloat32,
-                                                         (b * kSq + i) * kDv + x);
-                top = std::max(top, std::fabs(exact.out_at(b, i, x)));
-                err = std::max(err, std::fabs(y - exact.out_at(b, i, x)));
-              }
-            }
-          }
-          EXPECT_LE(err, 1e-5 * top);
+          EXPECT_LE(want.relative_error(DType::kFloat32, exact), 1e-5);
           const Prefill::Result dense = call.run(o), pages = call.run(paged);
           ASSERT_TRUE(dense.status.ok) << dense.status.message;
           ASSERT_TRUE(pages.status.ok) << pages.status.message;
@@ -252,18 +255,8 @@ TEST(Kv8Prior, Bfloat16MatchesTheReferenceOnTheDequantizedPrior) {
           reference::attention(call.q.view(), call.k.view(), call.v.view(), wide, &exact).ok);
       const Prefill::Result got = call.run(o);
       ASSERT_TRUE(got.status.ok) << got.status.message;
-      double top = 0, err = 0;
-      for (int64_t b = 0; b < kKvHeads * kGroup; ++b) {
-        for (int64_t i = 0; i < kSq; ++i) {
-          for (int64_t x = 0; x < kDv; ++x) {
-            const double g =
-                reference::load_element(got.out.data(), DType::kBFloat16, (b * kSq + i) * kDv + x);
-            top = std::max(top, std::fabs(exact.out_at(b, i, x)));
-            err = std::max(err, std::fabs(g - exact.out_at(b, i, x)));
-          }
-        }
-      }
-      EXPECT_LE(err, std::ldexp(1.0, -7) * top) << dtype_name(kp.format) << " base " << base;
+      EXPECT_LE(got.relative_error(DType::kBFloat16, exact), std::ldexp(1.0, -7))
+          << dtype_name(kp.format) << " base " << base;
     }
   }
 }

@@ -255,9 +255,9 @@ Status read_prefix(const Options& options, bool shapes_only, Problem* problem,
 // prior's shape without its channel axis, `seqlen` slots when dense), a source beside the prior's
 // rows.
 Status read_prior_scale(const char* name, const TensorView& t, const char* prior_name,
-                        const TensorView& prior, const Options& options, bool shapes_only,
-                        const KvSource& rows, int64_t kv_batch, int64_t seqlen,
-                        std::vector<float>* scales, KvSource* token_scale, Extent* extent) {
+                        const TensorView& prior, const KvSource& rows, int64_t kv_batch,
+                        int64_t seqlen, bool shapes_only, std::vector<float>* scales,
+                        KvSource* token_scale, Extent* extent) {
   if (!prior.present() || !kv8::is_8bit(prior.dtype)) {
     if (!t.present()) return Status::Ok();
     return Status::Error(std::string(name) + ": is for an 8-bit " + prior_name + "; " +
@@ -269,7 +269,7 @@ Status read_prior_scale(const char* name, const TensorView& t, const char* prior
     return Status::Error(std::string(name) + ": is required with the " + dtype_name(prior.dtype) +
                          " " + prior_name + " (its dequantization scale)");
   }
-  const bool paged = options.prior_block_table.present();
+  const bool paged = rows.paged();
   const char* layout = paged ? "(1,), (kv_heads,) or (num_blocks, kv_heads, block_size)"
                              : "(1,), (bs_kv,) or (bs_kv, S_prior)";
   FLASHCTE_RETURN_IF_ERROR(check_view(name, t, shapes_only, extent));
@@ -289,12 +289,10 @@ Status read_prior_scale(const char* name, const TensorView& t, const char* prior
                              shape_str(want.data(), per_slot_rank));
       }
     }
-    *token_scale = rows;
-    token_scale->data = t.data;
-    token_scale->dtype = DType::kFloat32;
-    token_scale->strides = paged
-                               ? std::array<int64_t, 4>{t.strides[0], t.strides[1], t.strides[2], 0}
-                               : std::array<int64_t, 4>{t.strides[0], 0, t.strides[1], 0};
+    // Dense: (KV batch, slot); paged: (page, head, row).
+    *token_scale = paged
+                       ? token_scale_source(rows, t.data, t.strides[0], t.strides[1], t.strides[2])
+                       : token_scale_source(rows, t.data, t.strides[0], 0, t.strides[1]);
     return Status::Ok();
   }
   const int64_t heads = paged ? prior.shape[1] : kv_batch;
@@ -315,13 +313,13 @@ Status read_prior_scale(const char* name, const TensorView& t, const char* prior
 Status read_prior_scales(const Options& options, bool shapes_only, Problem* problem,
                          ViewExtents* extents) {
   FLASHCTE_RETURN_IF_ERROR(read_prior_scale(
-      "k_prior_scale", options.k_prior_scale, "k_prior", options.k_prior, options, shapes_only,
-      problem->k_prior, problem->kv_batch, problem->seqlen_prior, &problem->k_prior_scale,
+      "k_prior_scale", options.k_prior_scale, "k_prior", options.k_prior, problem->k_prior,
+      problem->kv_batch, problem->seqlen_prior, shapes_only, &problem->k_prior_scale,
       &problem->k_prior_token_scale, &extents->k_prior_scale));
   return read_prior_scale("v_prior_scale", options.v_prior_scale, "v_prior", options.v_prior,
-                          options, shapes_only, problem->v_prior, problem->kv_batch,
-                          problem->seqlen_prior, &problem->v_prior_scale,
-                          &problem->v_prior_token_scale, &extents->v_prior_scale);
+                          problem->v_prior, problem->kv_batch, problem->seqlen_prior, shapes_only,
+                          &problem->v_prior_scale, &problem->v_prior_token_scale,
+                          &extents->v_prior_scale);
 }
 
 // sink: one logit per query batch, finite or -inf (no sink).
