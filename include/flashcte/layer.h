@@ -46,6 +46,11 @@ struct LayerConfig {
   double qk_norm_eps = 1e-6;
   bool sinks = false;  // one learned, value-less, unscaled logit per query head (section 8)
   DType dtype = DType::kFloat32;  // activation dtype: float32, bfloat16 or float16
+  // The KV cache's format: unset (or the activation dtype) holds K and V as the module does; an
+  // 8-bit format (int8, float8_e4m3fn, float8_e5m2) holds each token's K and V row of each KV head
+  // quantized with its own float32 scale, the row's largest finite |value| over the format's
+  // largest (quantize_kv), halving a bf16 cache's bytes. Attention reads code x scale.
+  std::optional<DType> kv_cache_dtype;
   // Tensor parallelism (LAYER.md section 4): the layer built as rank tp_rank of tp_degree holds
   // that rank's heads of the GQA-sharded weights (gqa_strategy, with ON's padding) and its
   // forward() returns the rank's partial o_proj output without o_bias: the caller sums the ranks'
@@ -78,7 +83,9 @@ struct LayerWeights {
 };
 
 // The KV cache of one layer (LAYER.md section 7): K (after q/k norm and RoPE) and V in the
-// activation dtype, zero-initialized, with the number of filled slots per sequence. Either dense,
+// activation dtype, zero-initialized, with the number of filled slots per sequence. In an 8-bit
+// format (LayerConfig::kv_cache_dtype) each slot of each KV head also has a float32 scale per K
+// and V, 1 until written. Either dense,
 // each sequence its own (kv_heads, max_len, head_dim) rows, or a block pool a serving engine
 // keeps: pages of block_size slots, (num_blocks, kv_heads, block_size, head_dim) each for K and V
 // (vLLM's layout), which the sequences name through their block tables (assign). Sequences may
@@ -88,7 +95,7 @@ class KvCache {
  public:
   KvCache() = default;
   // A dense cache for `batch` sequences of up to `max_len` tokens of a layer with `kv_heads`
-  // heads of `head_dim` channels in `dtype`.
+  // heads of `head_dim` channels in `dtype` (float32, bfloat16, float16 or an 8-bit format).
   static Status create(int64_t batch, int64_t kv_heads, int64_t max_len, int64_t head_dim,
                        DType dtype, KvCache* cache);
   // A block pool of `num_blocks` pages of `block_size` slots (any size from 1) for `batch`
@@ -127,6 +134,13 @@ class KvCache {
   const void* v_data() const { return v_.get(); }
   void* k_data() { return k_.get(); }
   void* v_data() { return v_.get(); }
+  // 8-bit caches: the scales of the storage's slots, dense (batch, kv_heads, max_len), paged
+  // (num_blocks, kv_heads, block_size); element c of a slot stands for c x its scale. Null for a
+  // float cache.
+  const float* k_scale_data() const { return k_scale_.get(); }
+  const float* v_scale_data() const { return v_scale_.get(); }
+  float* k_scale_data() { return k_scale_.get(); }
+  float* v_scale_data() { return v_scale_.get(); }
 
  private:
   friend class AttentionLayer;
@@ -140,6 +154,7 @@ class KvCache {
     void operator()(uint8_t* p) const;
   };
   std::unique_ptr<uint8_t, Free> k_, v_;
+  std::unique_ptr<float[]> k_scale_, v_scale_;  // 8-bit only
   std::vector<int64_t> lengths_;
   std::vector<std::vector<int32_t>> pages_;  // paged: per sequence
 };

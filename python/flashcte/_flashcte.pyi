@@ -166,6 +166,10 @@ class LayerConfig:
     @dtype.setter
     def dtype(self, arg: str, /) -> None: ...
     @property
+    def kv_cache_dtype(self) -> str | None: ...
+    @kv_cache_dtype.setter
+    def kv_cache_dtype(self, name: str | None) -> None: ...
+    @property
     def tp_degree(self) -> int: ...
     @tp_degree.setter
     def tp_degree(self, arg: int, /) -> None: ...
@@ -274,6 +278,12 @@ class KvCache:
 
     def values(self) -> Annotated[NDArray, {"writable": False}]:
         """V storage: a read-only view (batch, kv_heads, max_len, head_dim)."""
+
+    def key_scales(self) -> Annotated[NDArray, {"writable": False}]:
+        """An 8-bit cache's K scales: a read-only view (batch, kv_heads, max_len)."""
+
+    def value_scales(self) -> Annotated[NDArray, {"writable": False}]:
+        """An 8-bit cache's V scales: a read-only view (batch, kv_heads, max_len)."""
 
 def layer_gemm_backend() -> str:
     """The GEMM library the layer's projections run on and its kernels."""

@@ -45,25 +45,50 @@ _DTYPES = {
     "fp16": "float16",
     "half": "float16",
 }
+# kv_cache_dtype's 8-bit formats by the names users write (torch's, vLLM's, the issue's).
+_KV8_DTYPES = {
+    "int8": "int8",
+    "float8_e4m3": "float8_e4m3fn",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+    "fp8_e5m2": "float8_e5m2",
+}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def _activation_dtype(dtype: Any) -> str:
     """'float32' | 'bfloat16' | 'float16' from a name, a numpy dtype or a torch dtype."""
-    if isinstance(dtype, str):
-        name = dtype
-    else:
-        torch = _torch()
-        if torch is not None and isinstance(dtype, torch.dtype):
-            name = dtype_name(dtype)
-        else:
-            try:
-                name = np.dtype(dtype).name
-            except TypeError:
-                name = repr(dtype)
-    canonical = _DTYPES.get(name.lower())
+    canonical = _DTYPES.get(_dtype_name(dtype))
     if canonical is None:
         raise TypeError(f"dtype: must be float32, bfloat16 or float16, got {dtype!r}")
+    return canonical
+
+
+def _dtype_name(dtype: Any) -> str:
+    """The name of a dtype given as a string, a numpy dtype or a torch dtype, lower case."""
+    if isinstance(dtype, str):
+        return dtype.lower()
+    torch = _torch()
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return dtype_name(dtype)
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return repr(dtype)
+
+
+def _cache_dtype(dtype: Any, argument: str = "dtype") -> str:
+    """A KV cache's dtype: an activation dtype or an 8-bit format (canonical names)."""
+    fmt = _KV8_DTYPES.get(_dtype_name(dtype))
+    if fmt is not None:
+        return fmt
+    canonical = _DTYPES.get(_dtype_name(dtype))
+    if canonical is None:
+        raise TypeError(
+            f"{argument}: must be float32, bfloat16, float16, int8, float8_e4m3 or float8_e5m2, "
+            f"got {dtype!r}"
+        )
     return canonical
 
 
@@ -150,7 +175,10 @@ def _positions(x: Any) -> Any:
 
 class KvCache:
     """The KV cache of one layer: K (after q/k norm and RoPE) and V in the layer's dtype,
-    zero-initialised, with the number of filled slots of each sequence.
+    zero-initialised, with the number of filled slots of each sequence. In an 8-bit format
+    (``kv_cache_dtype``: int8, float8_e4m3fn, float8_e5m2) each slot of each KV head also holds a
+    float32 scale for K and one for V (:attr:`key_scales`, :attr:`value_scales`, 1 until
+    written): a code ``c`` stands for ``c * scale``.
 
     Dense: ``(batch, kv_heads, max_len, head_dim)`` each, from :meth:`AttentionLayer.new_cache`.
     Paged: a block pool ``(num_blocks, kv_heads, block_size, head_dim)`` each (vLLM's layout),
@@ -171,7 +199,7 @@ class KvCache:
             _int("kv_heads", kv_heads),
             _int("max_len", max_len),
             _int("head_dim", head_dim),
-            _activation_dtype(dtype),
+            _cache_dtype(dtype),
         )
 
     @classmethod
@@ -186,7 +214,7 @@ class KvCache:
             block_size=_int("block_size", block_size),
             kv_heads=_int("kv_heads", kv_heads),
             head_dim=_int("head_dim", head_dim),
-            dtype=_activation_dtype(dtype),
+            dtype=_cache_dtype(dtype),
         )
         return cache
 
@@ -253,10 +281,12 @@ class KvCache:
 
     def _storage(self, values: bool) -> np.ndarray:
         a = self._native.values() if values else self._native.keys()
-        if self.dtype == "bfloat16":
+        if self.dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
             if BFLOAT16 is None:  # pragma: no cover - exercised only without ml_dtypes
-                return a  # the bfloat16 bits as uint16
-            return a.view(BFLOAT16)
+                return a  # the bits as uint16 / uint8
+            import ml_dtypes
+
+            return a.view(getattr(ml_dtypes, self.dtype))
         return a
 
     @property
@@ -270,6 +300,17 @@ class KvCache:
     def values(self) -> np.ndarray:
         """V: a read-only numpy view of the storage, shaped as :attr:`keys`."""
         return self._storage(True)
+
+    @property
+    def key_scales(self) -> np.ndarray:
+        """An 8-bit cache's K scales: a read-only float32 view shaped as :attr:`keys` without
+        head_dim. ValueError for a float cache."""
+        return self._native.key_scales()
+
+    @property
+    def value_scales(self) -> np.ndarray:
+        """An 8-bit cache's V scales, shaped as :attr:`key_scales`."""
+        return self._native.value_scales()
 
     def __repr__(self) -> str:
         if self.is_paged:
@@ -314,6 +355,12 @@ class AttentionLayer:
         dtype: the activation dtype: "float32", "bfloat16" or "float16" (or a numpy / torch
             dtype). Weights, inputs, the cache and the outputs are rounded to it where the
             module materializes them (the C++ oracle's R1-R7).
+        kv_cache_dtype: None (the cache in ``dtype``), or an 8-bit cache: ``"int8"``,
+            ``"float8_e4m3"`` (torch's ``float8_e4m3fn``) or ``"float8_e5m2"`` (or those torch
+            dtypes). Each written K and V row of a KV head is quantized with its own float32
+            scale, its largest ``|value|`` over the format's largest (as
+            :func:`flashcte.quantize_kv`), halving a bf16 cache; attention reads
+            ``code * scale``.
         tp_degree, tp_rank: build the layer as rank ``tp_rank`` of a tensor-parallel group of
             ``tp_degree`` (LAYER.md section 4): :meth:`set_weights` still takes the full weights
             and keeps this rank's heads after GQA sharding, :meth:`new_cache` holds this rank's
@@ -350,6 +397,7 @@ class AttentionLayer:
         qk_norm_eps: float = 1e-6,
         rope: bool = True,
         dtype: Any = "float32",
+        kv_cache_dtype: Any = None,
         tp_degree: int = 1,
         tp_rank: int = 0,
         gqa_strategy: str = "auto",
@@ -379,6 +427,8 @@ class AttentionLayer:
         c.qk_norm_eps = _float("qk_norm_eps", qk_norm_eps)
         c.sinks = sinks is not None
         c.dtype = _activation_dtype(dtype)
+        if kv_cache_dtype is not None:
+            c.kv_cache_dtype = _cache_dtype(kv_cache_dtype, "kv_cache_dtype")
         c.tp_degree = _int("tp_degree", tp_degree)
         c.tp_rank = _int("tp_rank", tp_rank)
         if not isinstance(gqa_strategy, str):
@@ -424,6 +474,11 @@ class AttentionLayer:
         return self._config.dtype
 
     @property
+    def kv_cache_dtype(self) -> str:
+        """The cache's dtype: the activation dtype, or the 8-bit format asked for."""
+        return self._config.kv_cache_dtype or self._config.dtype
+
+    @property
     def tp_degree(self) -> int:
         return self._config.tp_degree
 
@@ -459,6 +514,8 @@ class AttentionLayer:
             f"head_dim={self._head_dim}",
             f"dtype={c.dtype!r}",
         ]
+        if c.kv_cache_dtype:
+            parts.append(f"kv_cache_dtype={c.kv_cache_dtype!r}")
         if not c.rope:
             parts.append("rope=False")
         else:
@@ -545,14 +602,16 @@ class AttentionLayer:
         """An empty cache for ``batch`` sequences of up to ``max_len`` tokens (this rank's KV
         heads for a tensor-parallel rank)."""
         c = self._rank_config
-        return KvCache(batch, max_len, c.num_kv_heads, self._head_dim, c.dtype)
+        return KvCache(batch, max_len, c.num_kv_heads, self._head_dim, self.kv_cache_dtype)
 
     def new_paged_cache(self, batch: int, num_blocks: int, block_size: int) -> KvCache:
         """An empty block pool of ``num_blocks`` pages of ``block_size`` slots for ``batch``
         sequences (this rank's KV heads for a tensor-parallel rank); :meth:`KvCache.assign`
         gives each sequence its pages."""
         c = self._rank_config
-        return KvCache.paged(batch, num_blocks, block_size, c.num_kv_heads, self._head_dim, c.dtype)
+        return KvCache.paged(
+            batch, num_blocks, block_size, c.num_kv_heads, self._head_dim, self.kv_cache_dtype
+        )
 
     def __call__(
         self,

@@ -552,11 +552,20 @@ void layer_forward(const PyLayer& self, nb::handle x, nb::handle positions, PyKv
   if (!status.ok) raise_status(status);
 }
 
+// A KV cache's dtype: an activation dtype, or an 8-bit format (LayerConfig::kv_cache_dtype).
+flashcte::DType cache_dtype(const std::string& name) {
+  for (flashcte::DType t :
+       {flashcte::DType::kInt8, flashcte::DType::kFloat8E4M3, flashcte::DType::kFloat8E5M2}) {
+    if (name == flashcte::dtype_name(t)) return t;
+  }
+  return activation_dtype(name);
+}
+
 void cache_init(PyKvCache* self, int64_t batch, int64_t kv_heads, int64_t max_len, int64_t head_dim,
                 const std::string& dtype) {
   flashcte::KvCache cache;
-  const flashcte::Status status = flashcte::KvCache::create(batch, kv_heads, max_len, head_dim,
-                                                            activation_dtype(dtype), &cache);
+  const flashcte::Status status =
+      flashcte::KvCache::create(batch, kv_heads, max_len, head_dim, cache_dtype(dtype), &cache);
   if (!status.ok) raise_status(status);
   new (self) PyKvCache{std::move(cache), false};
 }
@@ -565,7 +574,7 @@ void paged_cache_init(PyKvCache* self, int64_t batch, int64_t num_blocks, int64_
                       int64_t kv_heads, int64_t head_dim, const std::string& dtype) {
   flashcte::KvCache cache;
   const flashcte::Status status = flashcte::KvCache::create_paged(
-      batch, num_blocks, block_size, kv_heads, head_dim, activation_dtype(dtype), &cache);
+      batch, num_blocks, block_size, kv_heads, head_dim, cache_dtype(dtype), &cache);
   if (!status.ok) raise_status(status);
   new (self) PyKvCache{std::move(cache), false};
 }
@@ -591,8 +600,9 @@ void cache_reset(PyKvCache& self, int64_t b) {
 }
 
 // A read-only numpy view of the cache's K or V storage, (batch, kv_heads, max_len, head_dim),
-// keeping the cache alive; bfloat16 comes as its uint16 bits (Python views them as ml_dtypes').
-nb::ndarray<nb::numpy, nb::ro> cache_storage(nb::handle self_handle, bool values) {
+// keeping the cache alive; bfloat16 comes as its uint16 bits and fp8 as uint8 codes (Python
+// views them as ml_dtypes'). `scales`: an 8-bit cache's scales, the shape without head_dim.
+nb::ndarray<nb::numpy, nb::ro> cache_storage(nb::handle self_handle, bool values, bool scales) {
   PyKvCache& self = nb::cast<PyKvCache&>(self_handle);
   const flashcte::KvCache& c = self.cache;
   // Dense (batch, kv_heads, max_len, head_dim); paged (num_blocks, kv_heads, block_size,
@@ -601,10 +611,34 @@ nb::ndarray<nb::numpy, nb::ro> cache_storage(nb::handle self_handle, bool values
                            static_cast<size_t>(c.kv_heads()),
                            static_cast<size_t>(c.paged() ? c.block_size() : c.max_len()),
                            static_cast<size_t>(c.head_dim())};
+  if (scales) {
+    if (c.k_scale_data() == nullptr) {
+      throw nb::value_error(("cache: a " + std::string(flashcte::dtype_name(c.dtype())) +
+                             " cache has no scales (an 8-bit one has)")
+                                .c_str());
+    }
+    return nb::ndarray<nb::numpy, nb::ro>(values ? c.v_scale_data() : c.k_scale_data(), 3, shape,
+                                          self_handle, nullptr, nb::dtype<float>());
+  }
   nb::dlpack::dtype dtype = nb::dtype<float>();
-  if (c.dtype() == flashcte::DType::kBFloat16) dtype = nb::dtype<uint16_t>();
-  if (c.dtype() == flashcte::DType::kFloat16) {
-    dtype = {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+  switch (c.dtype()) {
+    case flashcte::DType::kBFloat16:
+      dtype = nb::dtype<uint16_t>();
+      break;
+    case flashcte::DType::kFloat16:
+      dtype = {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+      break;
+    case flashcte::DType::kInt8:
+      dtype = nb::dtype<int8_t>();
+      break;
+    case flashcte::DType::kFloat8E4M3:
+    case flashcte::DType::kFloat8E5M2:
+      dtype = nb::dtype<uint8_t>();
+      break;
+    case flashcte::DType::kFloat32:
+    case flashcte::DType::kInt32:
+    case flashcte::DType::kInt64:
+      break;
   }
   return nb::ndarray<nb::numpy, nb::ro>(values ? c.v_data() : c.k_data(), 4, shape, self_handle,
                                         nullptr, dtype);
@@ -641,6 +675,17 @@ void bind_layer(nb::module_& m) {
       .def_prop_rw(
           "dtype", [](const LayerConfig& c) { return std::string(flashcte::dtype_name(c.dtype)); },
           [](LayerConfig& c, const std::string& name) { c.dtype = activation_dtype(name); })
+      .def_prop_rw(
+          "kv_cache_dtype",
+          [](const LayerConfig& c) -> std::optional<std::string> {
+            if (!c.kv_cache_dtype) return std::nullopt;
+            return std::string(flashcte::dtype_name(*c.kv_cache_dtype));
+          },
+          [](LayerConfig& c, const std::optional<std::string>& name) {
+            c.kv_cache_dtype.reset();
+            if (name) c.kv_cache_dtype = cache_dtype(*name);
+          },
+          nb::arg("name").none())
       .def_rw("tp_degree", &LayerConfig::tp_degree)
       .def_rw("tp_rank", &LayerConfig::tp_rank)
       .def_prop_rw(
@@ -694,11 +739,17 @@ void bind_layer(nb::module_& m) {
            "KvCache::assign: sequence b's pages and its filled slots.")
       .def("reset", &cache_reset, nb::arg("b"), "Forgets every token of sequence b.")
       .def(
-          "keys", [](nb::handle self) { return cache_storage(self, false); },
+          "keys", [](nb::handle self) { return cache_storage(self, false, false); },
           "K storage: a read-only view (batch, kv_heads, max_len, head_dim).")
       .def(
-          "values", [](nb::handle self) { return cache_storage(self, true); },
-          "V storage: a read-only view (batch, kv_heads, max_len, head_dim).");
+          "values", [](nb::handle self) { return cache_storage(self, true, false); },
+          "V storage: a read-only view (batch, kv_heads, max_len, head_dim).")
+      .def(
+          "key_scales", [](nb::handle self) { return cache_storage(self, false, true); },
+          "An 8-bit cache's K scales: a read-only view (batch, kv_heads, max_len).")
+      .def(
+          "value_scales", [](nb::handle self) { return cache_storage(self, true, true); },
+          "An 8-bit cache's V scales: a read-only view (batch, kv_heads, max_len).");
 
   m.def("layer_gemm_backend", &flashcte::layer_gemm_backend,
         "The GEMM library the layer's projections run on and its kernels.");

@@ -44,6 +44,25 @@ def rnd(a, dtype: str) -> np.ndarray:
 
 # --- the model ------------------------------------------------------------------------------
 
+KV8_LARGEST = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def quantized(rows, fmt: str) -> np.ndarray:
+    """An 8-bit cache's write (kv_cache_dtype, the C++ oracle's R8): each row (last axis) as
+    code x scale, its float32 scale the row's largest |value| over the format's largest (1 for a
+    row of zeros), each value / scale rounded to the format."""
+    absmax = np.abs(rows).max(axis=-1, keepdims=True)
+    scale = np.where(absmax == 0, 1.0, (absmax / KV8_LARGEST[fmt]).astype(np.float32))
+    x = rows / scale
+    if fmt == "int8":
+        codes = np.clip(np.rint(x), -127, 127)
+    else:
+        import ml_dtypes
+
+        codes = x.astype(getattr(ml_dtypes, fmt)).astype(np.float64)
+    return codes * scale
+
+
 
 def inv_frequencies(cfg: dict) -> np.ndarray:
     d = cfg["head_dim"]
@@ -119,6 +138,8 @@ class RefLayer:
                 q, k = self.rms_norm(q, self.w["q_norm"]), self.rms_norm(k, self.w["k_norm"])
             if cfg.get("rope", True):
                 q, k = self.rope(q, pos), self.rope(k, pos)
+            if cfg.get("kv_cache_dtype"):
+                k, v = quantized(k, cfg["kv_cache_dtype"]), quantized(v, cfg["kv_cache_dtype"])
             self.k[b, :, pos] = k  # (T, kv, d) into slots pos
             self.v[b, :, pos] = v
             self.lengths[b] = max(self.lengths[b], pos[-1] + 1)
@@ -243,6 +264,7 @@ def make_layer(cfg: dict, weights: dict | None = None) -> flashcte.AttentionLaye
         qk_norm=cfg.get("qk_norm", False),
         rope=cfg.get("rope", True),
         dtype=cfg["dtype"],
+        kv_cache_dtype=cfg.get("kv_cache_dtype"),
     )
     if weights is not None:
         layer.set_weights(**weights)
@@ -279,10 +301,16 @@ CONVERSATION = [
 ]
 
 
-def run_conversation(cfg: dict, rng, x_dtype: str | None = None, block_size: int = 0) -> None:
+def run_conversation(
+    cfg: dict, rng, x_dtype: str | None = None, block_size: int = 0, grid: bool = False
+) -> None:
     """The conversation against the model; with ``block_size``, on a block pool (the sequences'
-    pages at shuffled places) and bitwise the same outputs as on a dense cache."""
+    pages at shuffled places) and bitwise the same outputs as on a dense cache. ``grid``: x on
+    multiples of 1/16 in [-1, 1] and the weights on multiples of 1/64 in [-1/2, 1/2], so that
+    every projection is exact (see test_8bit_cache)."""
     weights = make_weights(cfg, rng)
+    if grid:
+        weights = {k: None if w is None else snap(w, 64, 0.5) for k, w in weights.items()}
     layer = make_layer(cfg, weights)
     ref = RefLayer(cfg, weights, batch=2, max_len=128)
     cache = dense = layer.new_cache(2, 128)
@@ -300,6 +328,8 @@ def run_conversation(cfg: dict, rng, x_dtype: str | None = None, block_size: int
             ref.lengths[1] = 0
             continue
         x = rng.standard_normal((2, positions.shape[1], cfg["hidden_size"]))
+        if grid:
+            x = snap(x, 16, 1.0)
         x = x.astype(np_dtype(x_dtype or dtype))
         y = layer(x, positions, cache)
         assert isinstance(y, np.ndarray) and y.dtype == np_dtype(dtype), (what, y.dtype)
@@ -309,10 +339,25 @@ def run_conversation(cfg: dict, rng, x_dtype: str | None = None, block_size: int
             assert layer(x, positions, dense).tobytes() == y.tobytes(), f"{what}: paged != dense"
     if block_size:
         return
-    # The cache holds K after norm and RoPE, and V, at every filled slot.
+    # The cache holds K after norm and RoPE, and V, at every filled slot; an 8-bit one codes
+    # whose code x scale is exactly the model's.
+    if cfg.get("kv_cache_dtype"):
+        for b, n in enumerate(ref.lengths):
+            for got, scales, want in ((cache.keys, cache.key_scales, ref.k),
+                                      (cache.values, cache.value_scales, ref.v)):
+                deq = got[b, :, :n].astype(np.float64) * scales[b, :, :n, None]
+                np.testing.assert_array_equal(deq, want[b, :, :n], err_msg=f"cache row {b}")
+        return
     for b, n in enumerate(ref.lengths):
         assert_layer_close(cache.keys[b, :, :n], ref.k[b, :, :n], dtype, f"cache K row {b}")
         assert_layer_close(cache.values[b, :, :n], ref.v[b, :, :n], dtype, f"cache V row {b}")
+
+
+def snap(a, grid: int, bound: float) -> np.ndarray:
+    """`a` rounded to multiples of 1 / grid and clipped to [-bound, bound]."""
+    return (np.clip(np.rint(np.asarray(a, np.float64) * grid) / grid, -bound, bound)).astype(
+        np.float32
+    )
 
 
 # --- against the model ----------------------------------------------------------------------
@@ -342,6 +387,52 @@ def test_conversation_16bit(name, dtype, rng):
 @pytest.mark.parametrize("name", ["gqa_everything", "mqa"])
 def test_conversation_on_a_paged_cache(name, block_size, rng):
     run_conversation(make_config(name, "float32", rng), rng, block_size=block_size)
+
+
+@pytest.mark.skipif(BF16 is None, reason="ml_dtypes is not installed")
+@pytest.mark.parametrize("block_size", [0, 3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["int8", "float8_e4m3", "float8_e5m2"])
+def test_8bit_cache(fmt, dtype, block_size, rng):
+    """kv_cache_dtype: the model quantizes each written row as the layer must. Quantizing rounds
+    to a coarse grid, so a K value one float32 ulp from the model's (another summation order)
+    could cross a rounding boundary: the data make every projection exact (``grid``) and the
+    layer has no RoPE or q/k norm after them, so the codes must be the model's."""
+    # No q/k/v biases either: this model rounds x W^T and the bias sum separately (the C++ oracle,
+    # tests/layer/attention_layer_test.cc, covers biases with one rounding, as the module).
+    cfg = dict(CONFIGS["gqa_everything"], dtype=dtype, rope=False, qk_norm=False, qkv_bias=False)
+    for key in ("rotary_dim", "rope_scaling"):
+        del cfg[key]
+    cfg["sinks"] = snap(rng.standard_normal(cfg["num_heads"]), 64, 0.5)
+    cfg["kv_cache_dtype"] = {"float8_e4m3": "float8_e4m3fn"}.get(fmt, fmt)
+    run_conversation(cfg, rng, block_size=block_size, grid=True)
+
+
+def test_8bit_cache_api(rng):
+    layer = flashcte.AttentionLayer(16, 2, 1, kv_cache_dtype="fp8_e4m3")
+    assert layer.kv_cache_dtype == "float8_e4m3fn"
+    assert "kv_cache_dtype='float8_e4m3fn'" in repr(layer)
+    assert flashcte.AttentionLayer(16, 2, 1).kv_cache_dtype == "float32"
+    cache = layer.new_cache(2, 8)
+    assert cache.dtype == "float8_e4m3fn" and cache.keys.shape == (2, 1, 8, 8)
+    assert str(cache.keys.dtype) == "float8_e4m3fn" and cache.key_scales.shape == (2, 1, 8)
+    assert np.all(cache.key_scales == 1) and not cache.key_scales.flags.writeable
+    pool = flashcte.AttentionLayer(16, 2, 1, kv_cache_dtype="int8").new_paged_cache(1, 4, 4)
+    assert pool.keys.dtype == np.int8 and pool.value_scales.shape == (4, 1, 4)
+    with pytest.raises(ValueError, match="^cache: a float32 cache has no scales"):
+        flashcte.AttentionLayer(16, 2, 1).new_cache(1, 4).key_scales
+    with pytest.raises(TypeError, match="^kv_cache_dtype: must be float32, bfloat16, float16, int8"):
+        flashcte.AttentionLayer(16, 2, 1, kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: must be int8, .* \(float32\), got "
+                       "bfloat16"):
+        flashcte.AttentionLayer(16, 2, 1, kv_cache_dtype="bfloat16")
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is optional
+        return
+    assert flashcte.AttentionLayer(16, 2, 1, kv_cache_dtype=torch.float8_e5m2).kv_cache_dtype == (
+        "float8_e5m2"
+    )
 
 
 def test_shared_prefix_pages(rng):

@@ -57,6 +57,7 @@ struct AttentionLayer::Impl {
   std::vector<float> w_o, b_o;      // (hidden, H * D), (hidden)
   std::vector<float> q_norm, k_norm, sinks;
   float scale = 1.0f;
+  DType cache_dtype = DType::kFloat32;  // kv_cache_dtype, else the activation dtype
   layer::Rope rope;
 
   Impl(const LayerConfig& c, const LayerWeights& w)
@@ -65,6 +66,7 @@ struct AttentionLayer::Impl {
         heads(c.num_heads),
         kv_heads(c.num_kv_heads),
         hidden(c.hidden_size),
+        cache_dtype(c.kv_cache_dtype.value_or(c.dtype)),
         rope(c, layer::head_dim_of(c)) {
     const DType t = c.dtype;
     for (const std::vector<float>* part : {&w.q_proj, &w.k_proj, &w.v_proj}) {
@@ -111,12 +113,12 @@ Status AttentionLayer::Impl::check_call(const TensorView& x, const TensorView& p
   }
   const int64_t batch = x.shape[0], tokens = x.shape[1];
   if (cache.batch() != batch || cache.kv_heads() != kv_heads || cache.head_dim() != d ||
-      cache.dtype() != config.dtype) {
+      cache.dtype() != cache_dtype) {
     return Status::Error("cache: holds (batch " + Str(cache.batch()) + ", kv_heads " +
                          Str(cache.kv_heads()) + ", head_dim " + Str(cache.head_dim()) + ", " +
                          dtype_name(cache.dtype()) + ") but this call needs (batch " + Str(batch) +
                          ", kv_heads " + Str(kv_heads) + ", head_dim " + Str(d) + ", " +
-                         dtype_name(config.dtype) + "): a cache of another layer or batch");
+                         dtype_name(cache_dtype) + "): a cache of another layer or batch");
   }
   if (positions.rank != 2 || positions.dtype != DType::kInt64 || positions.data == nullptr ||
       positions.shape[0] != batch || positions.shape[1] != tokens) {
@@ -238,10 +240,18 @@ Status AttentionLayer::Impl::attend(const void* q_act, const void* k_new, const 
     o.block_table = TensorView::contiguous(table.data(), DType::kInt32, {batch, width});
   }
   MutableTensorView k_cache =
-      MutableTensorView::contiguous(cache->k_data(), t, {rows, kv_heads, slots, d});
+      MutableTensorView::contiguous(cache->k_data(), cache_dtype, {rows, kv_heads, slots, d});
   MutableTensorView v_cache =
-      MutableTensorView::contiguous(cache->v_data(), t, {rows, kv_heads, slots, d});
-  for (MutableTensorView* view : {&k_cache, &v_cache}) {
+      MutableTensorView::contiguous(cache->v_data(), cache_dtype, {rows, kv_heads, slots, d});
+  std::vector<MutableTensorView*> permuted = {&k_cache, &v_cache};
+  if (cache->k_scale_data() != nullptr) {  // 8-bit: per-slot scales, quantized on append
+    o.k_scale = MutableTensorView::contiguous(cache->k_scale_data(), DType::kFloat32,
+                                              {rows, kv_heads, slots});
+    o.v_scale = MutableTensorView::contiguous(cache->v_scale_data(), DType::kFloat32,
+                                              {rows, kv_heads, slots});
+    permuted.insert(permuted.end(), {&o.k_scale, &o.v_scale});
+  }
+  for (MutableTensorView* view : permuted) {
     std::swap(view->shape[1], view->shape[2]);
     std::swap(view->strides[1], view->strides[2]);
   }
@@ -358,13 +368,13 @@ Status AttentionLayer::create(const LayerConfig& config, const LayerWeights& wei
 }
 
 Status AttentionLayer::new_cache(int64_t batch, int64_t max_len, KvCache* cache) const {
-  return KvCache::create(batch, impl_->kv_heads, max_len, impl_->d, impl_->config.dtype, cache);
+  return KvCache::create(batch, impl_->kv_heads, max_len, impl_->d, impl_->cache_dtype, cache);
 }
 
 Status AttentionLayer::new_paged_cache(int64_t batch, int64_t num_blocks, int64_t block_size,
                                        KvCache* cache) const {
   return KvCache::create_paged(batch, num_blocks, block_size, impl_->kv_heads, impl_->d,
-                               impl_->config.dtype, cache);
+                               impl_->cache_dtype, cache);
 }
 
 Status AttentionLayer::forward(const TensorView& x, const TensorView& positions, KvCache* cache,

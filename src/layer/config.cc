@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "src/core/kv8.h"
+
 namespace flashcte::layer {
 namespace {
 
@@ -82,6 +84,12 @@ Status check_config(const LayerConfig& c) {
   if (c.qk_norm && !(c.qk_norm_eps > 0)) return error("qk_norm_eps", "must be > 0");
   if (c.dtype != DType::kFloat32 && c.dtype != DType::kBFloat16 && c.dtype != DType::kFloat16) {
     return error("dtype", "must be float32, bfloat16 or float16");
+  }
+  if (c.kv_cache_dtype && *c.kv_cache_dtype != c.dtype && !kv8::is_8bit(*c.kv_cache_dtype)) {
+    return error("kv_cache_dtype",
+                 "must be int8, float8_e4m3fn, float8_e5m2 or the activation "
+                 "dtype (" +
+                     std::string(dtype_name(c.dtype)) + "), got " + dtype_name(*c.kv_cache_dtype));
   }
   return Status::Ok();
 }

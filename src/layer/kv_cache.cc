@@ -1,7 +1,7 @@
-// KvCache (include/flashcte/layer.h): one layer's K and V in the activation dtype,
-// zero-initialized as the module's (LAYER.md section 7): dense (batch, kv_heads, max_len,
-// head_dim), or a block pool (num_blocks, kv_heads, block_size, head_dim) the sequences name
-// through their block tables.
+// KvCache (include/flashcte/layer.h): one layer's K and V in the activation dtype or an 8-bit
+// format with a scale per slot, zero-initialized as the module's (LAYER.md section 7): dense
+// (batch, kv_heads, max_len, head_dim), or a block pool (num_blocks, kv_heads, block_size,
+// head_dim) the sequences name through their block tables.
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
@@ -9,6 +9,7 @@
 #include <string>
 
 #include "flashcte/layer.h"
+#include "src/core/kv8.h"
 #include "src/core/pages.h"
 
 namespace flashcte {
@@ -26,8 +27,10 @@ Status KvCache::allocate(int64_t rows, int64_t kv_heads, int64_t slots, int64_t 
   if (kv_heads < 1 || head_dim < 1) {
     return Status::Error("kv_heads, head_dim: must be >= 1");
   }
-  if (dtype != DType::kFloat32 && dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
-    return Status::Error("dtype: the cache holds float32, bfloat16 or float16");
+  if (dtype != DType::kFloat32 && dtype != DType::kBFloat16 && dtype != DType::kFloat16 &&
+      !kv8::is_8bit(dtype)) {
+    return Status::Error(
+        "dtype: the cache holds float32, bfloat16, float16, int8, float8_e4m3fn or float8_e5m2");
   }
   const int64_t limit = std::numeric_limits<int64_t>::max() / 8;
   int64_t elements = rows;
@@ -45,6 +48,14 @@ Status KvCache::allocate(int64_t rows, int64_t kv_heads, int64_t slots, int64_t 
     cache->dtype_ = dtype;
     cache->k_.reset(static_cast<uint8_t*>(internal::allocate_pages(bytes)));
     cache->v_.reset(static_cast<uint8_t*>(internal::allocate_pages(bytes)));
+    if (kv8::is_8bit(dtype)) {
+      // One scale per slot and KV head; 1 (a valid scale) until a token is written there.
+      const auto slots_total = static_cast<size_t>(elements / head_dim);
+      for (std::unique_ptr<float[]>* scale : {&cache->k_scale_, &cache->v_scale_}) {
+        scale->reset(new float[slots_total]);
+        std::fill_n(scale->get(), slots_total, 1.0f);
+      }
+    }
   } catch (const std::bad_alloc&) {
     return Status::Error("max_len: allocation of the cache (2 x " + Str(elements) +
                          " elements) failed");

@@ -20,6 +20,44 @@ Status error(const std::string& field, const std::string& rule) {
 
 double to_f32(double x) { return round_to_dtype(x, DType::kFloat32); }
 
+// The largest finite value of an 8-bit cache format; 0 for any other dtype.
+double largest_code(DType dtype) {
+  switch (dtype) {
+    case DType::kInt8:
+      return 127;
+    case DType::kFloat8E4M3:
+      return 448;
+    case DType::kFloat8E5M2:
+      return 57344;
+    case DType::kFloat32:
+    case DType::kBFloat16:
+    case DType::kFloat16:
+    case DType::kInt32:
+    case DType::kInt64:
+      return 0;
+  }
+  return 0;
+}
+
+// R8: an 8-bit cache (kv_cache_dtype) holds a written row (one token's K or V of one KV head,
+// after R5) as codes of the format with a float32 scale: the row's largest finite |value| over
+// the format's largest (1 for a row without a finite nonzero value, the smallest float should the
+// quotient underflow), each value / scale rounded to the format; the slot holds code x scale.
+void store_row(DType cache_dtype, const double* row, int64_t d, double* slot) {
+  const double top = largest_code(cache_dtype);
+  if (top == 0) {  // the activation dtype: the values themselves
+    std::copy_n(row, d, slot);
+    return;
+  }
+  double absmax = 0;
+  for (int64_t c = 0; c < d; ++c) {
+    if (std::isfinite(row[c])) absmax = std::max(absmax, std::fabs(row[c]));
+  }
+  double scale = absmax == 0 ? 1.0 : to_f32(absmax / top);
+  if (scale == 0) scale = std::numeric_limits<float>::denorm_min();
+  for (int64_t c = 0; c < d; ++c) slot[c] = round_to_dtype(row[c] / scale, cache_dtype) * scale;
+}
+
 int64_t head_dim_of(const LayerConfig& c) {
   return c.head_dim != 0 || c.num_heads <= 0 ? c.head_dim : c.hidden_size / c.num_heads;
 }
@@ -71,6 +109,9 @@ Status check_config(const LayerConfig& c) {
   if (c.qk_norm && !(c.qk_norm_eps > 0)) return error("qk_norm_eps", "must be > 0");
   if (c.dtype != DType::kFloat32 && c.dtype != DType::kBFloat16 && c.dtype != DType::kFloat16) {
     return error("dtype", "must be float32, bfloat16 or float16");
+  }
+  if (c.kv_cache_dtype && *c.kv_cache_dtype != c.dtype && largest_code(*c.kv_cache_dtype) == 0) {
+    return error("kv_cache_dtype", "must be an 8-bit format or the activation dtype");
   }
   return Status::Ok();
 }
@@ -423,8 +464,9 @@ Status layer_forward(const LayerConfig& c, const LayerWeights& w, const TensorVi
       if (t > 0 && pos[b * tokens + t - 1] == position) continue;
       for (int64_t kv = 0; kv < p.kv_heads; ++kv) {
         const int64_t at = (b * p.kv_heads + kv) * slot_stride + position * p.d;
-        std::copy_n(token.k.begin() + kv * p.d, p.d, cache->k.begin() + at);
-        std::copy_n(token.v.begin() + kv * p.d, p.d, cache->v.begin() + at);
+        const DType stored = c.kv_cache_dtype.value_or(c.dtype);
+        store_row(stored, token.k.data() + kv * p.d, p.d, cache->k.data() + at);  // R8
+        store_row(stored, token.v.data() + kv * p.d, p.d, cache->v.data() + at);
       }
     }
     if (tokens > 0) {

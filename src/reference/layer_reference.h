@@ -20,7 +20,10 @@
 //      V in the activation dtype, sections 1 step 7 and 7);
 //   R6 the attention output, the input of o_proj (section 1 step 5);
 //   R7 o_proj: the partial x*W^T, then (when there is one) the bias added after the reduce and
-//      rounded again (section 2).
+//      rounded again (section 2);
+//   R8 an 8-bit kv_cache_dtype (flashcte's, not the module's; vLLM's per-token fp8 cache): each
+//      written K/V row of a KV head is quantized with a float32 scale from its absmax, and the
+//      cache holds code x scale (store_row in layer_reference.cc).
 #ifndef FLASHCTE_SRC_REFERENCE_LAYER_REFERENCE_H_
 #define FLASHCTE_SRC_REFERENCE_LAYER_REFERENCE_H_
 
@@ -39,7 +42,8 @@ using Llama3RopeScaling = flashcte::Llama3RopeScaling;
 using LayerConfig = flashcte::LayerConfig;
 using LayerWeights = flashcte::LayerWeights;
 
-// The KV cache of one layer (section 7), in float64 holding activation-dtype values.
+// The KV cache of one layer (section 7), in float64 holding activation-dtype values (R8: the
+// dequantized values of an 8-bit kv_cache_dtype).
 struct LayerCache {
   int64_t batch = 0, kv_heads = 0, max_len = 0, head_dim = 0;
   std::vector<double> k;  // (batch, kv_heads, max_len, head_dim): K after q/k norm and RoPE
