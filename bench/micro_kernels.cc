@@ -125,7 +125,8 @@ void DecodeQkBf16(benchmark::State& state) {
   const auto k_rows = flashcte::simd::DecodeRows::strided(k.data(), 2 * d, kDecodeSlots);
   std::vector<float> s(rows * ld);
   for (auto _ : state) {
-    ops.decode_qk_bf16(q.data(), d, rows, k_rows, kDecodeSlots, d, 0.1f, s.data(), ld);
+    ops.decode_qk_bf16(q.data(), d, rows, k_rows, flashcte::DType::kBFloat16, kDecodeSlots, d, 0.1f,
+                       s.data(), ld);
     benchmark::DoNotOptimize(s.data());
   }
   set_ns_per_slot(state);
@@ -144,7 +145,8 @@ void DecodePvBf16(benchmark::State& state) {
   const auto v_rows = flashcte::simd::DecodeRows::strided(v.data(), 2 * d, kDecodeSlots);
   std::vector<float> o(rows * d, 0.0f), alpha(rows, 0.5f);
   for (auto _ : state) {
-    ops.decode_pv_bf16(p.data(), ldp, rows, kDecodeSlots, v_rows, d, alpha.data(), o.data(), d);
+    ops.decode_pv_bf16(p.data(), ldp, rows, kDecodeSlots, v_rows, flashcte::DType::kBFloat16, d,
+                       alpha.data(), o.data(), d);
     benchmark::DoNotOptimize(o.data());
   }
   set_ns_per_slot(state);

@@ -12,7 +12,8 @@
 //   merge, which folds the chunks in order with SoftmaxState::merge.
 //
 // bfloat16 inputs run on the native vdpbf16ps kernels where simd::bf16_dot_for says so (the
-// policy attention_cte follows: AMD Zen 4/5 yes, Intel widens), with Q also packed as bfloat16.
+// policy attention_cte follows: AMD Zen 4/5 yes, Intel widens), with Q also packed as bfloat16;
+// so does a bfloat16 q against 8-bit caches, whose codes convert exactly to bfloat16.
 //
 // A row only ever reads the scores, and P.V only the V rows, of the slots it attends: slots past
 // a token's position (the later new tokens of a chunk) or before its window may hold anything,
@@ -31,6 +32,7 @@
 #include <utility>
 
 #include "src/core/convert.h"
+#include "src/core/kv8.h"
 #include "src/core/math.h"
 #include "src/kernel/output.h"
 #include "src/kernel/scratch.h"
@@ -83,10 +85,11 @@ struct PairShape {
 };
 
 PairShape pair_shape(const DecodeProblem& p, const simd::Ops& ops, int64_t pair) {
-  // A bfloat16 cache means a bfloat16 q (a cache is q's dtype or 8-bit).
-  const bool native = p.k.dtype == DType::kBFloat16 && p.v.dtype == DType::kBFloat16 &&
-                      simd::bf16_dot_for(ops) != nullptr && ops.decode_qk_bf16 != nullptr &&
-                      ops.decode_pv_bf16 != nullptr;
+  // A bfloat16 q against caches whose values are bfloat16 values: bfloat16 or 8-bit.
+  const auto bf16_exact = [](DType t) { return t == DType::kBFloat16 || kv8::is_8bit(t); };
+  const bool native = p.dtype == DType::kBFloat16 && bf16_exact(p.k.dtype) &&
+                      bf16_exact(p.v.dtype) && simd::bf16_dot_for(ops) != nullptr &&
+                      ops.decode_qk_bf16 != nullptr && ops.decode_pv_bf16 != nullptr;
   return {pair / p.kv_heads,
           pair % p.kv_heads,
           p.rows(),
@@ -216,20 +219,21 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
   if (all.lo >= all.hi) return;
   const simd::DecodeRows k = block_rows(p.k, ps, slots, sc.k_rows, p.head_dim, j0 + all.lo,
                                         j0 + all.hi, sc.gather_k, sc.gather_k_rows);
+  const float scale = p.k_scale.empty() ? p.scale : p.scale * p.k_scale[ps.kv_head];
   if (ps.native) {
-    ops.decode_qk_bf16(sc.q2.data(), ps.ldq2, ps.rows, k, all.hi - all.lo, p.head_dim, p.scale,
-                       sc.s.data(), ps.lds);
+    ops.decode_qk_bf16(sc.q2.data(), ps.ldq2, ps.rows, k, p.k.dtype, all.hi - all.lo, p.head_dim,
+                       scale, sc.s.data(), ps.lds);
   } else {
-    const float scale = p.k_scale.empty() ? p.scale : p.scale * p.k_scale[ps.kv_head];
     ops.decode_qk(sc.q.data(), ps.ldq, ps.rows, k, p.k.dtype, all.hi - all.lo, p.head_dim, scale,
                   sc.s.data(), ps.lds);
-    if (p.k_token_scale.data) {
-      scale_columns(p.k_token_scale, ps, j0 + all.lo, all.hi - all.lo, sc.s.data(), ps.lds, 0,
-                    ps.rows, sc.token_scale);
-    }
+  }
+  if (p.k_token_scale.data) {
+    scale_columns(p.k_token_scale, ps, j0 + all.lo, all.hi - all.lo, sc.s.data(), ps.lds, 0,
+                  ps.rows, sc.token_scale);
   }
 
-  // bfloat16 inputs round P to bfloat16 before P.V, as attention_cte; an 8-bit V keeps it float.
+  // bfloat16 inputs round P to bfloat16 before P.V, as attention_cte; an 8-bit V keeps it float
+  // (the native kernel rounds P times a per-token scale once, as it packs it).
   const bool round_p = p.v.dtype == DType::kBFloat16;
   for (int64_t t0 = 0; t0 < p.tokens;) {
     // A run of tokens [t0, t1) with the same range in the block: their rows are consecutive.
@@ -264,8 +268,8 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
       scale_columns(p.v_token_scale, ps, j0 + c.lo, n, prow, ps.lds, 0, r1 - r0, sc.token_scale);
     }
     if (ps.native) {
-      ops.decode_pv_bf16(prow, ps.lds, r1 - r0, n, v, p.value_dim, state.alpha() + r0, state.o(r0),
-                         ps.ldo);
+      ops.decode_pv_bf16(prow, ps.lds, r1 - r0, n, v, p.v.dtype, p.value_dim, state.alpha() + r0,
+                         state.o(r0), ps.ldo);
     } else {
       ops.decode_pv(prow, ps.lds, r1 - r0, n, v, p.v.dtype, p.value_dim, state.alpha() + r0,
                     state.o(r0), ps.ldo);

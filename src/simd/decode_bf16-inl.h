@@ -22,6 +22,12 @@
 // broadcast pair. P is already rounded to bfloat16 for bfloat16 inputs (Ops::exp_sum), so the
 // pair is exact. Register tile R rows x G groups of 32 columns (2 accumulators each), R * 2G <= 16.
 //
+// 8-bit caches (int8, float8_e4m3fn, float8_e5m2) run on the same kernels: every code's value is
+// a bfloat16 value (int8's at most 7 significant bits, e4m3's 4 and e5m2's 3, all within
+// bfloat16's exponent range, the fp8 subnormals normal there), so each loaded row converts
+// exactly to bfloat16 in registers (the loads below) and the products stay exact. The 8-bit rows
+// are read at half the bytes, and the vdpbf16ps arithmetic is the bfloat16 cache's.
+//
 // The numbers: products of two bfloat16 are exact in float32; vdpbf16ps rounds each addition to
 // nearest and flushes subnormal inputs and results to zero, where the portable path keeps them: a
 // difference below 2^-126 per product. Width contracts as decode_qk / decode_pv (ops.h) with
@@ -30,11 +36,14 @@
 #define FLASHCTE_SRC_SIMD_DECODE_BF16_INL_H_
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "hwy/base.h"
 #include "hwy/detect_targets.h"
+#include "src/core/kv8.h"
 #include "src/simd/decode_rows.h"
 
 namespace flashcte::simd {
@@ -90,6 +99,92 @@ FLASHCTE_DECODE_BF16 inline void prefetch_row_to_l1(uintptr_t p, int64_t bytes) 
   }
 }
 
+// How the kernels load the 32 elements [x, x + 32) of a cache row (those outside the mask m as 0)
+// as bfloat16 bits, exactly: a bfloat16 row as it is, an 8-bit one converted.
+struct Bf16Load {
+  static constexpr int64_t kBytes = 2;
+  FLASHCTE_DECODE_BF16 __m512i operator()(const unsigned char* row, int64_t x, __mmask32 m) const {
+    return _mm512_maskz_loadu_epi16(m, row + 2 * x);
+  }
+};
+
+// int8: widened to int32 and converted (2 vpmovsxbd, 2 vcvtdq2ps, 1 vcvtne2ps2bf16 per 32),
+// -128 included.
+struct Int8Load {
+  static constexpr int64_t kBytes = 1;
+  FLASHCTE_DECODE_BF16 __m512i operator()(const unsigned char* row, int64_t x, __mmask32 m) const {
+    // The zero-masked forms with every lane selected: see kAll.
+    const __m256i codes = _mm256_maskz_loadu_epi8(m, row + x);
+    const __m512 lo = _mm512_maskz_cvtepi32_ps(
+        kAll, _mm512_maskz_cvtepi8_epi32(kAll, _mm256_castsi256_si128(codes)));
+    const __m512 hi = _mm512_maskz_cvtepi32_ps(
+        kAll, _mm512_maskz_cvtepi8_epi32(kAll, _mm256_extracti128_si256(codes, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+};
+
+// The bfloat16 bits of an fp8 format's 128 magnitudes (NaN 0x7FC0, e5m2's infinity 0x7F80).
+template <DType kFormat>
+const uint16_t* fp8_bf16_table() {
+  alignas(64) static const auto table = [] {
+    std::array<uint16_t, 128> t{};
+    for (int code = 0; code < 128; ++code) {
+      uint32_t bits = 0;
+      const float value = kv8::decode(kFormat, static_cast<uint8_t>(code));
+      std::memcpy(&bits, &value, sizeof bits);
+      t[static_cast<size_t>(code)] = static_cast<uint16_t>(bits >> 16);  // exact: see the top
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// fp8: the magnitude's (7 bits) bfloat16 bits from the table (two vpermi2w of 64 entries, bit 6
+// choosing), the code's sign bit OR-ed in: 7 operations per 32 codes.
+struct Fp8Load {
+  static constexpr int64_t kBytes = 1;
+  __m512i t0, t1, t2, t3;  // table entries 0-31, 32-63, 64-95, 96-127
+  FLASHCTE_DECODE_BF16 explicit Fp8Load(const uint16_t* table)
+      : t0(_mm512_loadu_si512(table)),
+        t1(_mm512_loadu_si512(table + 32)),
+        t2(_mm512_loadu_si512(table + 64)),
+        t3(_mm512_loadu_si512(table + 96)) {}
+  FLASHCTE_DECODE_BF16 __m512i operator()(const unsigned char* row, int64_t x, __mmask32 m) const {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, row + x));
+    const __m512i low = _mm512_permutex2var_epi16(t0, w, t1);  // index bits 0-5
+    const __m512i high = _mm512_permutex2var_epi16(t2, w, t3);
+    const __mmask32 upper = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40));
+    // magnitude | (code << 8 & 0x8000): ternary-logic A | (B & C).
+    return _mm512_ternarylogic_epi32(_mm512_mask_blend_epi16(upper, low, high),
+                                     _mm512_slli_epi16(w, 8),
+                                     _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);
+  }
+};
+
+// Calls body(load) with the load of a cache dtype (bfloat16 or an 8-bit format).
+template <class Body>
+FLASHCTE_DECODE_BF16 inline void with_load(DType dtype, const Body& body) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      body(Bf16Load());
+      break;
+    case DType::kInt8:
+      body(Int8Load());
+      break;
+    case DType::kFloat8E4M3:
+      body(Fp8Load(fp8_bf16_table<DType::kFloat8E4M3>()));
+      break;
+    case DType::kFloat8E5M2:
+      body(Fp8Load(fp8_bf16_table<DType::kFloat8E5M2>()));
+      break;
+    case DType::kFloat32:
+    case DType::kFloat16:
+    case DType::kInt32:
+    case DType::kInt64:
+      HWY_ABORT("decode_bf16: %s rows are not bfloat16-exact", dtype_name(dtype));
+  }
+}
+
 // Lane i of the result = the sum of v[i]'s 16 lanes (clobbers v). Two in-block levels (vshufps:
 // lanes 0 + 1 and 2 + 3 of each 128-bit block of a pair of vectors), then two across blocks
 // (vshuff32x4): 45 three-operand shuffles and adds, no register copies, where the ConcatEven /
@@ -124,25 +219,25 @@ FLASHCTE_DECODE_BF16 inline __m512 sum_ladder(__m512* v) {
 // One loop over the keys, so the per-step setup is only the K row pointers and their prefetch.
 // Zen 4, one thread, 4 rows, d = 128, K in L1 (bench/micro_kernels decode_qk_bf16/4): 10.4 ns
 // per key as one call per step with a memcpy of the sums, 7.7 ns as this loop (medians of 5).
-template <int64_t R, class Rows>
+template <int64_t R, class Load, class Rows>
 FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t rows, int64_t r0,
-                                         const Rows& k, int64_t n, int64_t d, float scale, float* s,
-                                         int64_t lds, int64_t ahead) {
+                                         const Rows& k, const Load& load, int64_t n, int64_t d,
+                                         float scale, float* s, int64_t lds, int64_t ahead) {
   constexpr int64_t K = kLanes / R;
   const uint16_t* qr[R];
 #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) qr[r] = q + std::min(r0 + r, rows - 1) * ldq;
-  const int64_t full = d / 32 * 32, row_bytes = 2 * d;
+  const int64_t full = d / 32 * 32, row_bytes = Load::kBytes * d;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (d - full)) - 1);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < n; j0 += K) {
     __m512 acc[kLanes];
 #pragma GCC unroll 16
     for (int64_t i = 0; i < kLanes; ++i) acc[i] = _mm512_setzero_ps();
-    const uint16_t* kr[K];
+    const unsigned char* kr[K];
 #pragma GCC unroll 16
     for (int64_t c = 0; c < K; ++c) {
-      kr[c] = k.template at<uint16_t>(std::min(j0 + c, n - 1));
+      kr[c] = k.template at<unsigned char>(std::min(j0 + c, n - 1));
       prefetch_row(k.prefetch_address(j0 + c + ahead), row_bytes);
       prefetch_row_to_l1(k.prefetch_address(j0 + c + kL1PrefetchRows), row_bytes);
     }
@@ -152,7 +247,7 @@ FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t
     for (int64_t x = 0; x < full; x += 32) {
       __m512bh kv[K];
 #pragma GCC unroll 16
-      for (int64_t c = 0; c < K; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kr[c] + x);
+      for (int64_t c = 0; c < K; ++c) kv[c] = (__m512bh)load(kr[c], x, ~__mmask32{0});
 #pragma GCC unroll 16
       for (int64_t r = 0; r < R; ++r) {
         const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr[r] + x);
@@ -165,9 +260,7 @@ FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t
     if (tail) {
       __m512bh kv[K];
 #pragma GCC unroll 16
-      for (int64_t c = 0; c < K; ++c) {
-        kv[c] = (__m512bh)_mm512_maskz_loadu_epi16(tail, kr[c] + full);
-      }
+      for (int64_t c = 0; c < K; ++c) kv[c] = (__m512bh)load(kr[c], full, tail);
 #pragma GCC unroll 16
       for (int64_t r = 0; r < R; ++r) {
         const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr[r] + full);
@@ -189,21 +282,27 @@ FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t
   }
 }
 
-// Q2 [rows][ldq] bfloat16 (ldq >= round_up(d, 32), zero past d), K rows of d bfloat16.
+// Q2 [rows][ldq] bfloat16 (ldq >= round_up(d, 32), zero past d), K rows of d elements of
+// `dtype` (bfloat16 or an 8-bit format).
 FLASHCTE_DECODE_BF16 inline void Qk(const uint16_t* q, int64_t ldq, int64_t rows, DecodeRows k,
-                                    int64_t n, int64_t d, float scale, float* s, int64_t lds) {
-  const int64_t ahead = (decode_prefetch_bytes() + 2 * d - 1) / (2 * d);
-  with_rows(k, [&](const auto& kr) FLASHCTE_DECODE_BF16 {
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const int64_t left = rows - r0;  // 3 rows take a 4-row tile, as in decode-inl.h
-      if (left >= 3) {
-        qk_rows<4>(q, ldq, rows, r0, kr, n, d, scale, s, lds, ahead);
-      } else if (left == 2) {
-        qk_rows<2>(q, ldq, rows, r0, kr, n, d, scale, s, lds, ahead);
-      } else {
-        qk_rows<1>(q, ldq, rows, r0, kr, n, d, scale, s, lds, ahead);
+                                    DType dtype, int64_t n, int64_t d, float scale, float* s,
+                                    int64_t lds) {
+  with_load(dtype, [&](const auto& load) FLASHCTE_DECODE_BF16 {
+    using Load = std::decay_t<decltype(load)>;
+    const int64_t row_bytes = Load::kBytes * d;
+    const int64_t ahead = (decode_prefetch_bytes() + row_bytes - 1) / row_bytes;
+    with_rows(k, [&](const auto& kr) FLASHCTE_DECODE_BF16 {
+      for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t left = rows - r0;  // 3 rows take a 4-row tile, as in decode-inl.h
+        if (left >= 3) {
+          qk_rows<4>(q, ldq, rows, r0, kr, load, n, d, scale, s, lds, ahead);
+        } else if (left == 2) {
+          qk_rows<2>(q, ldq, rows, r0, kr, load, n, d, scale, s, lds, ahead);
+        } else {
+          qk_rows<1>(q, ldq, rows, r0, kr, load, n, d, scale, s, lds, ahead);
+        }
       }
-    }
+    });
   });
 }
 
@@ -237,11 +336,11 @@ FLASHCTE_DECODE_BF16 inline void pack_p_pairs(const float* p, int64_t ldp, int64
 // register). Zen 4, one thread, 4 rows, d = 128, V in L1 (bench/micro_kernels decode_pv_bf16/4):
 // 6.5 ns per key with vpermt2w and pairs built in scalar code, 5.8 ns so (medians of 5; the
 // packed pairs alone gave 6.5). A key past n (odd n) has P = 0 and V = 0, never its row.
-template <int64_t R, int64_t G, bool kHalf, class Rows>
+template <int64_t R, int64_t G, bool kHalf, class Load, class Rows>
 FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n, const Rows& v,
-                                         int64_t col, int64_t last_cols, const float* alpha,
-                                         float* o, int64_t ldo, int64_t prefetch_bytes,
-                                         int64_t ahead) {
+                                         const Load& load, int64_t col, int64_t last_cols,
+                                         const float* alpha, float* o, int64_t ldo,
+                                         int64_t prefetch_bytes, int64_t ahead) {
   constexpr int64_t C = 2 * G - (kHalf ? 1 : 0);    // accumulators per row
   constexpr int64_t kUnpacked = kHalf ? G - 1 : G;  // groups interleaved in-lane
   // O's order -> the accumulators' (lanes of O's 16-column halves x, y; >= 16 selects y) and back.
@@ -272,7 +371,7 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
   const __mmask32 last = static_cast<__mmask32>((uint64_t{1} << last_cols) - 1);
   alignas(64) uint32_t pairs[R][kPvKeys / 2];
   // One pair of keys j, j + 1: V rows a and b (b absent: zero) against P pairs[r][i].
-  const auto step = [&](int64_t j, const uint16_t* a, const uint16_t* b,
+  const auto step = [&](int64_t j, const unsigned char* a, const unsigned char* b,
                         int64_t i) FLASHCTE_DECODE_BF16 {
     if (prefetch_bytes) {
       prefetch_row(v.prefetch_address(j + ahead), prefetch_bytes);
@@ -284,8 +383,8 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
 #pragma GCC unroll 16
     for (int64_t g = 0; g < G; ++g) {
       const __mmask32 m = g == G - 1 ? last : ~__mmask32{0};
-      const __m512i va = _mm512_maskz_loadu_epi16(m, a + 32 * g);
-      const __m512i vb = b ? _mm512_maskz_loadu_epi16(m, b + 32 * g) : _mm512_setzero_si512();
+      const __m512i va = load(a, 32 * g, m);
+      const __m512i vb = b ? load(b, 32 * g, m) : _mm512_setzero_si512();
       if (g < kUnpacked) {
         vp[2 * g] = (__m512bh)_mm512_unpacklo_epi16(va, vb);
         vp[2 * g + 1] = (__m512bh)_mm512_unpackhi_epi16(va, vb);
@@ -303,10 +402,14 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
   for (int64_t j0 = 0; j0 < n; j0 += kPvKeys) {
     const int64_t keys = std::min(kPvKeys, n - j0), even = keys / 2 * 2;
     pack_p_pairs<R>(p + j0, ldp, keys, pairs);
+    const int64_t offset = Load::kBytes * col;
     for (int64_t j = j0; j < j0 + even; j += 2) {
-      step(j, v.template at<uint16_t>(j) + col, v.template at<uint16_t>(j + 1) + col, (j - j0) / 2);
+      step(j, v.template at<unsigned char>(j) + offset,
+           v.template at<unsigned char>(j + 1) + offset, (j - j0) / 2);
     }
-    if (even < keys) step(j0 + even, v.template at<uint16_t>(j0 + even) + col, nullptr, even / 2);
+    if (even < keys) {
+      step(j0 + even, v.template at<unsigned char>(j0 + even) + offset, nullptr, even / 2);
+    }
   }
 #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) {
@@ -322,15 +425,15 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
 }
 
 // Rows [0, rows) of a panel of `groups` (1..G) groups, rows in blocks of R.
-template <int64_t R, int64_t G, bool kHalf, class Rows>
+template <int64_t R, int64_t G, bool kHalf, class Load, class Rows>
 FLASHCTE_DECODE_BF16 inline void pv_rows(int64_t groups, const float* p, int64_t ldp, int64_t rows,
-                                         int64_t n, const Rows& v, int64_t col, int64_t last_cols,
-                                         const float* alpha, float* o, int64_t ldo,
-                                         int64_t prefetch_bytes, int64_t ahead) {
+                                         int64_t n, const Rows& v, const Load& load, int64_t col,
+                                         int64_t last_cols, const float* alpha, float* o,
+                                         int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
   if constexpr (G >= 1) {
     if (groups != G) {
-      pv_rows<R, G - 1, kHalf, Rows>(groups, p, ldp, rows, n, v, col, last_cols, alpha, o, ldo,
-                                     prefetch_bytes, ahead);
+      pv_rows<R, G - 1, kHalf>(groups, p, ldp, rows, n, v, load, col, last_cols, alpha, o, ldo,
+                               prefetch_bytes, ahead);
       return;
     }
     for (int64_t r = 0; r < rows; r += R) {
@@ -340,56 +443,61 @@ FLASHCTE_DECODE_BF16 inline void pv_rows(int64_t groups, const float* p, int64_t
       const float* pr = p + r * ldp;
       float* orow = o + r * ldo;
       if (left == R) {
-        pv_tile<R, G, kHalf, Rows>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
+        pv_tile<R, G, kHalf>(pr, ldp, n, v, load, col, last_cols, ar, orow, ldo, pf, ahead);
       } else if constexpr (R == 4) {
         if (left == 3) {
-          pv_tile<3, G, kHalf, Rows>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
+          pv_tile<3, G, kHalf>(pr, ldp, n, v, load, col, last_cols, ar, orow, ldo, pf, ahead);
         } else if (left == 2) {
-          pv_tile<2, G, kHalf, Rows>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
+          pv_tile<2, G, kHalf>(pr, ldp, n, v, load, col, last_cols, ar, orow, ldo, pf, ahead);
         } else {
-          pv_tile<1, G, kHalf, Rows>(pr, ldp, n, v, col, last_cols, ar, orow, ldo, pf, ahead);
+          pv_tile<1, G, kHalf>(pr, ldp, n, v, load, col, last_cols, ar, orow, ldo, pf, ahead);
         }
       }
     }
   }
 }
 
-// O over [0, round_up(dv, 16)), V rows of bfloat16 read at [0, dv).
-template <int64_t R, class Rows>
+// O over [0, round_up(dv, 16)), V rows read at [0, dv).
+template <int64_t R, class Load, class Rows>
 FLASHCTE_DECODE_BF16 inline void pv_with(const float* p, int64_t ldp, int64_t rows, int64_t n,
-                                         const Rows& v, int64_t dv, const float* alpha, float* o,
-                                         int64_t ldo) {
+                                         const Rows& v, const Load& load, int64_t dv,
+                                         const float* alpha, float* o, int64_t ldo) {
   constexpr int64_t G = 8 / R;  // R * 2G = 16 accumulators
-  const int64_t ahead = (decode_prefetch_bytes() + 2 * dv - 1) / (2 * dv);
+  const int64_t row_bytes = Load::kBytes * dv;
+  const int64_t ahead = (decode_prefetch_bytes() + row_bytes - 1) / row_bytes;
   const int64_t groups = (dv + 31) / 32;
   for (int64_t g0 = 0; g0 < groups; g0 += G) {
     const int64_t width = std::min(G, groups - g0);
     const int64_t last_cols = std::min<int64_t>(32, dv - 32 * (g0 + width - 1));
-    const int64_t pf = g0 == 0 ? 2 * dv : 0;  // the first panel prefetches whole rows
+    const int64_t pf = g0 == 0 ? row_bytes : 0;  // the first panel prefetches whole rows
     float* og = o + 32 * g0;
     if (last_cols <= 16) {
-      pv_rows<R, G, true, Rows>(width, p, ldp, rows, n, v, 32 * g0, last_cols, alpha, og, ldo, pf,
-                                ahead);
+      pv_rows<R, G, true>(width, p, ldp, rows, n, v, load, 32 * g0, last_cols, alpha, og, ldo, pf,
+                          ahead);
     } else {
-      pv_rows<R, G, false, Rows>(width, p, ldp, rows, n, v, 32 * g0, last_cols, alpha, og, ldo, pf,
-                                 ahead);
+      pv_rows<R, G, false>(width, p, ldp, rows, n, v, load, 32 * g0, last_cols, alpha, og, ldo, pf,
+                           ahead);
     }
   }
 }
 
+// V rows of `dtype` (bfloat16 or an 8-bit format). P is rounded to bfloat16 as it is packed
+// (already bfloat16 values for a bfloat16 V: then nothing rounds).
 FLASHCTE_DECODE_BF16 inline void Pv(const float* p, int64_t ldp, int64_t rows, int64_t n,
-                                    DecodeRows v, int64_t dv, const float* alpha, float* o,
-                                    int64_t ldo) {
+                                    DecodeRows v, DType dtype, int64_t dv, const float* alpha,
+                                    float* o, int64_t ldo) {
   if (rows <= 0) return;
   // Every row block at 4 rows (or all the rows): a V pair is interleaved once per 4 rows.
-  with_rows(v, [&](const auto& vr) FLASHCTE_DECODE_BF16 {
-    if (rows >= 3) {
-      pv_with<4>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
-    } else if (rows == 2) {
-      pv_with<2>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
-    } else {
-      pv_with<1>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
-    }
+  with_load(dtype, [&](const auto& load) FLASHCTE_DECODE_BF16 {
+    with_rows(v, [&](const auto& vr) FLASHCTE_DECODE_BF16 {
+      if (rows >= 3) {
+        pv_with<4>(p, ldp, rows, n, vr, load, dv, alpha, o, ldo);
+      } else if (rows == 2) {
+        pv_with<2>(p, ldp, rows, n, vr, load, dv, alpha, o, ldo);
+      } else {
+        pv_with<1>(p, ldp, rows, n, vr, load, dv, alpha, o, ldo);
+      }
+    });
   });
 }
 
@@ -403,10 +511,10 @@ inline constexpr auto kDecodePvBf16 = &decode_bf16::Pv;
 #else  // no AVX512_BF16 code on this architecture or compiler
 
 namespace flashcte::simd {
-inline constexpr void (*kDecodeQkBf16)(const uint16_t*, int64_t, int64_t, DecodeRows, int64_t,
-                                       int64_t, float, float*, int64_t) = nullptr;
-inline constexpr void (*kDecodePvBf16)(const float*, int64_t, int64_t, int64_t, DecodeRows, int64_t,
-                                       const float*, float*, int64_t) = nullptr;
+inline constexpr void (*kDecodeQkBf16)(const uint16_t*, int64_t, int64_t, DecodeRows, DType,
+                                       int64_t, int64_t, float, float*, int64_t) = nullptr;
+inline constexpr void (*kDecodePvBf16)(const float*, int64_t, int64_t, int64_t, DecodeRows, DType,
+                                       int64_t, const float*, float*, int64_t) = nullptr;
 }  // namespace flashcte::simd
 
 #endif  // HWY_ARCH_X86 && (HWY_COMPILER_GCC || HWY_COMPILER_CLANG)

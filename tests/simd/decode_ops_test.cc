@@ -6,6 +6,7 @@
 // and a float64 reference.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "src/core/half.h"
+#include "src/core/kv8.h"
 #include "src/simd/bf16_dot.h"
 #include "src/simd/ops.h"
 #include "tests/simd/tester.h"
@@ -23,7 +25,11 @@
 namespace flashcte::test {
 namespace {
 
-constexpr DType kDtypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+constexpr DType kDtypes[] = {DType::kFloat32, DType::kBFloat16,   DType::kFloat16,
+                             DType::kInt8,    DType::kFloat8E4M3, DType::kFloat8E5M2};
+// The caches the native kernels read: bfloat16 values.
+constexpr DType kNativeDtypes[] = {DType::kBFloat16, DType::kInt8, DType::kFloat8E4M3,
+                                   DType::kFloat8E5M2};
 
 // `rows` cache rows of `cols` values of `dtype`, `ld` elements apart, as a KV cache holds them,
 // handed to the kernels by their stride (a dense cache), or, `reversed`, stored row j in the place
@@ -61,11 +67,17 @@ class CacheRows {
       case DType::kFloat32:
         std::memcpy(&bytes_[static_cast<size_t>(i * 4)], &x, 4);
         return x;
-      case DType::kInt32:
-      case DType::kInt64:
       case DType::kInt8:
       case DType::kFloat8E4M3:
-      case DType::kFloat8E5M2:
+      case DType::kFloat8E5M2: {
+        // Any finite code, uniformly (x in [-1, 1] picks it): subnormals and the largest too.
+        auto code = static_cast<uint8_t>(std::min(255.0f, (x + 1.0f) * 128.0f));
+        if (!std::isfinite(kv8::decode(dtype_, code))) code = 0;
+        bytes_[static_cast<size_t>(i)] = code;
+        return kv8::decode(dtype_, code);
+      }
+      case DType::kInt32:
+      case DType::kInt64:
         break;
     }
     ADD_FAILURE() << "not a cache dtype of these tests: " << dtype_name(dtype_);
@@ -75,12 +87,15 @@ class CacheRows {
 
  private:
   uint32_t canary_bits() const {
+    if (elem_ == 1) return 0x7F;  // fp8 NaN, int8 127
     return dtype_ == DType::kFloat32 ? kCanaryBits : dtype_ == DType::kBFloat16 ? 0x7FC1u : 0x7E01u;
   }
   int64_t place(int64_t j) const { return (reversed_ ? rows_ - 1 - j : j) * ld_; }
   void store_bits(int64_t i, uint32_t bits) {
     if (elem_ == 4) {
       std::memcpy(&bytes_[static_cast<size_t>(i * 4)], &bits, 4);
+    } else if (elem_ == 1) {
+      bytes_[static_cast<size_t>(i)] = static_cast<uint8_t>(bits);
     } else {
       const auto h = static_cast<uint16_t>(bits);
       std::memcpy(&bytes_[static_cast<size_t>(i * 2)], &h, 2);
@@ -97,7 +112,7 @@ class CacheRows {
 struct QkCase {
   DType dtype = DType::kFloat32;
   int64_t rows = 1, n = 1, d = 1, ld_extra = 0;
-  bool native = false;    // decode_qk_bf16 (bfloat16 only)
+  bool native = false;    // decode_qk_bf16 (bfloat16 and 8-bit only)
   bool reversed = false;  // K rows stored last to first (CacheRows)
   float scale = 0.75f;
 
@@ -131,7 +146,7 @@ struct QkCase {
     q.seal();
     const std::vector<unsigned char> k_before = k.snapshot();
     if (native) {
-      ops.decode_qk_bf16(q2.data(), ldq2, rows, k.rows(), n, d, scale, s.data(), s.ld());
+      ops.decode_qk_bf16(q2.data(), ldq2, rows, k.rows(), dtype, n, d, scale, s.data(), s.ld());
     } else {
       ops.decode_qk(q.data(), q.ld(), rows, k.rows(), dtype, n, d, scale, s.data(), s.ld());
     }
@@ -159,7 +174,7 @@ struct PvCase {
   DType dtype = DType::kFloat32;
   int64_t rows = 1, n = 1, dv = 1, ld_extra = 0;
   bool with_alpha = true;
-  bool native = false;    // decode_pv_bf16 (bfloat16 V, P holding bfloat16 values)
+  bool native = false;    // decode_pv_bf16 (bfloat16 or 8-bit V, P holding bfloat16 values)
   bool reversed = false;  // V rows stored last to first (CacheRows)
 
   void run(const simd::Ops& ops, std::mt19937& rng) const {
@@ -201,7 +216,7 @@ struct PvCase {
       }
     }
     if (native) {
-      ops.decode_pv_bf16(p.data(), p.ld(), rows, n, v.rows(), dv,
+      ops.decode_pv_bf16(p.data(), p.ld(), rows, n, v.rows(), dtype, dv,
                          with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
     } else {
       ops.decode_pv(p.data(), p.ld(), rows, n, v.rows(), dtype, dv,
@@ -279,8 +294,9 @@ TEST(SimdDecodePv, EveryRowCountStrideAndAlphaMode) {
 }
 
 // The native bfloat16 kernels (decode_bf16-inl.h) where this CPU runs them: the AVX-512 targets
-// of a CPU with AVX512_BF16, whatever the policy says (the tests force it on). Sizes at the edges
-// of their 32-element pairs and 16-lane vectors.
+// of a CPU with AVX512_BF16, whatever the policy says (the tests force it on), on bfloat16 and
+// 8-bit caches (every finite code, CacheRows::set). Sizes at the edges of their 32-element pairs
+// and 16-lane vectors.
 TEST(SimdDecodeBf16Native, QkAndPvAtEveryEdge) {
   std::mt19937 rng(15);
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
@@ -288,18 +304,19 @@ TEST(SimdDecodeBf16Native, QkAndPvAtEveryEdge) {
   for_each_target([&](const simd::Ops& ops) {
     if (simd::bf16_dot_for(ops) == nullptr || ops.decode_qk_bf16 == nullptr) return;
     ran.emplace_back(ops.target);
-    const DType bf16 = DType::kBFloat16;
-    for (int64_t d : {1, 15, 16, 17, 31, 32, 33, 63, 64, 80, 128, 257}) {
-      for (int64_t n : {1, 3, 4, 5, 15, 16, 17, 33}) {
-        QkCase{bf16, 4, n, d, 0, true}.run(ops, rng);
-        PvCase{bf16, 4, n, d, 0, true, true}.run(ops, rng);
+    for (DType dtype : kNativeDtypes) {
+      for (int64_t d : {1, 15, 16, 17, 31, 32, 33, 63, 64, 80, 128, 257}) {
+        for (int64_t n : {1, 3, 4, 5, 15, 16, 17, 33}) {
+          QkCase{dtype, 4, n, d, 0, true}.run(ops, rng);
+          PvCase{dtype, 4, n, d, 0, true, true}.run(ops, rng);
+        }
       }
-    }
-    for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16}) {
-      for (int64_t ld_extra : {0, 1, 7}) {
-        for (bool reversed : {false, true}) {
-          QkCase{bf16, rows, 37, 80, ld_extra, true, reversed}.run(ops, rng);
-          PvCase{bf16, rows, 21, 144, ld_extra, rows % 2 == 0, true, reversed}.run(ops, rng);
+      for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16}) {
+        for (int64_t ld_extra : {0, 1, 7}) {
+          for (bool reversed : {false, true}) {
+            QkCase{dtype, rows, 37, 80, ld_extra, true, reversed}.run(ops, rng);
+            PvCase{dtype, rows, 21, 144, ld_extra, rows % 2 == 0, true, reversed}.run(ops, rng);
+          }
         }
       }
     }
