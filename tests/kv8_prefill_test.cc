@@ -230,33 +230,68 @@ TEST(Kv8Prior, Float32IsBitwiseTheDequantizedPriorDenseAndPagedOnEveryTarget) {
   }
 }
 
-// bfloat16 q, k, v over an 8-bit prior: the prior's sections run on the float32 kernels (the
-// dequantized values are not bfloat16), so the error is the float32 path's on bfloat16 inputs,
-// and the rows that see only new keys may run natively; against the reference on the
-// dequantized prior. Scales of 2^-20 and 2^20 included: the product stays exact in float32.
-TEST(Kv8Prior, Bfloat16MatchesTheReferenceOnTheDequantizedPrior) {
+// bfloat16 q, k, v over an 8-bit prior, every format and granularity, on every target: where the
+// native bfloat16 kernels run (AVX512_BF16), the prior's codes are packed as bfloat16 (exact) and
+// the scores and P take the scales, P rounded to bfloat16 once; elsewhere the float32 kernels
+// read the dequantized prior. Against the reference on the dequantized prior, within what a
+// bfloat16 implementation's roundings allow: each P to bfloat16 (2^-8 of it, so of the largest
+// |V| at most) and the output (2^-8 of the largest); paged bitwise dense. Scales of 2^-20 and
+// 2^20 included: the products stay exact in float32.
+TEST(Kv8Prior, Bfloat16MatchesTheReferenceOnTheDequantizedPriorOnEveryTarget) {
   const Prefill call(DType::kBFloat16, 4);
   for (int f = 0; f < 3; ++f) {
-    for (double base : {0.01, std::ldexp(1.0, -20), std::ldexp(1.0, 20)}) {
-      const Prior8 kp(kFormats[f], kD, kPerToken, 21, base);
-      const Prior8 vp(kFormats[f], kDv, kPerHead, 22, base);
-      Options o = call.options;
-      o.k_prior = kp.view();
-      o.v_prior = vp.view();
-      o.k_prior_scale = kp.scale_view();
-      o.v_prior_scale = vp.scale_view();
-      // The reference reads the dequantized prior.
-      const HostTensor kf = kp.dequantized(), vf = vp.dequantized();
-      Options wide = call.options;
-      wide.k_prior = kf.view();
-      wide.v_prior = vf.view();
-      reference::Result exact;
-      ASSERT_TRUE(
-          reference::attention(call.q.view(), call.k.view(), call.v.view(), wide, &exact).ok);
-      const Prefill::Result got = call.run(o);
-      ASSERT_TRUE(got.status.ok) << got.status.message;
-      EXPECT_LE(got.relative_error(DType::kBFloat16, exact), std::ldexp(1.0, -7))
-          << dtype_name(kp.format) << " base " << base;
+    for (int g = 0; g < 3; ++g) {
+      for (double base : {0.01, std::ldexp(1.0, -20), std::ldexp(1.0, 20)}) {
+        const Prior8 kp(kFormats[f], kD, static_cast<Granularity>(g), 21, base);
+        const Prior8 vp(kFormats[(f + 1) % 3], kDv, static_cast<Granularity>((g + 1) % 3), 22,
+                        base);
+        Options o = call.options;
+        o.k_prior = kp.view();
+        o.v_prior = vp.view();
+        o.k_prior_scale = kp.scale_view();
+        o.v_prior_scale = vp.scale_view();
+        const PagedPrior8 kpp(kp), vpp(vp);
+        Options paged = o;
+        paged.k_prior = kpp.view();
+        paged.v_prior = vpp.view();
+        paged.k_prior_scale = kpp.scale_view();
+        paged.v_prior_scale = vpp.scale_view();
+        paged.prior_block_table = kpp.table_view();
+        // The reference reads the dequantized prior.
+        const HostTensor kf = kp.dequantized(), vf = vp.dequantized();
+        Options wide = call.options;
+        wide.k_prior = kf.view();
+        wide.v_prior = vf.view();
+        reference::Result exact;
+        ASSERT_TRUE(
+            reference::attention(call.q.view(), call.k.view(), call.v.view(), wide, &exact).ok);
+        double top = 0, top_v = 0;
+        for (double x : exact.out) top = std::max(top, std::fabs(x));
+        for (int64_t h = 0; h < kKvHeads; ++h) {
+          for (int64_t x = 0; x < kDv; ++x) {
+            for (int64_t j = 0; j < kSPrior; ++j)
+              top_v = std::max(top_v, std::fabs(vf.get(h, j, x)));
+            for (int64_t j = 0; j < call.v.shape()[1]; ++j) {
+              top_v = std::max(top_v, std::fabs(call.v.get(h, j, x)));
+            }
+          }
+        }
+        for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+          hwy::SetSupportedTargetsForTest(target);
+          SCOPED_TRACE(std::string("target ") + hwy::TargetName(target) + ", k " +
+                       dtype_name(kp.format) + ", v " + dtype_name(vp.format) + ", granularities " +
+                       std::to_string(g) + "/" + std::to_string((g + 1) % 3) + ", base " +
+                       std::to_string(base));
+          const Prefill::Result got = call.run(o), pages = call.run(paged);
+          ASSERT_TRUE(got.status.ok) << got.status.message;
+          ASSERT_TRUE(pages.status.ok) << pages.status.message;
+          EXPECT_LE(got.relative_error(DType::kBFloat16, exact) * top,
+                    std::ldexp(1.0, -8) * (top + top_v));
+          EXPECT_EQ(pages.out, got.out);
+          EXPECT_EQ(pages.lse, got.lse);
+        }
+        hwy::SetSupportedTargetsForTest(0);
+      }
     }
   }
 }

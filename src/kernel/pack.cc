@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "src/core/convert.h"
@@ -68,6 +69,17 @@ const void* element(const View3& t, DType dtype, int64_t b, int64_t row) {
          (b * t.batch_stride + row * t.row_stride) * dtype_size(dtype);
 }
 
+// The scales of prior keys [begin, end) of KV batch kv_b: one per KV batch or one per slot.
+void prior_scales(const Problem& problem, const std::vector<float>& per_batch,
+                  const KvSource& per_slot, int64_t kv_b, int64_t begin, int64_t end,
+                  float* scales) {
+  for (int64_t j = begin; j < end; ++j) {
+    scales[j - begin] = per_slot.data != nullptr
+                            ? *reinterpret_cast<const float*>(problem.prior_row(per_slot, kv_b, j))
+                            : per_batch[static_cast<size_t>(kv_b)];
+  }
+}
+
 // An 8-bit prior's packed codes of keys [begin, end) (key j at dst + (j - begin) * key_step,
 // its channels channel_step apart) times their scales: one per KV batch or one per slot. The
 // product is float32's rounding of code x scale, the dequantized cache's value.
@@ -77,13 +89,7 @@ void scale_prior_keys(const Problem& problem, const std::vector<float>& per_batc
   const int64_t n = end - begin;
   thread_local std::vector<float> scales;
   scales.resize(static_cast<size_t>(n));
-  if (per_slot.data != nullptr) {
-    for (int64_t j = begin; j < end; ++j) {
-      scales[j - begin] = *reinterpret_cast<const float*>(problem.prior_row(per_slot, kv_b, j));
-    }
-  } else {
-    std::fill(scales.begin(), scales.end(), per_batch[static_cast<size_t>(kv_b)]);
-  }
+  prior_scales(problem, per_batch, per_slot, kv_b, begin, end, scales.data());
   if (key_step == 1) {  // K, transposed: a channel's keys are contiguous
     for (int64_t c = 0; c < channels; ++c) {
       float* row = dst + c * channel_step;
@@ -100,9 +106,11 @@ void scale_prior_keys(const Problem& problem, const std::vector<float>& per_batc
 }  // namespace
 
 // Packs keys [begin, end) of KV batch kv_b's concatenated axis: K transposed into
-// k[c * ldk + (j - base)], V (unless null) into v[(j - base) * ldv + c].
+// k[c * ldk + (j - base)], V (unless null) into v[(j - base) * ldv + c]. An 8-bit prior's values
+// are its codes times their scales, or with `codes_only` its codes alone.
 void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
-             int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp) {
+             int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp,
+             bool codes_only) {
   const int64_t prior = problem.prior_used[kv_b];
   // The prior part [begin, min(end, prior)): a dense prior as one strided matrix, a paged one with
   // its rows' addresses gathered across the pages; then the new part [max(begin, prior), end).
@@ -131,11 +139,11 @@ void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t
                     n, problem.value_dim, v + (begin - base) * ldv, ldv, 1, tmp);
       }
     }
-    if (kp.dtype != problem.dtype) {
+    if (!codes_only && kp.dtype != problem.dtype) {
       scale_prior_keys(problem, problem.k_prior_scale, problem.k_prior_token_scale, kv_b, begin,
                        prior_end, k + (begin - base), 1, ldk, problem.head_dim);
     }
-    if (v != nullptr && vp.dtype != problem.dtype) {
+    if (!codes_only && v != nullptr && vp.dtype != problem.dtype) {
       scale_prior_keys(problem, problem.v_prior_scale, problem.v_prior_token_scale, kv_b, begin,
                        prior_end, v + (begin - base) * ldv, ldv, 1, problem.value_dim);
     }
@@ -293,14 +301,38 @@ const float* v_in_place(const Problem& problem, int64_t kv_b, int64_t begin, int
   return static_cast<const float*>(element(v, problem.dtype, kv_b, begin - prior));
 }
 
+namespace {
+
+// The packed codes of an 8-bit prior's keys [sec_begin, prior_end) times their scales, tile by
+// tile: what pack_kv leaves without codes_only.
+void scale_codes(const Problem& problem, int64_t kv_b, const TileWork* tiles, int64_t num_tiles,
+                 int64_t sec_begin, int64_t prior_end, float* k, int64_t ldk, float* v,
+                 int64_t ldv) {
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t begin = tiles[t].begin, end = std::min(tiles[t].end, prior_end);
+    if (begin >= end) continue;
+    if (problem.k_prior.dtype != problem.dtype) {
+      scale_prior_keys(problem, problem.k_prior_scale, problem.k_prior_token_scale, kv_b, begin,
+                       end, k + (begin - sec_begin), 1, ldk, problem.head_dim);
+    }
+    if (problem.v_prior.dtype != problem.dtype) {
+      scale_prior_keys(problem, problem.v_prior_scale, problem.v_prior_token_scale, kv_b, begin,
+                       end, v + (begin - sec_begin) * ldv, ldv, 1, problem.value_dim);
+    }
+  }
+}
+
+}  // namespace
+
 PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
                            const simd::Bf16DotOps* dot, int64_t kv_b, const SectionWork& section,
                            int64_t ldk, int64_t ldv, Scratch& scratch) {
   const TileWork* tiles = scratch.plan.tiles.data() + section.first_tile;
   const int64_t num_tiles = section.end_tile - section.first_tile;
-  // An 8-bit prior's dequantized values (code x scale) are not bfloat16 values in general: the
-  // sections that read it run on the float32 kernels.
-  if (problem.prior_is_kv8() && section.begin < problem.prior_used[kv_b]) dot = nullptr;
+  // An 8-bit prior's dequantized values (code x scale) are not bfloat16 values in general, but
+  // its codes are: the native path packs the codes and scales the scores and P instead.
+  const int64_t prior = problem.prior_used[kv_b];
+  const bool kv8 = problem.prior_is_kv8() && section.begin < prior;
   PackedSection packed;
   packed.begin = section.begin;
   packed.ldk = ldk;
@@ -321,7 +353,7 @@ PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
   bool subnormal = false;
   for (int64_t t = 0; t < num_tiles; ++t) {
     pack_kv(problem, ops, kv_b, tiles[t].begin, tiles[t].end, section.begin, scratch.k.data(), ldk,
-            v_tensor ? nullptr : scratch.v.data(), ldv, scratch.convert);
+            v_tensor ? nullptr : scratch.v.data(), ldv, scratch.convert, kv8 && dot != nullptr);
     // v_nonfinite matters on masked tiles only (section.cc); the native path's check reads all.
     if (!dot && !tiles[t].masked) continue;
     const int64_t off = tiles[t].begin - section.begin, n = tiles[t].end - tiles[t].begin;
@@ -336,12 +368,33 @@ PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
       subnormal |= (ops.classify(scratch.k.data() + x * ldk + off, n) & simd::kSubnormal) != 0;
     }
   }
-  if (!dot || packed.v_nonfinite || subnormal) return packed;
+  const int64_t width = tiles[num_tiles - 1].end - section.begin;
+  const int64_t prior_end = std::min(prior, section.begin + width);
+  if (!dot || packed.v_nonfinite || subnormal) {
+    if (dot && kv8) {  // packed as codes for the native path: dequantize for the float32 one
+      scale_codes(problem, kv_b, tiles, num_tiles, section.begin, prior_end, scratch.k.data(), ldk,
+                  scratch.v.data(), ldv);
+    }
+    return packed;
+  }
   pack_pairs(problem, ops, tiles, num_tiles, section.begin, scratch.k.data(), ldk, scratch.v.data(),
              ldv, scratch.k2.data(), scratch.v2.data());
   packed.dot = dot;
   packed.k2 = scratch.k2.data();
   packed.v2 = scratch.v2.data();
+  if (kv8) {
+    // Column j's scales: the prior's for keys before prior_end, 1 after.
+    for (auto [src, per_batch, per_slot, scales, field] :
+         {std::tuple{&problem.k_prior, &problem.k_prior_scale, &problem.k_prior_token_scale,
+                     &scratch.k_col_scale, &packed.k_scale},
+          std::tuple{&problem.v_prior, &problem.v_prior_scale, &problem.v_prior_token_scale,
+                     &scratch.v_col_scale, &packed.v_scale}}) {
+      if (src->dtype == problem.dtype) continue;  // this one is not 8-bit
+      scales->assign(static_cast<size_t>(width), 1.0f);
+      prior_scales(problem, *per_batch, *per_slot, kv_b, section.begin, prior_end, scales->data());
+      *field = scales->data();
+    }
+  }
   return packed;
 }
 

@@ -37,8 +37,10 @@ void for_each_run(const TileWork* tiles, int64_t num_tiles, int64_t origin, cons
 
 // Packs keys [begin, end) of KV batch kv_b's concatenated axis: K transposed into
 // k[c * ldk + (j - base)], V (unless null) into v[(j - base) * ldv + c], V's padding columns zero.
+// An 8-bit prior's keys hold code x scale, or with `codes_only` the codes' values alone.
 void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
-             int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp);
+             int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp,
+             bool codes_only);
 
 // Packs query rows [row0, row0 + rows) of batch b, multiplied by scale, into q [rows][d]; with
 // q2, also the unscaled rows as bfloat16 [rows][pair_dim(d)]. Returns whether q2's rows hold a

@@ -59,10 +59,12 @@ struct Scratch {
   // The softmax state's rows (SoftmaxState): [group][q_block] each.
   LineAligned<float> neg_max, sum, alpha;
   // The native bfloat16 path (simd/bf16_dot.h): the same blocks as bfloat16 pairs.
-  LineAligned<uint16_t> q2;    // [group][q_block][d2]  unscaled
-  LineAligned<uint32_t> k2;    // [d2 / 2][ldk]
-  LineAligned<uint32_t> v2;    // [section / 2 + 1][ldv]
-  LineAligned<uint16_t> p2;    // [sub-block][lds]
+  LineAligned<uint16_t> q2;  // [group][q_block][d2]  unscaled
+  LineAligned<uint32_t> k2;  // [d2 / 2][ldk]
+  LineAligned<uint32_t> v2;  // [section / 2 + 1][ldv]
+  LineAligned<uint16_t> p2;  // [sub-block][lds]
+  // An 8-bit prior on the native path: each section column's K and V scale (1 past the prior).
+  std::vector<float> k_col_scale, v_col_scale;
   std::vector<float> convert;  // one row or column being converted
   std::vector<RowInterval> intervals;
   BlockPlan plan;                    // the whole work item: what gets packed

@@ -55,7 +55,7 @@ void scores_and_max(const Problem& problem, const simd::Ops& ops, const PackedSe
     const int64_t off = tiles[t].begin - section.begin, n = tiles[t].end - tiles[t].begin;
     // Unmodified, unmasked tiles fold the row max into MM1's epilogue; the others take it once
     // the scores are final.
-    const bool fused_max = !tiles[t].masked && !modify;
+    const bool fused_max = !tiles[t].masked && !modify && section.k_scale == nullptr;
     if (section.dot) {
       section.dot->qk(head.q_pairs, pair_dim(d), rows, section.k2 + off, section.ldk, n,
                       pair_dim(d), problem.scale, s + off, lds, fused_max ? block_max : nullptr);
@@ -64,6 +64,12 @@ void scores_and_max(const Problem& problem, const simd::Ops& ops, const PackedSe
              fused_max ? block_max : nullptr);
     }
     if (fused_max) continue;
+    if (section.k_scale) {  // an 8-bit prior's codes: scale x code . q, key by key
+      for (int64_t r = 0; r < rows; ++r) {
+        float* srow = s + r * lds + off;
+        for (int64_t c = 0; c < n; ++c) srow[c] *= section.k_scale[off + c];
+      }
+    }
     if (modify) apply_modifiers(problem, ops, head, rows, tiles[t].begin, n, s + off, lds);
     if (!tiles[t].masked) {
       for (int64_t r = 0; r < rows; ++r) {
@@ -141,6 +147,13 @@ void attend_section(const Problem& problem, const simd::Ops& ops, const PackedSe
     float block_sum = 0.0f;
     for (int64_t t = 0; t < num_tiles; ++t) {
       const int64_t off = tiles[t].begin - section.begin, n = tiles[t].end - tiles[t].begin;
+      if (section.dot && section.v_scale) {
+        // An 8-bit prior's V codes: P times each key's scale, rounded to bfloat16 once.
+        block_sum += ops.exp_sum(srow + off, n, bias, false);
+        for (int64_t c = 0; c < n; ++c) srow[off + c] *= section.v_scale[off + c];
+        ops.from_float(srow + off, DType::kBFloat16, n, scores.p2 + r * lds + off);
+        continue;
+      }
       block_sum += section.dot
                        ? section.dot->exp_sum(srow + off, n, bias, scores.p2 + r * lds + off)
                        : ops.exp_sum(srow + off, n, bias, round_p);

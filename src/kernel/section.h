@@ -33,6 +33,12 @@ struct PackedSection {
   const simd::Bf16DotOps* dot = nullptr;
   const uint32_t* k2 = nullptr;
   const uint32_t* v2 = nullptr;
+  // An 8-bit prior on the native path: K2 and V2 hold its codes (bfloat16 values), and column j
+  // of the section (key begin + j) takes these scales, 1 past the prior: k_scale on the scores,
+  // v_scale on P before it is rounded to bfloat16. Null: no scale (the float32 path's packed
+  // values are dequantized already).
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 // One head's rows of a work item (a sub-block).
