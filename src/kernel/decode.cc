@@ -188,16 +188,14 @@ simd::DecodeRows block_rows(const KvSource& src, const PairShape& ps, const Slot
 // Multiplies columns [0, n) of rows [r0, r1) of `s` (lds apart) by the per-token scales of slots
 // [lo, lo + n) of the pair: a per-token-scaled 8-bit cache's K scales on the scores, or its V
 // scales on the probabilities.
-void scale_columns(const KvSource& scales, const PairShape& ps, int64_t lo, int64_t n, float* s,
-                   int64_t lds, int64_t r0, int64_t r1, std::vector<float>& buffer) {
+void scale_columns(const simd::Ops& ops, const KvSource& scales, const PairShape& ps, int64_t lo,
+                   int64_t n, float* s, int64_t lds, int64_t r0, int64_t r1,
+                   std::vector<float>& buffer) {
   if (buffer.size() < static_cast<size_t>(n)) buffer.resize(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     buffer[i] = *reinterpret_cast<const float*>(scales.row(ps.b, ps.kv_head, lo + i));
   }
-  for (int64_t r = r0; r < r1; ++r) {
-    float* row = s + r * lds;
-    for (int64_t i = 0; i < n; ++i) row[i] *= buffer[i];
-  }
+  for (int64_t r = r0; r < r1; ++r) ops.mul(s + r * lds, buffer.data(), n);
 }
 
 // The slots of the block [j0, j1) row range `slots` leaves, relative to j0 (empty: lo >= hi).
@@ -228,7 +226,7 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
                   sc.s.data(), ps.lds);
   }
   if (p.k_token_scale.data) {
-    scale_columns(p.k_token_scale, ps, j0 + all.lo, all.hi - all.lo, sc.s.data(), ps.lds, 0,
+    scale_columns(ops, p.k_token_scale, ps, j0 + all.lo, all.hi - all.lo, sc.s.data(), ps.lds, 0,
                   ps.rows, sc.token_scale);
   }
 
@@ -265,7 +263,8 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
                                           j0 + c.hi, sc.gather_v, sc.gather_v_rows);
     float* prow = sc.s.data() + r0 * ps.lds + col;
     if (p.v_token_scale.data) {
-      scale_columns(p.v_token_scale, ps, j0 + c.lo, n, prow, ps.lds, 0, r1 - r0, sc.token_scale);
+      scale_columns(ops, p.v_token_scale, ps, j0 + c.lo, n, prow, ps.lds, 0, r1 - r0,
+                    sc.token_scale);
     }
     if (ps.native) {
       ops.decode_pv_bf16(prow, ps.lds, r1 - r0, n, v, p.v.dtype, p.value_dim, state.alpha() + r0,

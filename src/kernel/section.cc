@@ -65,10 +65,7 @@ void scores_and_max(const Problem& problem, const simd::Ops& ops, const PackedSe
     }
     if (fused_max) continue;
     if (section.k_scale) {  // an 8-bit prior's codes: scale x code . q, key by key
-      for (int64_t r = 0; r < rows; ++r) {
-        float* srow = s + r * lds + off;
-        for (int64_t c = 0; c < n; ++c) srow[c] *= section.k_scale[off + c];
-      }
+      for (int64_t r = 0; r < rows; ++r) ops.mul(s + r * lds + off, section.k_scale + off, n);
     }
     if (modify) apply_modifiers(problem, ops, head, rows, tiles[t].begin, n, s + off, lds);
     if (!tiles[t].masked) {
@@ -150,7 +147,7 @@ void attend_section(const Problem& problem, const simd::Ops& ops, const PackedSe
       if (section.dot && section.v_scale) {
         // An 8-bit prior's V codes: P times each key's scale, rounded to bfloat16 once.
         block_sum += ops.exp_sum(srow + off, n, bias, false);
-        for (int64_t c = 0; c < n; ++c) srow[off + c] *= section.v_scale[off + c];
+        ops.mul(srow + off, section.v_scale + off, n);
         ops.from_float(srow + off, DType::kBFloat16, n, scores.p2 + r * lds + off);
         continue;
       }

@@ -62,6 +62,16 @@ void AddRow(float* s, const float* bias, int64_t n) {
   for (; c < n; ++c) s[c] += bias[c];
 }
 
+void MulRow(float* s, const float* scale, int64_t n) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t c = 0;
+  for (; c + N <= n; c += N) {
+    hn::StoreU(hn::Mul(hn::LoadU(df, s + c), hn::LoadU(df, scale + c)), df, s + c);
+  }
+  for (; c < n; ++c) s[c] *= scale[c];
+}
+
 unsigned Classify(const float* x, int64_t n) {
   // A float is NaN or Inf exactly when its exponent bits are all ones, and subnormal when they
   // are all zeros and the rest of its magnitude is not.

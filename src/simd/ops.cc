@@ -31,6 +31,7 @@ const Ops* GetOps() {
                             &Softcap,
                             &Alibi,
                             &AddRow,
+                            &MulRow,
                             &Classify,
                             &ToFloat,
                             &FromFloat,

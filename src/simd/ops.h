@@ -120,6 +120,8 @@ struct Ops {
   void (*softcap)(float* s, int64_t n, float cap);
   void (*alibi)(float* s, int64_t n, float slope, float dist0);
   void (*add)(float* s, const float* bias, int64_t n);
+  // s[c] *= scale[c]: an 8-bit cache's per-key scales on scores or probabilities.
+  void (*mul)(float* s, const float* scale, int64_t n);
 
   // Which of kNonFinite (NaN, Inf) and kSubnormal occur among x[i], i < n: the first takes the
   // kernel's rare exact path for such values, both keep the native bf16 kernels (which flush

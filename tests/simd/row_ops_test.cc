@@ -199,6 +199,22 @@ TEST(SimdAdd, ExactFloatSum) {
   });
 }
 
+TEST(SimdMul, ExactFloatProduct) {
+  std::mt19937 rng(6);
+  for_each_target([&](const simd::Ops& ops) {
+    for_each_row(ops, [&](GuardedBuffer& row, int64_t n) {
+      fill(row, n, -1.0f, 1.0f, rng);
+      GuardedBuffer scale(1, n + 2 * ops.lanes, 3);
+      fill(scale, n, 0.0f, 4.0f, rng);
+      std::vector<float> in(row.data(), row.data() + n);
+      scale.seal();
+      ops.mul(row.data(), scale.data(), n);
+      for (int64_t c = 0; c < n; ++c) EXPECT_EQ(row.at(0, c), in[c] * scale.at(0, c)) << c;
+      EXPECT_EQ(scale.unchanged(), "") << "scale written";
+    });
+  });
+}
+
 // The canaries past n are NaN, so a classify that read past n would report kNonFinite.
 TEST(SimdClassify, SeesEveryPositionAndNothingPastN) {
   const float kNaN = std::numeric_limits<float>::quiet_NaN();
