@@ -36,7 +36,8 @@ struct PackedSection {
   // An 8-bit prior on the native path: K2 and V2 hold its codes (bfloat16 values), and column j
   // of the section (key begin + j) takes these scales, 1 past the prior: k_scale on the scores,
   // v_scale on P before it is rounded to bfloat16. Null: no scale (the float32 path's packed
-  // values are dequantized already).
+  // values are dequantized already). vdpbf16ps flushes a P x v_scale below 2^-126 as it flushes a
+  // P that small: with V scales of 2^-102 or more, only terms below 2^-24 of the largest go.
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
 };
