@@ -284,6 +284,32 @@ TEST(SimdToFloat, ExactEveryDtype) {
   });
 }
 
+// The 8-bit cache formats: every code (NaN codes NaN, e5m2's infinities infinite, the rest exact,
+// signs kept) at every row length, codes past n that decode to NaN.
+TEST(SimdToFloat, EveryCodeOfThe8BitFormats) {
+  for_each_target([&](const simd::Ops& ops) {
+    for (DType dt : {DType::kInt8, DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+      SCOPED_TRACE(dtype_name(dt));
+      for (int shift = 0; shift < 256; shift += 37) {
+        for_each_row(ops, [&](GuardedBuffer& dst, int64_t n) {
+          std::vector<uint8_t> src(static_cast<size_t>(n + 2 * ops.lanes), 0x7F);
+          for (int64_t i = 0; i < n; ++i) src[i] = static_cast<uint8_t>((i + shift) % 256);
+          ops.to_float(src.data(), dt, n, dst.data());
+          for (int64_t i = 0; i < n; ++i) {
+            const double want = reference::load_element(src.data(), dt, i);
+            if (std::isnan(want)) {
+              EXPECT_TRUE(std::isnan(dst.at(0, i))) << "code " << int{src[i]};
+              continue;
+            }
+            EXPECT_EQ(dst.at(0, i), want) << "code " << int{src[i]};
+            EXPECT_EQ(std::signbit(dst.at(0, i)), std::signbit(want)) << "code " << int{src[i]};
+          }
+        });
+      }
+    }
+  });
+}
+
 // float32 values that hold bfloat16 ones (the only inputs the contract allows): random normals,
 // subnormals, zeros of both signs, infinities and a NaN payload, whose high halves must come
 // through bit for bit.
