@@ -122,6 +122,23 @@ struct PagedPrior8 {
   }
 };
 
+// `base` with the prior K and V 8-bit (dense, or paged with K's block table), scales included.
+Options with_prior(Options base, const Prior8& k, const Prior8& v) {
+  base.k_prior = k.view();
+  base.v_prior = v.view();
+  base.k_prior_scale = k.scale_view();
+  base.v_prior_scale = v.scale_view();
+  return base;
+}
+Options with_prior(Options base, const PagedPrior8& k, const PagedPrior8& v) {
+  base.k_prior = k.view();
+  base.v_prior = v.view();
+  base.k_prior_scale = k.scale_view();
+  base.v_prior_scale = v.scale_view();
+  base.prior_block_table = k.table_view();
+  return base;
+}
+
 struct Prefill {
   HostTensor q, k, v;
   Options options;
@@ -189,18 +206,9 @@ TEST(Kv8Prior, Float32IsBitwiseTheDequantizedPriorDenseAndPagedOnEveryTarget) {
         wide.causal_mask = causal;
         wide.k_prior = kf.view();
         wide.v_prior = vf.view();
-        Options o = wide;
-        o.k_prior = kp.view();
-        o.v_prior = vp.view();
-        o.k_prior_scale = kp.scale_view();
-        o.v_prior_scale = vp.scale_view();
+        const Options o = with_prior(wide, kp, vp);
         const PagedPrior8 kpp(kp), vpp(vp);
-        Options paged = o;
-        paged.k_prior = kpp.view();
-        paged.v_prior = vpp.view();
-        paged.k_prior_scale = kpp.scale_view();
-        paged.v_prior_scale = vpp.scale_view();
-        paged.prior_block_table = kpp.table_view();
+        const Options paged = with_prior(wide, kpp, vpp);
 
         // On each target: the float32 prior against the reference, then the 8-bit runs bitwise
         // it (targets differ in their summation order, so each is its own yardstick).
@@ -245,18 +253,9 @@ TEST(Kv8Prior, Bfloat16MatchesTheReferenceOnTheDequantizedPriorOnEveryTarget) {
         const Prior8 kp(kFormats[f], kD, static_cast<Granularity>(g), 21, base);
         const Prior8 vp(kFormats[(f + 1) % 3], kDv, static_cast<Granularity>((g + 1) % 3), 22,
                         base);
-        Options o = call.options;
-        o.k_prior = kp.view();
-        o.v_prior = vp.view();
-        o.k_prior_scale = kp.scale_view();
-        o.v_prior_scale = vp.scale_view();
+        const Options o = with_prior(call.options, kp, vp);
         const PagedPrior8 kpp(kp), vpp(vp);
-        Options paged = o;
-        paged.k_prior = kpp.view();
-        paged.v_prior = vpp.view();
-        paged.k_prior_scale = kpp.scale_view();
-        paged.v_prior_scale = vpp.scale_view();
-        paged.prior_block_table = kpp.table_view();
+        const Options paged = with_prior(call.options, kpp, vpp);
         // The reference reads the dequantized prior.
         const HostTensor kf = kp.dequantized(), vf = vp.dequantized();
         Options wide = call.options;

@@ -103,6 +103,21 @@ void scale_prior_keys(const Problem& problem, const std::vector<float>& per_batc
   }
 }
 
+// The packed codes of an 8-bit prior's keys [begin, end) (pack_kv's layout from `base`; V unless
+// null) times their scales: the dequantized cache's values. A prior in the problem's dtype is
+// left as it is.
+void dequantize_prior(const Problem& problem, int64_t kv_b, int64_t begin, int64_t end,
+                      int64_t base, float* k, int64_t ldk, float* v, int64_t ldv) {
+  if (problem.k_prior.dtype != problem.dtype) {
+    scale_prior_keys(problem, problem.k_prior_scale, problem.k_prior_token_scale, kv_b, begin, end,
+                     k + (begin - base), 1, ldk, problem.head_dim);
+  }
+  if (v != nullptr && problem.v_prior.dtype != problem.dtype) {
+    scale_prior_keys(problem, problem.v_prior_scale, problem.v_prior_token_scale, kv_b, begin, end,
+                     v + (begin - base) * ldv, ldv, 1, problem.value_dim);
+  }
+}
+
 }  // namespace
 
 // Packs keys [begin, end) of KV batch kv_b's concatenated axis: K transposed into
@@ -139,14 +154,7 @@ void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t
                     n, problem.value_dim, v + (begin - base) * ldv, ldv, 1, tmp);
       }
     }
-    if (!codes_only && kp.dtype != problem.dtype) {
-      scale_prior_keys(problem, problem.k_prior_scale, problem.k_prior_token_scale, kv_b, begin,
-                       prior_end, k + (begin - base), 1, ldk, problem.head_dim);
-    }
-    if (!codes_only && v != nullptr && vp.dtype != problem.dtype) {
-      scale_prior_keys(problem, problem.v_prior_scale, problem.v_prior_token_scale, kv_b, begin,
-                       prior_end, v + (begin - base) * ldv, ldv, 1, problem.value_dim);
-    }
+    if (!codes_only) dequantize_prior(problem, kv_b, begin, prior_end, base, k, ldk, v, ldv);
   }
   if (const int64_t j0 = std::max(begin, prior); j0 < end) {
     const View3& kt = problem.k;
@@ -301,29 +309,6 @@ const float* v_in_place(const Problem& problem, int64_t kv_b, int64_t begin, int
   return static_cast<const float*>(element(v, problem.dtype, kv_b, begin - prior));
 }
 
-namespace {
-
-// The packed codes of an 8-bit prior's keys [sec_begin, prior_end) times their scales, tile by
-// tile: what pack_kv leaves without codes_only.
-void scale_codes(const Problem& problem, int64_t kv_b, const TileWork* tiles, int64_t num_tiles,
-                 int64_t sec_begin, int64_t prior_end, float* k, int64_t ldk, float* v,
-                 int64_t ldv) {
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    const int64_t begin = tiles[t].begin, end = std::min(tiles[t].end, prior_end);
-    if (begin >= end) continue;
-    if (problem.k_prior.dtype != problem.dtype) {
-      scale_prior_keys(problem, problem.k_prior_scale, problem.k_prior_token_scale, kv_b, begin,
-                       end, k + (begin - sec_begin), 1, ldk, problem.head_dim);
-    }
-    if (problem.v_prior.dtype != problem.dtype) {
-      scale_prior_keys(problem, problem.v_prior_scale, problem.v_prior_token_scale, kv_b, begin,
-                       end, v + (begin - sec_begin) * ldv, ldv, 1, problem.value_dim);
-    }
-  }
-}
-
-}  // namespace
-
 PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
                            const simd::Bf16DotOps* dot, int64_t kv_b, const SectionWork& section,
                            int64_t ldk, int64_t ldv, Scratch& scratch) {
@@ -372,8 +357,15 @@ PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
   const int64_t prior_end = std::min(prior, section.begin + width);
   if (!dot || packed.v_nonfinite || subnormal) {
     if (dot && kv8) {  // packed as codes for the native path: dequantize for the float32 one
-      scale_codes(problem, kv_b, tiles, num_tiles, section.begin, prior_end, scratch.k.data(), ldk,
-                  scratch.v.data(), ldv);
+      // Tile by tile: the keys between tiles were not packed (what pack_kv leaves without
+      // codes_only).
+      for (int64_t t = 0; t < num_tiles; ++t) {
+        const int64_t end = std::min(tiles[t].end, prior_end);
+        if (tiles[t].begin < end) {
+          dequantize_prior(problem, kv_b, tiles[t].begin, end, section.begin, scratch.k.data(), ldk,
+                           scratch.v.data(), ldv);
+        }
+      }
     }
     return packed;
   }

@@ -13,7 +13,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 
 #include "hwy/highway.h"
