@@ -28,6 +28,13 @@ DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
                  "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
+# The 8-bit cache formats of --decode's --kv-dtypes (flashcte's and torch's names), and each
+# one's largest finite magnitude: a per-tensor scale maps the cache's absmax onto it.
+KV8_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+KV8_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+# What --decode times: flashcte (its CLI), PyTorch SDPA and ggml's flash attention.
+DECODE_IMPLS = ("flashcte", "torch", "ggml")
+
 # Display order; "sgemm" is the roofline. "flashcte-cli" is flashcte again, timed by its CLI in a
 # fresh process (uniform [0, 1) inputs of the same shapes) between the worker's own calls: the
 # worker's flashcte figure, which every ours/X ratio uses, checked against the CLI's in the same

@@ -1,17 +1,27 @@
 """A decode point in a fresh process (`bench/compare --decode-worker JSON`): one new token per
-sequence against N cached ones, flashcte's decode kernel against PyTorch SDPA on the same shapes.
+sequence against N cached ones, flashcte's decode kernel against PyTorch SDPA and ggml's flash
+attention on the same shapes.
 
 flashcte is timed by its CLI, `flashcte bench --decode --json` (the Python package has no decode
 call of its own): each of its calls runs after a timed streaming pass over 8x the L3 that evicts
-the caches (--cold), and that pass is its bandwidth sample. torch is timed the same way in this
-process: a warm-up (which is also its cross-check), then calls each after an eviction pass of the
-same size. The two alternate round by round (the order rotated), CALLS_PER_ROUND calls a round;
-a round's figure is the median of its calls and the point's the median of its rounds.
+the caches (--cold), and that pass is its bandwidth sample. The peers are timed the same way in
+this process: a warm-up (which is also its cross-check), then calls each after an eviction pass
+of the same size. They alternate round by round (the order rotated), CALLS_PER_ROUND calls a
+round; a round's figure is the median of its calls and the point's the median of its rounds.
 
-The CLI does not write its output, so the cross-check holds torch's output to the float64 result
-of the decode call on the point's own inputs (tolerance.DecodeYardstick), within the bound
-flashcte is held to at a prefill point; flashcte's decode output is checked against float64 by
-tests/decode_test.cc, not here. Prints one JSON object per implementation and a summary line."""
+An 8-bit point (kv_dtype int8 / float8_e4m3fn / float8_e5m2) has the cache in that format with
+one scale per tensor (the CLI's --kv-dtype): torch holds the same kind of cache and dequantizes
+it in every timed call (`codes.to(dtype) * scale`, then SDPA: what a torch user with an 8-bit
+cache runs), ggml holds a q8_0 cache (llama.cpp's 8-bit cache: blocks of 32 with an fp16 scale).
+
+The CLI does not write its output, so the cross-check holds each peer's output to the float64
+result of the decode call on the values its cache holds (tolerance.DecodeYardstick: torch's
+dequantized cache, ggml's f16 / f32 / q8_0 one), within the bound flashcte is held to at a
+prefill point; flashcte's decode output is checked against float64 by tests/decode_test.cc and
+tests/decode_kv8_test.cc, not here. A peer beyond the bound is not timed, except ggml on a q8_0
+cache: its CPU kernel also quantizes q to q8_0 (the vec_dot type of a q8_0 K), an error of its
+format the bound does not know; it is timed and its error reported. Prints one JSON object per
+implementation and a summary line."""
 
 from __future__ import annotations
 
@@ -21,25 +31,28 @@ import os
 import time
 from pathlib import Path
 
-from .common import DTYPES, median
-from .peers import TorchDecodeImpl, TorchPagedDecodeImpl
+from .common import DECODE_IMPLS, DTYPES, KV8_MAX, median
+from .peers import GgmlDecodeImpl, TorchDecodeImpl, TorchPagedDecodeImpl
 from .peers.cli import cli_json, decode_command
 from .worker import rotated_rounds
 
 CALLS_PER_ROUND = 3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+PEERS = tuple(i for i in DECODE_IMPLS if i != "flashcte")
 
 
 def kv_bytes(p: dict) -> int:
-    """What a call must read: K and V of every slot the new token attends (N cached + its own),
-    every sequence and KV head; `flashcte bench --decode`'s kv_bytes."""
-    return (p["batch"] * p["kv_heads"] * (p["cached"] + p["new"]) * 2 * p["d"]
-            * DTYPE_BYTES[p["dtype"]])
+    """What flashcte's call must read: K and V of every slot the new token attends (N cached +
+    its own), every sequence and KV head (an 8-bit cache one byte each, its two scales aside);
+    `flashcte bench --decode`'s kv_bytes."""
+    elem = 1 if p.get("kv_dtype") else DTYPE_BYTES[p["dtype"]]
+    return p["batch"] * p["kv_heads"] * (p["cached"] + p["new"]) * 2 * p["d"] * elem
 
 
 def decode_name(p: dict) -> str:
     cache = f" pages={p['block_size']}" if p.get("block_size") else ""
-    return (f"{DTYPES[p['dtype']]} B={p['batch']} N={p['cached']}{cache} heads={p['heads']}:"
+    kv = f" cache={p['kv_dtype']}" if p.get("kv_dtype") else ""
+    return (f"{DTYPES[p['dtype']]}{kv} B={p['batch']} N={p['cached']}{cache} heads={p['heads']}:"
             f"{p['kv_heads']} d={p['d']} threads={p['threads']}")
 
 
@@ -66,30 +79,56 @@ def decode_inputs(p: dict) -> tuple:
     return tuple(torch.randn(s, generator=g).to(torch_dtype(torch, p["dtype"])) for s in shapes)
 
 
-def set_up_torch(p: dict, res: dict):
-    """torch on the point's inputs, run once and cross-checked against float64. Returns it when
-    it is to be timed, else None (res says why)."""
+def quantize_per_tensor(t, fmt: str) -> tuple:
+    """An 8-bit cache of `t` with one scale (the CLI's --kv-dtype cache): codes = t / scale
+    rounded to the format (int8: to nearest even, within +-127), scale = max |t| / the format's
+    largest value. Returns (codes, scale)."""
+    import torch
+    scale = float(t.float().abs().max()) / KV8_MAX[fmt]
+    x = t.float() / scale
+    if fmt == "int8":
+        return x.round().clamp(-127, 127).to(torch.int8), scale
+    return x.to(getattr(torch, fmt)), scale
+
+
+def make_peer(name: str, p: dict, data: tuple):
+    """The peer `name` on the point's float inputs: torch on them (an 8-bit point: quantized per
+    tensor, with the scales it dequantizes by), ggml on its own cache of them."""
+    if name == "ggml":
+        return GgmlDecodeImpl(name, p, data)
+    q, k, v = data
+    if p.get("kv_dtype"):
+        (k, sk), (v, sv) = (quantize_per_tensor(t, p["kv_dtype"]) for t in (k, v))
+        data = (q, k, v, (sk, sv))
+    paged = p.get("block_size", 0) > 0
+    return (TorchPagedDecodeImpl if paged else TorchDecodeImpl)(name, p, data)
+
+
+def set_up_peer(name: str, p: dict, res: dict):
+    """A peer on the point's inputs, run once and cross-checked against float64 on the values its
+    cache holds. Returns it when it is to be timed, else None (res says why)."""
     from .tolerance import DecodeYardstick
-    if not p["torch_ok"]:
-        res.update(status="skipped", reason=p["torch_reason"])
+    if not p["peer_ok"][name]:
+        res.update(status="skipped", reason=p["peer_reason"][name])
         return None
     try:
-        data = decode_inputs(p)
-        paged = p.get("block_size", 0) > 0
-        impl = (TorchPagedDecodeImpl if paged else TorchDecodeImpl)("torch", p, data)
+        impl = make_peer(name, p, decode_inputs(p))
         impl.setup()
         res.update(impl.extra)
         t0 = time.perf_counter()
         out = impl.as_numpy(impl.run())
         res["warmup_ms"] = (time.perf_counter() - t0) * 1e3
-        ys = DecodeYardstick(p, data)
+        ys = DecodeYardstick(p, impl.attended())
         err, tol = ys.error(out), ys.bound(p["dtype"])
         res.update(max_err_vs_float64=err, tolerance=tol)
-        if not err <= tol:
-            res.update(status="wrong", reason=f"max |torch − float64| = {err:.3g} > {tol:.3g} "
-                       f"(tolerance.py's bound at this point); not timed")
-            return None
-        return impl
+        if err <= tol:
+            return impl
+        what = f"max |{name} − float64| = {err:.3g} > {tol:.3g} (tolerance.py's bound here)"
+        if name == "ggml" and p.get("kv_dtype"):
+            res["notes"] = "; ".join(filter(None, (res.get("notes"), f"{what}: ggml quantizes q "
+                                                    "to q8_0 against a q8_0 K; timed")))
+            return impl
+        res.update(status="wrong", reason=f"{what}; not timed")
     except Exception as e:  # noqa: BLE001 - a peer's failure must not stop the run
         msg = str(e).strip().splitlines()
         res.update(status="error", reason=f"{type(e).__name__}: {msg[0][:200] if msg else ''}")
@@ -116,7 +155,7 @@ def flashcte_round(p: dict, res: dict) -> None:
     res.update(simd=j.get("simd"), cli_kv_bytes=j.get("kv_bytes"))
 
 
-def torch_round(p: dict, impl, evictor: Evictor, res: dict) -> None:
+def peer_round(p: dict, impl, evictor: Evictor, res: dict) -> None:
     calls = []
     for _ in range(p["calls"]):
         evictor.run()
@@ -129,16 +168,16 @@ def torch_round(p: dict, impl, evictor: Evictor, res: dict) -> None:
     res["min_ms"] = min(res.get("min_ms", math.inf), min(calls))
 
 
-def timed_rounds(p: dict, results: dict, torch_impl) -> None:
-    """flashcte and torch once per round each, the order rotated round by round."""
-    evictor = Evictor() if torch_impl is not None else None
-    order = [n for n in ("flashcte", "torch") if results[n]["status"] == "ok"]
+def timed_rounds(p: dict, results: dict, peers: dict) -> None:
+    """flashcte and each peer once per round, the order rotated round by round."""
+    evictor = Evictor() if peers else None
+    order = [n for n in DECODE_IMPLS if results[n]["status"] == "ok"]
 
     def time_one(name: str, res: dict) -> None:
         if name == "flashcte":
             flashcte_round(p, res)
         else:
-            torch_round(p, torch_impl, evictor, res)
+            peer_round(p, peers[name], evictor, res)
 
     rotated_rounds(p["reps"], order, results, time_one)
 
@@ -149,19 +188,21 @@ def decode_worker(p: dict) -> None:
     nbytes = kv_bytes(p)
     summary = {"kind": "point", "load_start": os.getloadavg()[0], "kv_bytes": nbytes}
     results = {name: {"impl": name, "status": "ok", "reason": "", "rounds_ms": [],
-                      "calls_ms": [], "read_gbps_during": []} for name in ("flashcte", "torch")}
+                      "calls_ms": [], "read_gbps_during": []} for name in DECODE_IMPLS}
     if not p["cli"]:
         results["flashcte"].update(status="skipped", reason="no flashcte CLI")
-    torch_impl = None
-    if "torch" in p["impls"]:
-        torch_impl = set_up_torch(p, results["torch"])
-    else:
-        results["torch"].update(status="skipped", reason="not in --impls")
-    timed_rounds(p, results, torch_impl)
+    peers = {}
+    for name in PEERS:
+        if name not in p["impls"]:
+            results[name].update(status="skipped", reason="not in --impls")
+        elif (impl := set_up_peer(name, p, results[name])) is not None:
+            peers[name] = impl
+    timed_rounds(p, results, peers)
     summary["load_end"] = os.getloadavg()[0]
     for res in results.values():
         if res["status"] == "ok" and res["rounds_ms"]:
             res["median_ms"] = median(res["rounds_ms"])
+            # flashcte's bytes for every implementation: what the point's cache needs read.
             res["kv_gbps"] = nbytes / (res["median_ms"] * 1e-3) * 1e-9
         print(json.dumps(res), flush=True)
     print(json.dumps(summary), flush=True)

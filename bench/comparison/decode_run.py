@@ -1,7 +1,8 @@
 """`bench/compare --decode` (inside the venv): the machine's read bandwidth before every point
 and after the last (`flashcte bench --impl bandwidth`), each decode point in a fresh worker
-(decode.py), and the write-up: results.md (the table: times, torch/flashcte, K/V bytes, GB/s and
-the ratio to the bandwidth), results.csv, raw.jsonl and meta.json, rewritten after every point."""
+(decode.py), and the write-up: results.md (the table: times, torch/flashcte and ggml/flashcte,
+K/V bytes, GB/s and the ratio to the bandwidth), results.csv, raw.jsonl and meta.json, rewritten
+after every point."""
 
 from __future__ import annotations
 
@@ -12,21 +13,22 @@ import sys
 import time
 from pathlib import Path
 
-from .common import BANDWIDTH_REPS, CLI_BUILD_DIR, DTYPES, ROOT, fmt, log, median
+from .common import BANDWIDTH_REPS, CLI_BUILD_DIR, DECODE_IMPLS, DTYPES, ROOT, fmt, log, median
 from .decode import CALLS_PER_ROUND, decode_name
 from .machine import measure_bandwidth, peer_versions, read_bandwidth, wait_idle
 from .orchestrate import make_meta, run_worker
 from .points import plan_decode_points
 from .report import load_version_bullets, run_bullets
 
-IMPLS = ("flashcte", "torch")
-CSV_COLUMNS = ["dtype", "batch", "cached", "block_size", "new", "heads", "kv_heads", "d",
+IMPLS = DECODE_IMPLS
+PEERS = IMPLS[1:]
+CSV_COLUMNS = ["dtype", "kv_dtype", "batch", "cached", "block_size", "new", "heads", "kv_heads", "d",
                "threads", "impl",
                "status", "median_ms", "min_ms", "kv_bytes", "kv_gbps", "ratio_to_bandwidth",
-               "torch_over_flashcte", "read_gbps_during", "bandwidth_before_point",
+               "peer_over_flashcte", "read_gbps_during", "bandwidth_before_point",
                "max_err_vs_float64", "tolerance",
                "rounds", "load_start", "reason", "notes"]
-NOTE_KEYS = ("simd", "gqa", "sdpa_backend", "torch")
+NOTE_KEYS = ("simd", "gqa", "sdpa_backend", "torch", "dequantize", "ggml", "ggml_kv_type", "notes")
 
 
 def bandwidths(meta: dict, threads: int) -> list[float]:
@@ -44,10 +46,14 @@ def machine_bandwidth(meta: dict) -> float | None:
 
 
 def ratios(rec: dict, bw: float | None) -> dict:
-    """A point's derived figures: torch/flashcte (time), each one's GB/s over the bandwidth."""
-    fl, tr = (rec["impls"].get(i, {}) for i in IMPLS)
-    out = {"torch_over_flashcte": (tr["median_ms"] / fl["median_ms"]
-                                   if tr.get("median_ms") and fl.get("median_ms") else None)}
+    """A point's derived figures: each peer's time over flashcte's (key "<peer>_over_flashcte"),
+    each one's GB/s over the bandwidth."""
+    fl = rec["impls"].get("flashcte", {})
+    out = {}
+    for i in PEERS:
+        r = rec["impls"].get(i, {})
+        out[f"{i}_over_flashcte"] = (r["median_ms"] / fl["median_ms"]
+                                     if r.get("median_ms") and fl.get("median_ms") else None)
     for i in IMPLS:
         g = rec["impls"].get(i, {}).get("kv_gbps")
         out[i] = g / bw if g and bw else None
@@ -60,20 +66,23 @@ def cell(r: dict, key: str, nd: int) -> str:
 
 def table(records: list[dict], bw: float | None) -> list[str]:
     """The decode table (results.md's, and what docs/benchmarks/README.md quotes)."""
-    md = ["| dtype | batch | N | cache | K/V MB | flashcte ms | torch ms | torch/flashcte | "
-          "flashcte GB/s | torch GB/s | flashcte/bw | torch/bw | bw during point GB/s | load |",
-          "|" + "---|" * 14]
+    md = ["| dtype | cache | batch | N | layout | K/V MB | flashcte ms | torch ms | ggml ms | "
+          "torch/flashcte | ggml/flashcte | flashcte GB/s | flashcte/bw | "
+          "bw during point GB/s | load |",
+          "|" + "---|" * 15]
     for rec in records:
-        p, fl, tr = rec["point"], rec["impls"].get("flashcte", {}), rec["impls"].get("torch", {})
+        p, fl = rec["point"], rec["impls"].get("flashcte", {})
+        tr, gg = rec["impls"].get("torch", {}), rec["impls"].get("ggml", {})
         x = ratios(rec, bw)
         during = fl.get("read_gbps_during") or []
-        cache = f"pages of {p['block_size']}" if p.get("block_size") else "dense"
-        md.append(f"| {DTYPES[p['dtype']]} | {p['batch']} | "
-                  f"{p['cached']} | {cache} | {fmt(rec['summary'].get('kv_bytes', 0) / 1e6)} | "
+        layout = f"pages of {p['block_size']}" if p.get("block_size") else "dense"
+        cache = p.get("kv_dtype") or DTYPES[p["dtype"]]
+        md.append(f"| {DTYPES[p['dtype']]} | {cache} | {p['batch']} | {p['cached']} | {layout} | "
+                  f"{fmt(rec['summary'].get('kv_bytes', 0) / 1e6)} | "
                   f"{cell(fl, 'median_ms', 2)} | {cell(tr, 'median_ms', 2)} | "
-                  f"{fmt(x['torch_over_flashcte'], 2)} | {cell(fl, 'kv_gbps', 1)} | "
-                  f"{cell(tr, 'kv_gbps', 1)} | {fmt(x['flashcte'], 2)} | {fmt(x['torch'], 2)} | "
-                  f"{fmt(median(during) if during else None)} | "
+                  f"{cell(gg, 'median_ms', 2)} | {fmt(x['torch_over_flashcte'], 2)} | "
+                  f"{fmt(x['ggml_over_flashcte'], 2)} | {cell(fl, 'kv_gbps', 1)} | "
+                  f"{fmt(x['flashcte'], 2)} | {fmt(median(during) if during else None)} | "
                   f"{fmt(rec['summary'].get('load_start'), 2)} |")
     return md
 
@@ -95,15 +104,21 @@ def bandwidth_lines(meta: dict) -> list[str]:
 
 
 def notes(records: list[dict]) -> list[str]:
-    """What torch ran (backend, GQA), the cross-checks, and what was not timed."""
+    """What the peers ran (torch's backend, GQA and dequantization, ggml's cache type), the
+    cross-checks, and what was not timed."""
     md = []
     for rec in records:
-        tr = rec["impls"].get("torch", {})
         name = decode_name(rec["point"])
-        if "max_err_vs_float64" in tr:
-            md.append(f"* {name}: torch {tr.get('sdpa_backend', '?')}, GQA {tr.get('gqa', '?')}; "
-                      f"max |torch − float64| {tr['max_err_vs_float64']:.2g}, tolerance "
-                      f"{tr['tolerance']:.2g}")
+        for i in PEERS:
+            r = rec["impls"].get(i, {})
+            if "max_err_vs_float64" not in r:
+                continue
+            what = (f"{r.get('sdpa_backend', '?')}, GQA {r.get('gqa', '?')}"
+                    + (f", {r['dequantize']}" if r.get("dequantize") else "") if i == "torch"
+                    else f"{r.get('ggml_kv_type', '?')} cache")
+            md.append(f"* {name}: {i} {what}; max |{i} − float64 on its cache| "
+                      f"{r['max_err_vs_float64']:.2g}, tolerance {r['tolerance']:.2g}"
+                      + (f" ({r['notes']})" if r.get("notes") else ""))
         for i in IMPLS:
             r = rec["impls"].get(i, {})
             if r.get("status") not in (None, "ok"):
@@ -113,7 +128,7 @@ def notes(records: list[dict]) -> list[str]:
 
 def write_md(path: Path, meta: dict, records: list[dict]) -> None:
     bw = machine_bandwidth(meta)
-    md = ["# flashcte decode vs PyTorch SDPA\n"] + run_bullets(meta) + load_version_bullets(meta)
+    md = ["# flashcte decode vs PyTorch SDPA and ggml\n"] + run_bullets(meta) + load_version_bullets(meta)
     md += bandwidth_lines(meta)
     waits = [rec["wait_idle"] for rec in records if rec.get("wait_idle")]
     if waits:
@@ -125,15 +140,19 @@ def write_md(path: Path, meta: dict, records: list[dict]) -> None:
     md += [f"* Protocol: per point a fresh worker; {meta['reps']} rounds alternating flashcte "
            f"(`flashcte bench --decode --json --reps {CALLS_PER_ROUND}`, a fresh process) and "
            f"torch ({CALLS_PER_ROUND} calls of `F.scaled_dot_product_attention`, "
-           f"`torch.set_num_threads({meta['threads']})`), the order rotated each round; every "
+           f"`torch.set_num_threads({meta['threads']})`; an 8-bit cache dequantized to q's dtype "
+           f"in each call) and ggml ({CALLS_PER_ROUND} calls of a `ggml_flash_attn_ext` graph on "
+           f"{meta['threads']} threads, q f32, the cache f16 / f32 / q8_0 as llama.cpp's for the "
+           f"point's dtype, dense), the order rotated each round; every "
            f"call after a streaming pass over 8x the L3 that evicts the caches (for flashcte the "
            f"CLI's --cold pass, timed: the 'bw during point' column); figures are medians of the "
            f"rounds' medians. torch's warm-up output is checked against a float64 decode of the "
            f"same inputs (tolerance.py's bound); the CLI does not write flashcte's output.",
-           "", "K/V bytes: batch x kv_heads x (N + 1) x 2d x dtype size (N cached tokens and the "
-           "new one's); GB/s = those bytes / median time; `x/bw` = GB/s over the machine's read "
-           f"bandwidth, the median above ({fmt(bw)} GB/s); torch/flashcte = torch's time over "
-           "flashcte's (> 1: flashcte is faster).\n"]
+           "", "K/V bytes: batch x kv_heads x (N + 1) x 2d x the cache's element size (N cached "
+           "tokens and the new one's; 1 for an 8-bit cache); GB/s = those bytes / flashcte's "
+           "median time; flashcte/bw = GB/s over the machine's read "
+           f"bandwidth, the median above ({fmt(bw)} GB/s); torch/flashcte, ggml/flashcte = the "
+           "peer's time over flashcte's (> 1: flashcte is faster).\n"]
     md += table(records, bw) + [""] + notes(records)
     path.write_text("\n".join(md) + "\n")
 
@@ -148,12 +167,12 @@ def write_csv(path: Path, meta: dict, records: list[dict]) -> None:
             for i in IMPLS:
                 r = rec["impls"].get(i, {"status": "missing"})
                 during = r.get("read_gbps_during") or []
-                w.writerow([p["dtype"], p["batch"], p["cached"], p.get("block_size", 0),
+                w.writerow([p["dtype"], p.get("kv_dtype") or p["dtype"], p["batch"], p["cached"], p.get("block_size", 0),
                             p["new"], p["heads"],
                             p["kv_heads"], p["d"], p["threads"], i, r["status"],
                             fmt(r.get("median_ms"), 4), fmt(r.get("min_ms"), 4),
                             rec["summary"].get("kv_bytes", ""), fmt(r.get("kv_gbps"), 3),
-                            fmt(x[i], 4), fmt(x["torch_over_flashcte"], 4) if i == "torch" else "",
+                            fmt(x[i], 4), fmt(x.get(f"{i}_over_flashcte"), 4),
                             " ".join(fmt(g, 2) for g in during),
                             fmt(rec.get("bandwidth_before_gbps"), 2),
                             f"{r['max_err_vs_float64']:.3g}" if "max_err_vs_float64" in r else "",
@@ -184,7 +203,7 @@ def log_point(n: int, total: int, rec: dict, seconds: float, bw: float | None) -
     waited = f", waited {idle['waited_s']} s, then {idle['idle']:.0%} idle" if idle else ""
     log(f"[{n}/{total}] {decode_name(rec['point'])} ({seconds:.0f} s{waited}, load "
         f"{fmt(rec['summary'].get('load_start'), 2)}): " + ", ".join(parts)
-        + f", torch/flashcte {fmt(x['torch_over_flashcte'], 2)}")
+        + "".join(f", {i}/flashcte {fmt(x[f'{i}_over_flashcte'], 2)}" for i in PEERS))
 
 
 def bandwidth(meta: dict, cli: str, args) -> float | None:
@@ -203,7 +222,9 @@ def orchestrate_decode(args) -> None:
     versions = peer_versions(sys.executable)
     for unused in ("flashcte", "flashcte_simd"):  # the package; decode times the CLI
         versions.pop(unused, None)
-    torch_ok = versions.get("torch") is not None
+    modules = {"torch": "torch", "ggml": "ggml"}
+    peer_ok = {i: versions.get(modules[i]) is not None for i in PEERS}
+    peer_reason = {i: peer_install.get(modules[i], f"{modules[i]} not importable") for i in PEERS}
     points = plan_decode_points(args)
     out_dir = Path(args.out) if args.out else ROOT / "docs" / "benchmarks" / "decode"
     meta = make_meta(args, "decode", cli, source, peer_install, versions)
@@ -215,8 +236,7 @@ def orchestrate_decode(args) -> None:
         idle = wait_idle(args.wait_idle) if args.wait_idle else None
         bw_before = bandwidth(meta, cli, args)
         q = dict(p, cli=cli, reps=args.reps, calls=CALLS_PER_ROUND, timeout=args.timeout,
-                 impls=args.impls, torch_ok=torch_ok,
-                 torch_reason=peer_install.get("torch", "torch not importable"))
+                 impls=args.impls, peer_ok=peer_ok, peer_reason=peer_reason)
         rows = run_worker(sys.executable, "--decode-worker", q, list(IMPLS), args.timeout)
         records.append({"point": p, "impls": {r["impl"]: r for r in rows if "impl" in r},
                         "summary": next((r for r in rows if r.get("kind") == "point"), {}),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import DEFAULT_VENV, DTYPE_ALIASES, IMPLS
+from .common import DECODE_IMPLS, DEFAULT_VENV, DTYPE_ALIASES, IMPLS, KV8_DTYPES
 from .points import DECODE_PRESET, PRESETS
 
 
@@ -25,10 +25,11 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                       help="S=512..32768, fp32/bf16/fp16, causal and not, d=64/128, MHA 8:8 "
                            "and GQA 32:8, 5 rounds: many hours")
     mode.add_argument("--decode", dest="mode", action="store_const", const="decode",
-                      help="decode points against PyTorch SDPA: 1 new token, heads 32:8, d=128, "
-                           "N=4096 and 32768 cached tokens, batch 1 and 8, bf16 and fp32; K/V "
-                           "GB/s and the ratio to the measured read bandwidth; 5 rounds "
-                           "(minutes; --dtypes, --d, --heads, --threads, --reps apply)")
+                      help="decode points against PyTorch SDPA and ggml's flash attention: 1 new "
+                           "token, heads 32:8, d=128, N=4096 and 32768 cached tokens, batch 1 and "
+                           "8, bf16 and fp32 (--kv-dtypes: 8-bit caches); K/V GB/s and the ratio "
+                           "to the measured read bandwidth; 5 rounds (minutes; --dtypes, --d, "
+                           "--heads, --threads, --reps apply)")
     ap.add_argument("--batch", type=int, nargs="+", help="--decode: batch sizes (default 1 8)")
     ap.add_argument("--cached", type=int, nargs="+",
                     help="--decode: cached tokens N (default 4096 32768)")
@@ -36,6 +37,10 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
                     help="--decode: the cache dense (0, the default) or paged with pages of this "
                          "many slots (vLLM's layout, pages shuffled); torch then gathers the "
                          "pages before SDPA, as transformers' paged cache does on the CPU")
+    ap.add_argument("--kv-dtypes", nargs="+", choices=["same", *KV8_DTYPES],
+                    help="--decode: the cache in the point's dtype (same, the default) or 8-bit "
+                         "with one scale per tensor (q and out in the point's dtype); torch then "
+                         "dequantizes the cache in every call, ggml runs a q8_0 cache")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="SECONDS",
                     help="--decode: before each point wait (at most SECONDS) until the CPUs "
                          "were 90%% idle over 5 s, for a shared machine (default 0: no wait)")
@@ -51,8 +56,9 @@ def build_parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--heads", nargs="+", help="heads:kv_heads, e.g. 8:8 32:8")
     ap.add_argument("--threads", type=int, default=2, help="threads for every impl (default 2)")
     ap.add_argument("--reps", type=int, default=None, help="timed rounds per point")
-    ap.add_argument("--impls", nargs="+", choices=IMPLS, default=None,
-                    help="subset of implementations (default all)")
+    ap.add_argument("--impls", nargs="+", choices=sorted(set(IMPLS) | set(DECODE_IMPLS)),
+                    default=None, help="subset of implementations (default all; --decode's: "
+                                       f"{' '.join(DECODE_IMPLS)})")
     ap.add_argument("--materialized-max-s", type=int, default=None,
                     help="largest S for the materialized peer (its S^2 fp32 scores)")
     ap.add_argument("--mem-budget-gib", type=float, default=6.0,
@@ -83,15 +89,19 @@ def parse_args(argv, doc: str):
         if not_decode:
             ap.error(f"{', '.join(not_decode)}: not used by --decode")
         preset = DECODE_PRESET
-    elif args.batch or args.cached or args.wait_idle or args.block_size:
-        ap.error("--batch, --cached, --wait-idle, --block-size: only with --decode")
+    elif args.batch or args.cached or args.wait_idle or args.block_size or args.kv_dtypes:
+        ap.error("--batch, --cached, --wait-idle, --block-size, --kv-dtypes: only with --decode")
     else:
         preset = PRESETS[args.mode]
     args.reps = args.reps or preset["reps"]
-    args.impls = args.impls or list(IMPLS)
+    known = DECODE_IMPLS if args.mode == "decode" else IMPLS
+    if args.impls and set(args.impls) - set(known):
+        ap.error(f"--impls {' '.join(sorted(set(args.impls) - set(known)))}: not timed by "
+                 f"--{args.mode} (it times {' '.join(known)})")
+    args.impls = args.impls or list(known)
     if "flashcte" not in args.impls:
         args.impls = ["flashcte"] + args.impls  # the reference of every cross-check
-    args.impls = [i for i in IMPLS if i in args.impls]
+    args.impls = [i for i in known if i in args.impls]
     if args.materialized_max_s is None:
         args.materialized_max_s = preset.get("materialized_max_s", 0)
     return args

@@ -27,8 +27,10 @@ PRESETS = {
 }
 
 # --decode (issue 13's decode targets): one new token per sequence against N cached ones.
+# kv_dtypes: "same" (the cache in the point's dtype) or an 8-bit format (issue 24: q and out in the
+# point's dtype, the cache int8 / fp8 with one scale per tensor).
 DECODE_PRESET = dict(dtypes=["bfloat16", "float32"], cached=[4096, 32768], batch=[1, 8], d=[128],
-                     heads=["32:8"], block_size=[0], reps=5)
+                     heads=["32:8"], block_size=[0], kv_dtypes=["same"], reps=5)
 
 # The target points of each dtype and mask, in the order the table lists them.
 TARGET_DTYPE_TAGS = (("fp32-nc", "fp32 non-causal"), ("fp32-c", "fp32 causal"),
@@ -104,15 +106,17 @@ def point_inputs(p: dict) -> tuple:
 
 
 def plan_decode_points(args) -> list[dict]:
-    """--decode's points: every dtype, d, heads:kv_heads, N and batch asked for (the preset's
-    where not), one new token each, on --threads threads."""
+    """--decode's points: every dtype, cache format, d, heads:kv_heads, N and batch asked for
+    (the preset's where not), one new token each, on --threads threads."""
     pr = DECODE_PRESET
     points = []
-    for dtype, d, hc, n, b, block in itertools.product(
-            [DTYPE_ALIASES[x] for x in (args.dtypes or pr["dtypes"])], args.d or pr["d"],
-            args.heads or pr["heads"], args.cached or pr["cached"], args.batch or pr["batch"],
+    for dtype, kv, d, hc, n, b, block in itertools.product(
+            [DTYPE_ALIASES[x] for x in (args.dtypes or pr["dtypes"])],
+            args.kv_dtypes or pr["kv_dtypes"], args.d or pr["d"], args.heads or pr["heads"],
+            args.cached or pr["cached"], args.batch or pr["batch"],
             args.block_size or pr["block_size"]):
         h, kvh = (int(x) for x in hc.split(":"))
-        points.append(dict(dtype=dtype, batch=b, cached=n, new=1, d=d, heads=h, kv_heads=kvh,
-                           threads=args.threads, causal=False, block_size=block))
+        points.append(dict(dtype=dtype, kv_dtype=None if kv == "same" else kv, batch=b,
+                           cached=n, new=1, d=d, heads=h, kv_heads=kvh, threads=args.threads,
+                           causal=False, block_size=block))
     return points

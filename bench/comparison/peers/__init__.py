@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .base import PyImpl, Skipped, Unsupported, np_dtype
 from .flashcte_py import FlashImpl
-from .ggml_flash import GgmlF16Impl, GgmlF32Impl
+from .ggml_flash import GgmlDecodeImpl, GgmlF16Impl, GgmlF32Impl
 from .onnxruntime_ops import OrtImpl
 from .openvino_sdpa import OpenVinoImpl
 from .torch_sdpa import TorchDecodeImpl, TorchImpl, TorchPagedDecodeImpl
@@ -15,4 +15,5 @@ PY_IMPLS = {"flashcte": FlashImpl, "torch": TorchImpl, "ort-mha": OrtImpl, "ort-
             "ort-attention": OrtImpl, "openvino": OpenVinoImpl, "ggml-f16": GgmlF16Impl,
             "ggml-f32": GgmlF32Impl}
 
-__all__ = ["PY_IMPLS", "PyImpl", "Skipped", "TorchDecodeImpl", "TorchPagedDecodeImpl", "Unsupported", "np_dtype"]
+__all__ = ["PY_IMPLS", "GgmlDecodeImpl", "PyImpl", "Skipped", "TorchDecodeImpl",
+           "TorchPagedDecodeImpl", "Unsupported", "np_dtype"]

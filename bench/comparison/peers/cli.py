@@ -36,10 +36,11 @@ def decode_command(cli: str, p: dict, reps: int) -> list[str]:
     # With a block size the CLI times the paged call too, interleaved with the dense one; its
     # last JSON line (cli_json's) is the paged call's.
     paged = ["--block-size", str(p["block_size"])] if p.get("block_size") else []
+    kv8 = ["--kv-dtype", p["kv_dtype"]] if p.get("kv_dtype") else []
     return [cli, "bench", "--decode", "--batch", str(p["batch"]), "--heads", str(p["heads"]),
             "--kv-heads", str(p["kv_heads"]), "--d", str(p["d"]), "--cached", str(p["cached"]),
             "--new", str(p["new"]), "--dtype", p["dtype"], "--threads", str(p["threads"]),
-            "--reps", str(reps), *paged, "--json"]
+            "--reps", str(reps), *paged, *kv8, "--json"]
 
 
 def cli_json(cmd: list[str], timeout: float) -> dict:

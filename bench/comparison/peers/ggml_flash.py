@@ -26,9 +26,8 @@ class GgmlImpl(PyImpl):
         if p["heads"] % p["kv_heads"]:
             raise Unsupported("query heads must be a multiple of kv heads")
         arrays = self.arrays()
-        out_bytes = 4 * p["heads"] * p["s"] * p["d"]
         # One context holds every tensor's data and the graph; the work buffer is separate.
-        size = (sum(a.nbytes for a in arrays.values()) + out_bytes
+        size = (sum(a.nbytes for a in arrays.values()) + self.output_bytes()
                 + 16 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead() + (1 << 20))
         self.ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=size, mem_buffer=None,
                                                         no_alloc=False))
@@ -41,6 +40,9 @@ class GgmlImpl(PyImpl):
         self.extra["ggml_avx512_bf16"] = bool(ggml.ggml_cpu_has_avx512_bf16())
         # Allocated (and zeroed, so resident) here: the memory probe's first call does not see it.
         self.extra["ggml_work_mib"] = round(self.plan.work_size / 2**20, 2)
+
+    def output_bytes(self) -> int:
+        return 4 * self.p["heads"] * self.p["s"] * self.p["d"]
 
     def arrays(self) -> dict:
         """q, k, v (and the causal mask) as numpy arrays of the types ggml gets.
@@ -117,3 +119,75 @@ class GgmlF16Impl(GgmlImpl):
 
 class GgmlF32Impl(GgmlImpl):
     kv_type = "F32"
+
+
+def q8_0(x):
+    """ggml's q8_0 of float32 rows x (..., d), d a multiple of 32, as its bytes and the values
+    they hold: per block of 32, d = max |x| / 127 (stored as fp16) and the codes round(x / d),
+    halves away from zero (quantize_row_q8_0_ref)."""
+    import numpy as np
+    blocks = x.reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    scale = amax / 127.0
+    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+    y = blocks * inv
+    codes = np.trunc(y + np.copysign(0.5, y)).astype(np.int8)
+    packed = np.empty(len(blocks), dtype=[("d", "<f2"), ("qs", "i1", 32)])
+    packed["d"], packed["qs"] = scale[:, 0].astype(np.float16), codes
+    held = codes.astype(np.float32) * packed["d"].astype(np.float32)[:, None]
+    return packed, held.reshape(x.shape)
+
+
+class GgmlDecodeImpl(GgmlImpl):
+    """ggml_flash_attn_ext on a decode step as llama.cpp runs it: q f32 (B, heads, 1, d), the
+    cache (B, kv_heads, N + 1, d) in llama.cpp's type for the point: f16 (its default) for a
+    bf16 / fp16 point, f32 for fp32, q8_0 for an 8-bit one; no mask, GQA by ggml's broadcast of
+    the KV heads. data = q, k, v as torch tensors of the point's dtype (decode.decode_inputs)."""
+
+    def output_bytes(self) -> int:
+        return 4 * self.data[0].numel()
+
+    def arrays(self) -> dict:
+        import numpy as np
+        p = self.p
+        self.kv_type = "Q8_0" if p.get("kv_dtype") else ("F32" if p["dtype"] == "float32"
+                                                          else "F16")
+        q, k, v = (t.float().numpy() for t in self.data)
+        arrays, self.held = {"q": np.ascontiguousarray(q)}, {}
+        for name, a in (("k", k), ("v", v)):
+            if self.kv_type == "Q8_0":
+                arrays[name], self.held[name] = q8_0(a)
+            else:
+                arrays[name] = np.ascontiguousarray(a.astype(np.float16 if self.kv_type == "F16"
+                                                             else np.float32))
+                self.held[name] = arrays[name].astype(np.float32)
+        self.extra["ggml_kv_type"] = self.kv_type.lower()
+        if p.get("block_size"):
+            self.extra["notes"] = "a dense cache: llama.cpp's KV cache is not paged"
+        return arrays
+
+    def tensors(self, arrays: dict) -> dict:
+        ggml = self.ggml
+        kv = getattr(ggml, f"GGML_TYPE_{self.kv_type}")
+        shapes = {"q": self.data[0].shape, "k": self.data[1].shape, "v": self.data[2].shape}
+        t = {}
+        for name, a in arrays.items():
+            t[name] = ggml.ggml_new_tensor_4d(self.ctx, ggml.GGML_TYPE_F32 if name == "q" else kv,
+                                              *reversed(shapes[name]))
+            if ggml.ggml_nbytes(t[name]) != a.nbytes:
+                raise RuntimeError(f"ggml's {name} holds {ggml.ggml_nbytes(t[name])} bytes, the "
+                                   f"array {a.nbytes}")
+            self.ctypes.memmove(ggml.ggml_get_data(t[name]), a.ctypes.data, a.nbytes)
+        return t
+
+    def as_numpy(self, out):
+        # The result is f32 ne (d, heads, 1, B): numpy (B, 1, heads, d); compared as (B * heads,
+        # 1, d) (decode.py's yardstick).
+        B, H, _, d = self.data[0].shape
+        buf = (self.ctypes.c_float * (B * H * d)).from_address(self.ggml.ggml_get_data(out))
+        return self.np.ctypeslib.as_array(buf).reshape(B * H, 1, d).copy()
+
+    def attended(self):
+        """q and the values ggml's cache holds, as torch tensors (the cross-check's inputs)."""
+        import torch
+        return (self.data[0], *(torch.from_numpy(self.held[n]) for n in ("k", "v")))

@@ -39,11 +39,14 @@ class TorchImpl(PyImpl):
                          f"torch picks {self.extra['sdpa_backend']} here, which materializes "
                          "~{gib:.0f} GiB of scores")
 
-    def backend(self) -> str:
-        """Which SDPA backend torch picks for these inputs (0 math, 1 flash, ...)."""
+    def backend(self, k=None, v=None) -> str:
+        """Which SDPA backend torch picks for q and these k, v (self's unless given; 0 math,
+        1 flash, ...)."""
+        k = self.k if k is None else k
+        v = self.v if v is None else v
         try:
             from torch.nn.attention import SDPBackend
-            choice = self.torch._fused_sdp_choice(self.q, self.k, self.v, None, 0.0,
+            choice = self.torch._fused_sdp_choice(self.q, k, v, None, 0.0,
                                                   self.p["causal"], scale=self.p["scale"],
                                                   enable_gqa=self.gqa)
             return SDPBackend(choice).name
@@ -64,14 +67,21 @@ class TorchDecodeImpl(TorchImpl):
     """SDPA on a decode step: data = q (B, heads, 1, d) and the cache's k, v (B, kv_heads, N + 1,
     d), torch tensors of the point's dtype; no mask (the new token attends every slot). GQA
     through enable_gqa=True; a torch without it gets K/V repeated to the query heads once, in
-    setup (extra["gqa"] says which, and then torch reads heads/kv_heads times the bytes)."""
+    setup (extra["gqa"] says which, and then torch reads heads/kv_heads times the bytes).
+
+    An 8-bit cache: data = (q, k codes, v codes, (k scale, v scale)), int8 or float8 codes with
+    one scale each; every call dequantizes them to q's dtype (`codes.to(dtype) * scale`) before
+    SDPA, as torch has no attention on 8-bit K/V."""
 
     def setup(self):
         import torch
         import torch.nn.functional as F
         self.torch, self.F = torch, F
         torch.set_num_threads(self.p["threads"])
-        self.q, self.k, self.v = self.data
+        self.q, self.k, self.v = self.data[:3]
+        self.scales = self.data[3] if len(self.data) > 3 else None
+        if self.scales:
+            self.extra["dequantize"] = f"{self.k.dtype} codes .to({self.q.dtype}) * scale, per call"
         heads, kv_heads = self.p["heads"], self.p["kv_heads"]
         self.gqa = heads != kv_heads
         self.extra.update(torch=torch.__version__, gqa="none (heads == kv_heads)")
@@ -82,16 +92,27 @@ class TorchDecodeImpl(TorchImpl):
                               for t in (self.k, self.v))
             self.gqa = False
             self.extra["gqa"] = f"K/V repeated to {heads} heads (this torch has no enable_gqa)"
-        self.extra["sdpa_backend"] = self.backend()
+        with torch.inference_mode():  # SDPA's choice for what it is given: the dequantized K/V
+            self.extra["sdpa_backend"] = self.backend(*self.dequantized(self.k, self.v))
 
     def run(self):
         kw = {"enable_gqa": True} if self.gqa else {}
         with self.torch.inference_mode():
-            k, v = self.kv()
+            k, v = self.dequantized(*self.kv())
             return self.F.scaled_dot_product_attention(self.q, k, v, scale=self.p["scale"], **kw)
 
     def kv(self):
         return self.k, self.v
+
+    def dequantized(self, k, v):
+        if not self.scales:
+            return k, v
+        return tuple(t.to(self.q.dtype).mul_(s) for t, s in zip((k, v), self.scales))
+
+    def attended(self):
+        """q, k, v as the values SDPA attends (the cross-check's inputs)."""
+        with self.torch.inference_mode():
+            return (self.q, *self.dequantized(self.data[1], self.data[2]))
 
     def as_numpy(self, out):
         return out.float().numpy().reshape(-1, out.shape[2], out.shape[3])
