@@ -7,12 +7,15 @@
 #include <benchmark/benchmark.h>
 #include <hwy/targets.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "src/core/kv8.h"
 #include "src/simd/bf16_dot.h"
 #include "src/simd/ops.h"
 
@@ -118,15 +121,36 @@ void set_ns_per_slot(benchmark::State& state) {
       benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
+// A block of cache rows of `dtype` (bfloat16 or an 8-bit format: random codes, NaN codes
+// replaced by 0) as bytes.
+std::vector<unsigned char> decode_rows(flashcte::DType dtype, int64_t d, uint64_t seed) {
+  if (dtype == flashcte::DType::kBFloat16) {
+    const std::vector<uint16_t> h = random_bf16(kDecodeSlots * d, seed);
+    std::vector<unsigned char> bytes(h.size() * 2);
+    std::memcpy(bytes.data(), h.data(), bytes.size());
+    return bytes;
+  }
+  std::mt19937_64 rng(seed);
+  std::vector<unsigned char> codes(kDecodeSlots * d);
+  for (unsigned char& c : codes) {
+    c = static_cast<unsigned char>(rng());
+    if (std::isnan(flashcte::kv8::decode(dtype, c))) c = 0;
+  }
+  return codes;
+}
+
+// range(0): rows; range(1): the cache's DType.
 void DecodeQkBf16(benchmark::State& state) {
   const Ops& ops = flashcte::simd::ops();
+  const auto dtype = static_cast<flashcte::DType>(state.range(1));
   const int64_t rows = state.range(0), d = kDecodeD, ld = flashcte::simd::leading_dim(kDecodeSlots);
-  const std::vector<uint16_t> q = random_bf16(rows * d, 9), k = random_bf16(kDecodeSlots * d, 10);
-  const auto k_rows = flashcte::simd::DecodeRows::strided(k.data(), 2 * d, kDecodeSlots);
+  const std::vector<uint16_t> q = random_bf16(rows * d, 9);
+  const std::vector<unsigned char> k = decode_rows(dtype, d, 10);
+  const auto k_rows =
+      flashcte::simd::DecodeRows::strided(k.data(), flashcte::dtype_size(dtype) * d, kDecodeSlots);
   std::vector<float> s(rows * ld);
   for (auto _ : state) {
-    ops.decode_qk_bf16(q.data(), d, rows, k_rows, flashcte::DType::kBFloat16, kDecodeSlots, d, 0.1f,
-                       s.data(), ld);
+    ops.decode_qk_bf16(q.data(), d, rows, k_rows, dtype, kDecodeSlots, d, 0.1f, s.data(), ld);
     benchmark::DoNotOptimize(s.data());
   }
   set_ns_per_slot(state);
@@ -134,6 +158,7 @@ void DecodeQkBf16(benchmark::State& state) {
 
 void DecodePvBf16(benchmark::State& state) {
   const Ops& ops = flashcte::simd::ops();
+  const auto dtype = static_cast<flashcte::DType>(state.range(1));
   const int64_t rows = state.range(0), d = kDecodeD, ldp = kDecodeSlots;
   std::vector<float> p(rows * ldp);
   const std::vector<uint16_t> pb = random_bf16(rows * ldp, 11);
@@ -141,12 +166,13 @@ void DecodePvBf16(benchmark::State& state) {
     const uint32_t bits = static_cast<uint32_t>(pb[i]) << 16;
     std::memcpy(&p[i], &bits, sizeof bits);
   }
-  const std::vector<uint16_t> v = random_bf16(kDecodeSlots * d, 12);
-  const auto v_rows = flashcte::simd::DecodeRows::strided(v.data(), 2 * d, kDecodeSlots);
+  const std::vector<unsigned char> v = decode_rows(dtype, d, 12);
+  const auto v_rows =
+      flashcte::simd::DecodeRows::strided(v.data(), flashcte::dtype_size(dtype) * d, kDecodeSlots);
   std::vector<float> o(rows * d, 0.0f), alpha(rows, 0.5f);
   for (auto _ : state) {
-    ops.decode_pv_bf16(p.data(), ldp, rows, kDecodeSlots, v_rows, flashcte::DType::kBFloat16, d,
-                       alpha.data(), o.data(), d);
+    ops.decode_pv_bf16(p.data(), ldp, rows, kDecodeSlots, v_rows, dtype, d, alpha.data(), o.data(),
+                       d);
     benchmark::DoNotOptimize(o.data());
   }
   set_ns_per_slot(state);
@@ -166,10 +192,17 @@ void Register() {
     benchmark::RegisterBenchmark("qk_bf16_native", QkNative, dot)->Arg(64)->Arg(128);
     benchmark::RegisterBenchmark("pv_bf16_native", PvNative, dot)->Arg(64)->Arg(128);
   }
-  if (dot &&
-      flashcte::simd::ops().decode_qk_bf16 != nullptr) {  // rows: 32/8 heads x 1, 2, 4 tokens
-    benchmark::RegisterBenchmark("decode_qk_bf16", DecodeQkBf16)->Arg(4)->Arg(8)->Arg(16);
-    benchmark::RegisterBenchmark("decode_pv_bf16", DecodePvBf16)->Arg(4)->Arg(8)->Arg(16);
+  if (dot && flashcte::simd::ops().decode_qk_bf16 != nullptr) {
+    // rows: 32/8 heads x 1, 2, 4 tokens; the cache bfloat16 or 8-bit.
+    for (flashcte::DType cache : {flashcte::DType::kBFloat16, flashcte::DType::kInt8,
+                                  flashcte::DType::kFloat8E4M3, flashcte::DType::kFloat8E5M2}) {
+      const std::string tag = std::string("/") + flashcte::dtype_name(cache);
+      for (const auto& [name, fn] : {std::pair{"decode_qk_bf16", &DecodeQkBf16},
+                                     std::pair{"decode_pv_bf16", &DecodePvBf16}}) {
+        auto* b = benchmark::RegisterBenchmark((name + tag).c_str(), fn);
+        for (int64_t rows : {4, 8, 16}) b->Args({rows, static_cast<int64_t>(cache)});
+      }
+    }
   }
 }
 
