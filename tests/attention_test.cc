@@ -5,8 +5,12 @@
 // neuron_suite_test.cc.)
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -444,6 +448,43 @@ TEST(Layouts, Float32ValuesInPlaceOrPacked) {
         EXPECT_TRUE(check_case(c)) << layout_name(layout) << " dv " << dv << " prior " << s_prior;
       }
     }
+  }
+}
+
+// float32 V whose rows start past a cache line (numpy's arrays 16 bytes past one, a slice 4 bytes
+// past) is copied instead of read in place (pack.cc's v_in_place): the output is bitwise the
+// aligned call's, K and Q moved along with it, with a prior and without.
+TEST(Layouts, ValuesPastACacheLineGiveTheAlignedBytes) {
+  constexpr int64_t kBs = 2, kS = 300, kD = 64;
+  std::vector<float> data(static_cast<size_t>(3 * kBs * kS * kD + 64));
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& x : data) x = u(rng);
+  const auto run = [&](int64_t offset_floats) {
+    // A 64-byte-aligned block of the same values, shifted by offset_floats.
+    std::vector<float> buffer(data.size() + 32);
+    const auto base = reinterpret_cast<uintptr_t>(buffer.data());
+    float* start = buffer.data() + ((64 - base % 64) % 64) / sizeof(float) + offset_floats;
+    std::copy(data.begin(), data.end() - 64, start);
+    const int64_t n = kBs * kS * kD;
+    const auto view = [&](int64_t i) {
+      return TensorView::contiguous(start + i * n, DType::kFloat32, {kBs, kS, kD});
+    };
+    std::vector<float> out(static_cast<size_t>(n));
+    Outputs outputs;
+    outputs.out = MutableTensorView::contiguous(out.data(), DType::kFloat32, {kBs, kS, kD});
+    Options o;
+    o.tp_k = true;
+    o.causal_mask = false;
+    o.scale = 0.125f;
+    EXPECT_TRUE(attention_cte(view(0), view(1), view(2), outputs, o).ok);
+    return out;
+  };
+  const std::vector<float> aligned = run(0);
+  for (int64_t offset : {4, 1}) {
+    const std::vector<float> shifted = run(offset);
+    EXPECT_EQ(0, std::memcmp(aligned.data(), shifted.data(), aligned.size() * sizeof(float)))
+        << offset * 4 << " bytes past a line";
   }
 }
 

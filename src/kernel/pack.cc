@@ -295,18 +295,26 @@ const float* v_in_place(const Problem& problem, int64_t kv_b, int64_t begin, int
   const int64_t dv = problem.value_dim, prior = problem.prior_used[kv_b];
   if (problem.dtype != DType::kFloat32 || simd::padded(dv) != dv) return nullptr;
   if (begin < prior && end > prior) return nullptr;
+  const float* rows = nullptr;
   if (begin < prior) {  // in the prior: within one run of its rows (one page of a paged prior)
     const KvSource& v = problem.v_prior;
     if (v.dtype != DType::kFloat32 || v.strides[3] != 1 || v.strides[2] != dv ||
         v.run_end(begin, end) != end)
       return nullptr;
-    *ldv = v.strides[2];
-    return reinterpret_cast<const float*>(problem.prior_row(v, kv_b, begin));
+    rows = reinterpret_cast<const float*>(problem.prior_row(v, kv_b, begin));
+  } else {
+    const View3& v = problem.v;
+    if (v.col_stride != 1 || v.row_stride != dv) return nullptr;
+    rows = static_cast<const float*>(element(v, problem.dtype, kv_b, begin - prior));
   }
-  const View3& v = problem.v;
-  if (v.col_stride != 1 || v.row_stride != dv) return nullptr;
-  *ldv = v.row_stride;
-  return static_cast<const float*>(element(v, problem.dtype, kv_b, begin - prior));
+  // Rows that start past a cache line (numpy's large arrays start 16 bytes past one) would make
+  // every vector load of MM2 a split load: copied instead. AMD EPYC Zen 4 (AVX3), 2 threads, fp32
+  // non-causal, 8 heads, S = 4096, d = 128, 21 interleaved rounds (bench/alignment.py): read in
+  // place 16 bytes past a line 1.076x and 4 bytes past 1.041x the aligned call's time; copied:
+  // see docs/benchmarks/README.md, "Alignment".
+  if (reinterpret_cast<uintptr_t>(rows) % 64 != 0) return nullptr;
+  *ldv = dv;
+  return rows;
 }
 
 PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
