@@ -12,7 +12,9 @@
 #include <hwy/targets.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <ostream>
@@ -439,6 +441,62 @@ TEST(DecodeThreads, BitwiseIdenticalForAnyThreadCount) {
       EXPECT_TRUE(runs[i].out_bytes == runs[0].out_bytes) << dtype_name(dtype) << ": out differs";
       EXPECT_TRUE(runs[i].lse_bytes == runs[0].lse_bytes) << dtype_name(dtype) << ": lse differs";
     }
+  }
+}
+
+// A cache laid out (batch, seqlen, heads, d) (FlashAttention's) is worked chunk by chunk with a
+// chunk's KV heads together, a (batch, heads, seqlen, d) one head by head (decode_schedule.cc):
+// the same values give the same bytes either way, over several chunks (partial states merged)
+// and threads.
+TEST(DecodeLayouts, SlotMajorCacheGivesTheHeadMajorBytes) {
+  constexpr int64_t kB = 2, kHq = 8, kHkv = 2, kL = 2600, kD = 64;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> q(kB * kHq * kD), k_hm(kB * kHkv * kL * kD), v_hm(k_hm.size());
+  for (auto* t : {&q, &k_hm, &v_hm}) {
+    for (float& x : *t) x = u(rng);
+  }
+  // The same values slot-major.
+  std::vector<float> k_sm(k_hm.size()), v_sm(v_hm.size());
+  for (int64_t b = 0; b < kB; ++b) {
+    for (int64_t h = 0; h < kHkv; ++h) {
+      for (int64_t j = 0; j < kL; ++j) {
+        for (int64_t x = 0; x < kD; ++x) {
+          const size_t hm = static_cast<size_t>(((b * kHkv + h) * kL + j) * kD + x);
+          const size_t sm = static_cast<size_t>(((b * kL + j) * kHkv + h) * kD + x);
+          k_sm[sm] = k_hm[hm];
+          v_sm[sm] = v_hm[hm];
+        }
+      }
+    }
+  }
+  const std::vector<int64_t> positions = {kL - 1, 1500};
+  const auto run = [&](const float* k, const float* v, bool slot_major, int threads) {
+    const std::array<int64_t, 4> strides =
+        slot_major ? std::array<int64_t, 4>{kL * kHkv * kD, kD, kHkv * kD, 1}
+                   : std::array<int64_t, 4>{kHkv * kL * kD, kL * kD, kD, 1};
+    const TensorView kv_shape[2] = {{k, DType::kFloat32, 4, {kB, kHkv, kL, kD}, strides},
+                                    {v, DType::kFloat32, 4, {kB, kHkv, kL, kD}, strides}};
+    std::vector<float> out(q.size()), lse(kB * kHq);
+    DecodeOutputs outputs;
+    outputs.out = MutableTensorView::contiguous(out.data(), DType::kFloat32, {kB, kHq, 1, kD});
+    outputs.lse = MutableTensorView::contiguous(lse.data(), DType::kFloat32, {kB, kHq, 1});
+    DecodeOptions o;
+    o.scale = 0.125f;
+    o.num_threads = threads;
+    EXPECT_TRUE(decode_attention(
+                    TensorView::contiguous(q.data(), DType::kFloat32, {kB, kHq, 1, kD}),
+                    kv_shape[0], kv_shape[1],
+                    TensorView::contiguous(positions.data(), DType::kInt64, {kB, 1}), outputs, o)
+                    .ok);
+    out.insert(out.end(), lse.begin(), lse.end());
+    return out;
+  };
+  const std::vector<float> want = run(k_hm.data(), v_hm.data(), false, 1);
+  for (int threads : {1, 2, 3}) {
+    const std::vector<float> got = run(k_sm.data(), v_sm.data(), true, threads);
+    EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
+        << threads << " threads";
   }
 }
 

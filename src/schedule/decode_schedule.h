@@ -19,8 +19,9 @@ struct DecodeItem {
   int64_t partial = -1;  // index of its partial state, -1 when the pair has one chunk
 };
 
-// Every work item of the problem, pair by pair and chunk by chunk; `partials` receives the
-// number of partial states they park.
+// Every work item of the problem, sequence by sequence, in the order the cache lies in memory
+// (decode_schedule.cc; partial states numbered pair by pair, chunk by chunk); `partials` receives
+// the number of partial states they park.
 std::vector<DecodeItem> make_decode_items(const DecodeKernel& kernel, int64_t* partials);
 
 // Runs every item, then every merge (and writes the rows of the pairs without items), on the
