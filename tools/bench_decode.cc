@@ -65,6 +65,10 @@ void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<doubl
               double bandwidth, double speed_ratio, double runs_bandwidth, bool header) {
   const double median_ms = Median(ms);
   const double gbps = c.kv_bytes() / (median_ms * 1e-3) * 1e-9;
+  // A call cannot read faster than memory: a ratio above 1 says the measurement is the one wrong
+  // (a guest whose bandwidth moved between the passes, or a read pattern the pass does not
+  // reach), and is printed with a warning, never alone.
+  const bool above = gbps > bandwidth || (block_size > 0 && gbps > runs_bandwidth);
   if (c.json) {
     std::printf(
         "{\"impl\":\"flashcte-decode\",\"dtype\":\"%s\",\"kv_dtype\":\"%s\",\"batch\":%lld,"
@@ -73,7 +77,7 @@ void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<doubl
         "\"threads\":%d,\"cold\":%s,\"reps\":%d,\"median_ms\":%.4f,\"min_ms\":%.4f,"
         "\"kv_bytes\":%.0f,\"kv_gbps\":%.3f,\"read_bandwidth_gbps\":%.3f,"
         "\"bandwidth_ratio\":%.3f,\"paged_over_dense_speed\":%s,\"runs_bandwidth_gbps\":%s,"
-        "\"runs_bandwidth_ratio\":%s,\"simd\":%s}\n",
+        "\"runs_bandwidth_ratio\":%s,\"above_bandwidth\":%s,\"simd\":%s}\n",
         dtype_name(c.dtype), dtype_name(c.cache_dtype), static_cast<long long>(c.batch),
         static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
         static_cast<long long>(c.d), static_cast<long long>(c.cached),
@@ -83,7 +87,7 @@ void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<doubl
         block_size > 0 ? std::to_string(speed_ratio).c_str() : "null",
         block_size > 0 ? std::to_string(runs_bandwidth).c_str() : "null",
         block_size > 0 ? std::to_string(gbps / runs_bandwidth).c_str() : "null",
-        JsonString(simd_target()).c_str());
+        above ? "true" : "false", JsonString(simd_target()).c_str());
     return;
   }
   if (header) {
@@ -108,6 +112,13 @@ void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<doubl
       c.cold ? "yes" : "no", median_ms, c.kv_bytes() * 1e-6, gbps, bandwidth, gbps / bandwidth,
       fixed(speed_ratio, 3).c_str(), fixed(runs_bandwidth, 2).c_str(),
       fixed(gbps / runs_bandwidth, 2).c_str());
+  if (above) {
+    std::printf(c.cold ? "warning: this call read K/V faster than the read bandwidth measured "
+                         "beside it (ratio above 1): that figure is no ceiling here; take the "
+                         "ratio as an upper estimate\n"
+                       : "warning: ratio above 1: with --cold false the K/V come from the "
+                         "caches, not DRAM, and the bandwidth is no ceiling for them\n");
+  }
 }
 
 void PrintNote(const DecodeConfig& c, const std::vector<double>& bw) {
