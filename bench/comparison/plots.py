@@ -10,6 +10,7 @@ from .common import DTYPES, IMPLS
 
 STYLES = {"flashcte": dict(color="C3", marker="o", lw=2.2),
           "flashcte-cli": dict(color="C3", ls=":", marker=".", lw=1.0),
+          "flashcte-torch": dict(color="C3", ls="--", marker="o", lw=1.0),
           "sgemm": dict(color="k", ls="--", marker="x", lw=1.2),
           "materialized": dict(color="C7", marker="s"), "torch": dict(color="C0", marker="^"),
           "ort-mha": dict(color="C2", marker="v"), "ort-gqa": dict(color="C8", marker="<"),
