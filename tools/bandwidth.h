@@ -1,8 +1,9 @@
 // The machine's streaming read bandwidth, measured rather than taken from a data sheet: threads
 // (OpenMP, static split) each sum their own contiguous slice of a buffer many times larger than
-// the last-level cache, so every byte comes from DRAM, with the CPU's widest vector loads. `flashcte bench --decode` states its K/V
-// bytes per second against it (a decode step is one pass over the cache), and uses the same
-// pass between calls to evict the cache from L3 (a model's other layers do that in real use).
+// the last-level cache, so every byte comes from DRAM, with the CPU's widest vector loads.
+// `flashcte bench --decode` states its K/V bytes per second against it (a decode step is one pass
+// over the cache), and uses the same pass between calls to evict the cache from L3 (a model's other
+// layers do that in real use).
 #ifndef FLASHCTE_TOOLS_BANDWIDTH_H_
 #define FLASHCTE_TOOLS_BANDWIDTH_H_
 

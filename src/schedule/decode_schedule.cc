@@ -25,11 +25,13 @@ std::vector<DecodeItem> make_decode_items(const DecodeKernel& kernel, int64_t* p
   // heads, d): head stride < slot stride), chunk by chunk reads each stretch of memory once; a
   // row that starts past a cache line (numpy's 16 bytes) shares its last line with the next
   // head's row, which pair by pair over a long cache fetched twice from DRAM. Where each head's
-  // slots lie together ((batch, heads, seqlen, d), vLLM's pages), pair by pair keeps each thread
-  // on one stream. AMD EPYC Zen 4 (AVX3), 2 threads, batch 1, 32/8 heads, d = 128, bf16:
+  // slots lie together ((batch, heads, seqlen, d); vLLM's pages by the same rule, not measured
+  // chunk by chunk), pair by pair keeps each thread on one stream. AMD EPYC Zen 4 (AVX3), 2
+  // threads, batch 1, 32/8 heads, d = 128, bf16:
   //   (batch, seqlen, heads, d), 32768 cached, bench/alignment.py, 21 interleaved rounds:
-  //     pair by pair 10.7-11.2 ms aligned, 1.26x that 16 bytes past a line;
-  //     chunk by chunk 8.5 ms aligned, 1.08x that 16 bytes past;
+  //     pair by pair 10.7-11.2 ms aligned, 1.26x that 16 bytes past a line (two runs);
+  //     chunk by chunk 7.9-9.6 ms aligned, 1.065-1.09x that 16 bytes past in four runs and
+  //     1.21-1.24x in two;
   //   (batch, heads, seqlen, d), `flashcte bench --decode`, 3 rounds of 9 reps: chunk by chunk
   //     5.4-5.8 ms at 32768 cached against 4.6-5.0 pair by pair (batch 8 at 4096: 5.1-7.0
   //     against 5.3-5.7).
