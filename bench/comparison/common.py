@@ -32,8 +32,10 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
 # one's largest finite magnitude: a per-tensor scale maps the cache's absmax onto it.
 KV8_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
 KV8_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
-# What --decode times: flashcte (its CLI), PyTorch SDPA and ggml's flash attention.
-DECODE_IMPLS = ("flashcte", "torch", "ggml")
+# What --decode times: flashcte (its CLI), and the peers PyTorch SDPA and ggml's flash attention,
+# each with the Python module it needs.
+DECODE_PEER_MODULES = {"torch": "torch", "ggml": "ggml"}
+DECODE_IMPLS = ("flashcte", *DECODE_PEER_MODULES)
 
 # Display order; "sgemm" is the roofline. "flashcte-cli" is flashcte again, timed by its CLI in a
 # fresh process (uniform [0, 1) inputs of the same shapes) between the worker's own calls: the

@@ -31,14 +31,13 @@ import os
 import time
 from pathlib import Path
 
-from .common import DECODE_IMPLS, DTYPES, KV8_MAX, median
+from .common import DECODE_IMPLS, DECODE_PEER_MODULES, DTYPES, KV8_MAX, median
 from .peers import GgmlDecodeImpl, TorchDecodeImpl, TorchPagedDecodeImpl
 from .peers.cli import cli_json, decode_command
 from .worker import rotated_rounds
 
 CALLS_PER_ROUND = 3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PEERS = tuple(i for i in DECODE_IMPLS if i != "flashcte")
 
 
 def kv_bytes(p: dict) -> int:
@@ -192,7 +191,7 @@ def decode_worker(p: dict) -> None:
     if not p["cli"]:
         results["flashcte"].update(status="skipped", reason="no flashcte CLI")
     peers = {}
-    for name in PEERS:
+    for name in DECODE_PEER_MODULES:
         if name not in p["impls"]:
             results[name].update(status="skipped", reason="not in --impls")
         elif (impl := set_up_peer(name, p, results[name])) is not None:

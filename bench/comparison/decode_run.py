@@ -13,7 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from .common import BANDWIDTH_REPS, CLI_BUILD_DIR, DECODE_IMPLS, DTYPES, ROOT, fmt, log, median
+from .common import (BANDWIDTH_REPS, CLI_BUILD_DIR, DECODE_IMPLS, DECODE_PEER_MODULES, DTYPES,
+                     ROOT, fmt, log, median)
 from .decode import CALLS_PER_ROUND, decode_name
 from .machine import measure_bandwidth, peer_versions, read_bandwidth, wait_idle
 from .orchestrate import make_meta, run_worker
@@ -21,7 +22,7 @@ from .points import plan_decode_points
 from .report import load_version_bullets, run_bullets
 
 IMPLS = DECODE_IMPLS
-PEERS = IMPLS[1:]
+PEERS = tuple(DECODE_PEER_MODULES)
 CSV_COLUMNS = ["dtype", "kv_dtype", "batch", "cached", "block_size", "new", "heads", "kv_heads", "d",
                "threads", "impl",
                "status", "median_ms", "min_ms", "kv_bytes", "kv_gbps", "ratio_to_bandwidth",
@@ -222,7 +223,7 @@ def orchestrate_decode(args) -> None:
     versions = peer_versions(sys.executable)
     for unused in ("flashcte", "flashcte_simd"):  # the package; decode times the CLI
         versions.pop(unused, None)
-    modules = {"torch": "torch", "ggml": "ggml"}
+    modules = DECODE_PEER_MODULES
     peer_ok = {i: versions.get(modules[i]) is not None for i in PEERS}
     peer_reason = {i: peer_install.get(modules[i], f"{modules[i]} not importable") for i in PEERS}
     points = plan_decode_points(args)
