@@ -342,7 +342,7 @@ Tolerance tolerance(const DecodeCase& c, const DecodeRun& r) {
 
 std::vector<DecodeCase> accuracy_cases() {
   std::vector<DecodeCase> shapes;
-  auto add = [&](DecodeCase c) { shapes.push_back(c); };
+  auto add = [&](const DecodeCase& c) { shapes.push_back(c); };
   // GQA 32/8 at d = 128, the Llama shape: T = 1 over the whole of a 4096-slot cache, two
   // sequences at different positions.
   add(shape("gqa32_8_T1_d128_len4096", 2, 32, 8, 1, 128, 0, 4096, {4095, 1000}));
@@ -445,11 +445,12 @@ TEST(DecodeThreads, BitwiseIdenticalForAnyThreadCount) {
 }
 
 // A cache laid out (batch, seqlen, heads, d) (FlashAttention's) is worked chunk by chunk with a
-// chunk's KV heads together, a (batch, heads, seqlen, d) one head by head (decode_schedule.cc):
-// the same values give the same bytes either way, over several chunks (partial states merged)
-// and threads.
+// chunk's KV heads in one item, a (batch, heads, seqlen, d) one head by head (decode_schedule.cc):
+// the same values give the same bytes either way, over several chunks (partial states merged) or
+// one (rows written by the item), and threads that group the heads (1-3: at least two items per
+// thread) or not (4).
 TEST(DecodeLayouts, SlotMajorCacheGivesTheHeadMajorBytes) {
-  constexpr int64_t kB = 2, kHq = 8, kHkv = 2, kL = 2600, kD = 64;
+  constexpr int64_t kB = 3, kHq = 8, kHkv = 2, kL = 2600, kD = 64;
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   std::vector<float> q(kB * kHq * kD), k_hm(kB * kHkv * kL * kD), v_hm(k_hm.size());
@@ -470,7 +471,7 @@ TEST(DecodeLayouts, SlotMajorCacheGivesTheHeadMajorBytes) {
       }
     }
   }
-  const std::vector<int64_t> positions = {kL - 1, 1500};
+  const std::vector<int64_t> positions = {kL - 1, 1500, 600};  // 3, 2 and 1 chunks
   const auto run = [&](const float* k, const float* v, bool slot_major, int threads) {
     const std::array<int64_t, 4> strides =
         slot_major ? std::array<int64_t, 4>{kL * kHkv * kD, kD, kHkv * kD, 1}
@@ -493,7 +494,7 @@ TEST(DecodeLayouts, SlotMajorCacheGivesTheHeadMajorBytes) {
     return out;
   };
   const std::vector<float> want = run(k_hm.data(), v_hm.data(), false, 1);
-  for (int threads : {1, 2, 3}) {
+  for (int threads : {1, 2, 3, 4}) {
     const std::vector<float> got = run(k_sm.data(), v_sm.data(), true, threads);
     EXPECT_EQ(0, std::memcmp(want.data(), got.data(), want.size() * sizeof(float)))
         << threads << " threads";

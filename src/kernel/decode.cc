@@ -11,6 +11,10 @@
 //   then either out = O / l (a pair with one chunk) or the unnormalized state parked for the
 //   merge, which folds the chunks in order with SoftmaxState::merge.
 //
+// One call of run() computes a chunk of one pair or of several KV heads of a sequence (where the
+// cache holds a slot's heads side by side: decode_schedule.cc), each with its own scratch, block
+// by block with the heads in turn, so a block's stretch of memory is read in one go.
+//
 // bfloat16 inputs run on the native vdpbf16ps kernels where simd::bf16_dot_for says so (the
 // policy attention_cte follows: AMD Zen 4/5 yes, Intel widens), with Q also packed as bfloat16;
 // so does a bfloat16 q against 8-bit caches, whose codes convert exactly to bfloat16.
@@ -60,7 +64,16 @@ constexpr int64_t kBlockSlots = 64;
 // kChunkSlots: 20.0 GB/s without, 23.0 with 8 KiB.
 constexpr int64_t kStartPrefetchBytes = 8192;
 
+// The geometry of one pair's rows in scratch, whether it runs on the native bfloat16 kernels
+// (vdpbf16ps: bfloat16 inputs where simd::bf16_dot_for says so, as attention_cte), and how far
+// ahead the kernels prefetch its K and V (further where an item reads several heads in turn).
+struct PairShape {
+  int64_t b, kv_head, rows, ldq, ldq2, lds, ldo, prefetch_bytes;
+  bool native;
+};
+
 struct DecodeScratch {
+  PairShape shape{};         // of the pair this scratch computes
   LineAligned<float> q;      // [rows][ldq] float32, zero past d
   LineAligned<uint16_t> q2;  // [rows][ldq2] bfloat16, zero past d (the native bfloat16 path)
   LineAligned<float> s;      // [rows][lds] scores, then probabilities
@@ -72,19 +85,15 @@ struct DecodeScratch {
   std::vector<float> token_scale;  // a block's per-token scales
 };
 
-DecodeScratch& decode_scratch() {
-  static thread_local DecodeScratch scratch;
+// This thread's scratch for `heads` pairs computed together (one per pair).
+std::vector<DecodeScratch>& decode_scratch(int64_t heads) {
+  static thread_local std::vector<DecodeScratch> scratch;
+  if (scratch.size() < static_cast<size_t>(heads)) scratch.resize(static_cast<size_t>(heads));
   return scratch;
 }
 
-// The geometry of one pair's rows in scratch, and whether it runs on the native bfloat16
-// kernels (vdpbf16ps: bfloat16 inputs where simd::bf16_dot_for says so, as attention_cte).
-struct PairShape {
-  int64_t b, kv_head, rows, ldq, ldq2, lds, ldo;
-  bool native;
-};
-
-PairShape pair_shape(const DecodeProblem& p, const simd::Ops& ops, int64_t pair) {
+// Pair `pair` computed in an item of `heads` pairs.
+PairShape pair_shape(const DecodeProblem& p, const simd::Ops& ops, int64_t pair, int64_t heads) {
   // A bfloat16 q against caches whose values are bfloat16 values: bfloat16 or 8-bit.
   const auto bf16_exact = [](DType t) { return t == DType::kBFloat16 || kv8::is_8bit(t); };
   const bool native = p.dtype == DType::kBFloat16 && bf16_exact(p.k.dtype) &&
@@ -97,6 +106,7 @@ PairShape pair_shape(const DecodeProblem& p, const simd::Ops& ops, int64_t pair)
           round_up(p.head_dim, 32),
           simd::leading_dim(kBlockSlots),
           simd::padded(p.value_dim),
+          heads > 1 ? simd::kDecodeHeadsTogetherPrefetchBytes : simd::kDecodePrefetchBytes,
           native};
 }
 
@@ -167,9 +177,11 @@ simd::DecodeRows block_rows(const KvSource& src, const PairShape& ps, const Slot
                             std::vector<const void*>& buffer_rows) {
   if (src.strides[3] == 1) {
     if (src.paged())
-      return simd::DecodeRows::of_table(chunk_rows.data() + (lo - slots.lo), slots.hi - lo);
+      return simd::DecodeRows::of_table(chunk_rows.data() + (lo - slots.lo), slots.hi - lo,
+                                        ps.prefetch_bytes);
     return simd::DecodeRows::strided(src.row(ps.b, ps.kv_head, lo),
-                                     src.strides[2] * src.element_bytes(), slots.hi - lo);
+                                     src.strides[2] * src.element_bytes(), slots.hi - lo,
+                                     ps.prefetch_bytes);
   }
   const int64_t elem = src.element_bytes(), n = hi - lo;
   ensure(buffer, static_cast<size_t>(n * channels * elem));
@@ -182,7 +194,7 @@ simd::DecodeRows block_rows(const KvSource& src, const PairShape& ps, const Slot
     }
     buffer_rows[j - lo] = dst;
   }
-  return simd::DecodeRows::of_table(buffer_rows.data(), n);
+  return simd::DecodeRows::of_table(buffer_rows.data(), n, ps.prefetch_bytes);
 }
 
 // Multiplies columns [0, n) of rows [r0, r1) of `s` (lds apart) by the per-token scales of slots
@@ -344,37 +356,56 @@ int64_t DecodeKernel::partial_floats() const {
   return problem_.rows() * SoftmaxState::saved_row_floats(problem_.value_dim);
 }
 
-void DecodeKernel::run(int64_t pair, int64_t chunk, float* partial) const {
+void DecodeKernel::run(int64_t pair, int64_t heads, int64_t chunk, float* partial) const {
   const DecodeProblem& p = problem_;
-  DecodeScratch& sc = decode_scratch();
-  const PairShape ps = pair_shape(p, ops_, pair);
-  ensure_scratch(ps, sc);
-  pack_q(p, ops_, ps, sc.q.data(), sc.q2.data());
-  SoftmaxState state = pair_state(p, ps, sc);
-  // Each row starts from its head's sink; a chunk of a split pair leaves the sink to the merge.
-  for (int64_t r = 0; r < ps.rows; ++r) {
-    SoftmaxState row(&sc.neg_max[r], &sc.sum[r], &sc.alpha[r], state.o(r), ps.ldo, 1, p.value_dim);
-    row.seed(partial ? -kInf : sink_logit(p, row_head(p, ps, r)));
+  std::vector<DecodeScratch>& scratch = decode_scratch(heads);
+  const int64_t b = pair / p.kv_heads;
+  const SlotRange slots = chunk_slots(b, chunk);
+  for (int64_t h = 0; h < heads; ++h) {
+    DecodeScratch& sc = scratch[static_cast<size_t>(h)];
+    sc.shape = pair_shape(p, ops_, pair + h, heads);
+    const PairShape& ps = sc.shape;
+    ensure_scratch(ps, sc);
+    pack_q(p, ops_, ps, sc.q.data(), sc.q2.data());
+    // Each row starts from its head's sink; a chunk of a split pair leaves the sink to the merge.
+    for (int64_t r = 0; r < ps.rows; ++r) {
+      SoftmaxState row(&sc.neg_max[r], &sc.sum[r], &sc.alpha[r], sc.o.data() + r * ps.ldo, ps.ldo,
+                       1, p.value_dim);
+      row.seed(partial ? -kInf : sink_logit(p, row_head(p, ps, r)));
+    }
+    fill_chunk_rows(p, ps, slots, sc);
+    if (kStartPrefetchBytes > 0) prefetch_start(p, ps, slots, sc);
   }
-  const SlotRange slots = chunk_slots(ps.b, chunk);
-  fill_chunk_rows(p, ps, slots, sc);
-  if (kStartPrefetchBytes > 0) prefetch_start(p, ps, slots, sc);
+  // Block by block, the heads one after another within a block: where they lie side by side in
+  // a slot, the block's stretch of memory is read in one go (decode_schedule.cc).
   for (int64_t j0 = slots.lo; j0 < slots.hi; j0 += kBlockSlots) {
-    attend_block(*this, ops_, ps, slots, j0, std::min(j0 + kBlockSlots, slots.hi), sc, state);
+    for (int64_t h = 0; h < heads; ++h) {
+      DecodeScratch& sc = scratch[static_cast<size_t>(h)];
+      SoftmaxState state = pair_state(p, sc.shape, sc);
+      attend_block(*this, ops_, sc.shape, slots, j0, std::min(j0 + kBlockSlots, slots.hi), sc,
+                   state);
+    }
   }
   const int64_t saved = SoftmaxState::saved_row_floats(p.value_dim);
-  for (int64_t r = 0; r < ps.rows; ++r) {
-    if (partial) {
-      state.save(r, partial + r * saved);
-    } else {
-      write_row(p, ops_, ps.b, row_head(p, ps, r), row_token(p, r), state, r);
+  for (int64_t h = 0; h < heads; ++h) {
+    DecodeScratch& sc = scratch[static_cast<size_t>(h)];
+    const PairShape& ps = sc.shape;
+    SoftmaxState state = pair_state(p, ps, sc);
+    // The pairs' partials lie pair by pair, each pair's chunks consecutive.
+    float* head_partial = partial ? partial + h * num_chunks(b) * partial_floats() : nullptr;
+    for (int64_t r = 0; r < ps.rows; ++r) {
+      if (head_partial) {
+        state.save(r, head_partial + r * saved);
+      } else {
+        write_row(p, ops_, ps.b, row_head(p, ps, r), row_token(p, r), state, r);
+      }
     }
   }
 }
 
 void DecodeKernel::merge(int64_t pair, const float* partials) const {
   const DecodeProblem& p = problem_;
-  const PairShape ps = pair_shape(p, ops_, pair);
+  const PairShape ps = pair_shape(p, ops_, pair, 1);
   const int64_t chunks = num_chunks(ps.b), saved = SoftmaxState::saved_row_floats(p.value_dim);
   std::vector<float> o(static_cast<size_t>(p.value_dim));
   float neg_max = 0, sum = 0, alpha = 0;

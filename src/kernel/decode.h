@@ -84,10 +84,13 @@ class DecodeKernel {
   int64_t num_chunks(int64_t b) const;
   SlotRange chunk_slots(int64_t b, int64_t chunk) const;
 
-  // Computes chunk `chunk` of `pair`. With `partial` null (only when the pair has one chunk) the
-  // rows are finished and written; otherwise the chunk's unnormalized state goes to `partial`
-  // (partial_floats() floats) for merge(). Uses this thread's scratch.
-  void run(int64_t pair, int64_t chunk, float* partial) const;
+  // Computes chunk `chunk` of the pairs [pair, pair + heads) (KV heads of one sequence), block
+  // by block with the heads one after another in each block. With `partial` null (only when the
+  // sequence has one chunk) the rows are finished and written; otherwise each pair's unnormalized
+  // state of the chunk goes to its partial (partial_floats() floats) for merge(): the first
+  // pair's at `partial`, the next ones num_chunks() partials apart (pair by pair, chunk by
+  // chunk). Uses this thread's scratch.
+  void run(int64_t pair, int64_t heads, int64_t chunk, float* partial) const;
   int64_t partial_floats() const;
   // Folds the num_chunks partials of `pair` (stored consecutively) in chunk order, from the
   // sink, and writes the rows.

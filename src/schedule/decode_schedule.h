@@ -1,5 +1,6 @@
 // The decode kernel's work over threads. A work item is one chunk of one (sequence, KV head)
-// pair (src/kernel/decode.h); chunk boundaries are the kernel's, fixed by the problem. Items are
+// pair, or of several KV heads of a sequence where the cache holds them side by side
+// (src/kernel/decode.h); chunk boundaries are the kernel's, fixed by the problem. Items are
 // handed out dynamically in a fixed order; pairs with several chunks park a partial state per
 // chunk and are merged afterwards in chunk order, each pair by one thread. Which thread ran which
 // chunk changes nothing in the arithmetic, so results are bitwise identical for any thread count.
@@ -14,9 +15,10 @@
 namespace flashcte::internal {
 
 struct DecodeItem {
-  int64_t pair = 0;
+  int64_t pair = 0;   // the first of its pairs
+  int64_t heads = 1;  // pairs [pair, pair + heads), KV heads of one sequence
   int64_t chunk = 0;
-  int64_t partial = -1;  // index of its partial state, -1 when the pair has one chunk
+  int64_t partial = -1;  // index of its first pair's partial state, -1 when there is one chunk
 };
 
 // Every work item of the problem, sequence by sequence, in the order the cache lies in memory

@@ -53,13 +53,17 @@ DecodeWork decode_work(const DecodeKernel& kernel) {
   w.items = make_decode_items(kernel, &partials);
   w.partials.resize(static_cast<size_t>(partials * kernel.partial_floats()));
   for (const DecodeItem& it : w.items) {
-    if (it.chunk == 0 && it.partial >= 0) w.merges.push_back(it);
+    if (it.chunk != 0 || it.partial < 0) continue;
+    const int64_t chunks = kernel.num_chunks(it.pair / kernel.problem().kv_heads);
+    for (int64_t h = 0; h < it.heads; ++h) {
+      w.merges.push_back({it.pair + h, 1, 0, it.partial + h * chunks});
+    }
   }
   // A pair none of whose rows attends a slot has no chunk: the merge of its no partials writes
   // its rows (0, or the sink's share).
   const int64_t kv_heads = kernel.problem().kv_heads;
   for (int64_t pair = 0; pair < kernel.num_pairs(); ++pair) {
-    if (kernel.num_chunks(pair / kv_heads) == 0) w.merges.push_back({pair, 0, 0});
+    if (kernel.num_chunks(pair / kv_heads) == 0) w.merges.push_back({pair, 1, 0, 0});
   }
   return w;
 }
@@ -74,8 +78,9 @@ double decode_ns(const DecodeKernel& kernel, const DecodeItem& it) {
   const SlotRange s = kernel.chunk_slots(it.pair / p.kv_heads, it.chunk);
   const auto slots = static_cast<double>(s.hi - s.lo);
   const auto channels = static_cast<double>(p.head_dim + p.value_dim);
-  return slots * channels * dtype_size(p.dtype) / kDecodeBytesPerNs +
-         slots * static_cast<double>(p.rows()) * 2.0 * channels / kPrefillFlopsPerNs;
+  return static_cast<double>(it.heads) *
+         (slots * channels * dtype_size(p.dtype) / kDecodeBytesPerNs +
+          slots * static_cast<double>(p.rows()) * 2.0 * channels / kPrefillFlopsPerNs);
 }
 
 }  // namespace
@@ -120,7 +125,7 @@ void run_kernels(const std::vector<const AttentionKernel*>& prefill,
       DecodeWork& w = decode_works[r.kernel];
       const DecodeItem& it = w.items[r.index];
       kernel.run(
-          it.pair, it.chunk,
+          it.pair, it.heads, it.chunk,
           it.partial >= 0 ? w.partials.data() + it.partial * kernel.partial_floats() : nullptr);
       return;
     }

@@ -19,11 +19,11 @@
 // 16-bit V value is converted once per 4 rows; keys innermost, column panels outer (the second
 // panel finds the rows in L2).
 //
-// Prefetch: both kernels request each K / V row kDecodePrefetchBytes ahead into L2 (prefetcht1).
-// A core's demand misses and L1 prefetches are capped by its L1 miss buffers (~15 GB/s here);
-// requests into L2 let the 2 cores approach the memory's read bandwidth (decode_bf16-inl.h has
-// the measurement). The rows kL1PrefetchRows ahead are also requested into L1 (prefetcht0), which
-// a paged cache needs at every page boundary (decode_bf16-inl.h).
+// Prefetch: both kernels request each K / V row the rows' prefetch_bytes ahead into L2
+// (prefetcht1). A core's demand misses and L1 prefetches are capped by its L1 miss buffers (~15
+// GB/s here); requests into L2 let the 2 cores approach the memory's read bandwidth
+// (decode_rows.h has the measurement). The rows kL1PrefetchRows ahead are also requested into L1
+// (prefetcht0), which a paged cache needs at every page boundary (decode_bf16-inl.h).
 //
 // Bytes per FLOP: each cached K or V element is read once per call and feeds 2 FLOPs per query
 // row (group * T rows of one KV head). At 4 rows (32/8 heads, T = 1) that is 0.25 B/FLOP for
@@ -65,13 +65,6 @@ constexpr int64_t kDecodeQkRows = kMaxLanes < 4 ? kMaxLanes : 4;
 // leaving room for the C converted V vectors and the P broadcast.
 constexpr int64_t kDecodePvAcc = kMaxLanes >= 16 ? 16 : 8;
 constexpr int64_t kDecodePvCols = kMaxLanes >= 16 ? 8 : 4;
-
-// Rows ahead to prefetch for rows of `width` elements of T: kDecodePrefetchBytes of the stream.
-template <class T>
-HWY_INLINE int64_t PrefetchRows(int64_t width) {
-  const int64_t bytes = std::max<int64_t>(1, width * static_cast<int64_t>(sizeof(T)));
-  return (decode_prefetch_bytes() + bytes - 1) / bytes;
-}
 
 // Requests the `bytes` at p into L2 (kLocality 2: prefetcht1) or L1 (3: prefetcht0), one request
 // per cache line; nothing for p = 0 (no row there: prefetch_address of decode_rows.h).
@@ -147,7 +140,8 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
   hn::Vec<DF> acc[R * K];
 #pragma GCC unroll 16
   for (int64_t i = 0; i < R * K; ++i) acc[i] = hn::Zero(df);
-  const int64_t ahead = PrefetchRows<T>(d), row_bytes = d * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = prefetch_rows(k.prefetch_bytes, row_bytes);
   // Key by key, each K row read from start to end: sequential lines for the prefetchers.
 #pragma GCC unroll 16
   for (int64_t c = 0; c < K; ++c) {
@@ -327,7 +321,7 @@ void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const Rows& v
   // 2 x 8 tiles that convert each V row twice).
   const int64_t panel =
       std::min(kDecodePvCols, std::max<int64_t>(1, kDecodePvAcc / std::min<int64_t>(rows, 4)));
-  const int64_t ahead = PrefetchRows<T>(dv);
+  const int64_t ahead = prefetch_rows(v.prefetch_bytes, dv * static_cast<int64_t>(sizeof(T)));
   for (int64_t c0 = 0; c0 < vectors; c0 += panel) {
     const int64_t width = std::min(panel, vectors - c0);
     const bool partial = tail != 0 && c0 + width == vectors;

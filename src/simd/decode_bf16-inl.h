@@ -48,16 +48,6 @@
 
 namespace flashcte::simd {
 
-// How far ahead of their reads (bytes of each K or V stream) the decode kernels, portable and
-// native, prefetch into L2 (prefetcht1, one request per line). Without it a core's K/V misses go
-// through its L1 miss buffers and a decode call reads ~15 GB/s on 2 threads (Zen 4 EPYC, 32/8
-// heads, d = 128, bf16 native, medians of 5 interleaved cold runs; read bandwidth ~33 GB/s):
-//   distance      0      2 KiB   4 KiB   8 KiB
-//   4096 slots    15.3   19.4    21.8    23.3 GB/s
-//   32768 slots   16.2   20.8    26.0    25.9 GB/s
-inline constexpr int64_t kDecodePrefetchBytes = 8192;
-inline int64_t decode_prefetch_bytes() { return kDecodePrefetchBytes; }
-
 // Rows ahead that are also requested into L1 (prefetcht0), besides the L2 requests
 // kDecodePrefetchBytes ahead, by both kernels. A paged cache's rows come in runs of a page
 // (4 KiB per head at 16 slots of bfloat16, d = 128), and at every run the L1 prefetcher starts
@@ -290,7 +280,7 @@ FLASHCTE_DECODE_BF16 inline void Qk(const uint16_t* q, int64_t ldq, int64_t rows
   with_load(dtype, [&](const auto& load) FLASHCTE_DECODE_BF16 {
     using Load = std::decay_t<decltype(load)>;
     const int64_t row_bytes = Load::kBytes * d;
-    const int64_t ahead = (decode_prefetch_bytes() + row_bytes - 1) / row_bytes;
+    const int64_t ahead = prefetch_rows(k.prefetch_bytes, row_bytes);
     with_rows(k, [&](const auto& kr) FLASHCTE_DECODE_BF16 {
       for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const int64_t left = rows - r0;  // 3 rows take a 4-row tile, as in decode-inl.h
@@ -464,7 +454,7 @@ FLASHCTE_DECODE_BF16 inline void pv_with(const float* p, int64_t ldp, int64_t ro
                                          const float* alpha, float* o, int64_t ldo) {
   constexpr int64_t G = 8 / R;  // R * 2G = 16 accumulators
   const int64_t row_bytes = Load::kBytes * dv;
-  const int64_t ahead = (decode_prefetch_bytes() + row_bytes - 1) / row_bytes;
+  const int64_t ahead = prefetch_rows(v.prefetch_bytes, row_bytes);
   const int64_t groups = (dv + 31) / 32;
   for (int64_t g0 = 0; g0 < groups; g0 += G) {
     const int64_t width = std::min(G, groups - g0);

@@ -10,6 +10,28 @@
 
 namespace flashcte::simd {
 
+// How far ahead of their reads (bytes of each K or V stream) the decode kernels, portable and
+// native, prefetch into L2 (prefetcht1, one request per line). Without it a core's K/V misses go
+// through its L1 miss buffers and a decode call reads ~15 GB/s on 2 threads (Zen 4 EPYC, 32/8
+// heads, d = 128, bf16 native, medians of 5 interleaved cold runs; read bandwidth ~33 GB/s):
+//   distance      0      2 KiB   4 KiB   8 KiB
+//   4096 slots    15.3   19.4    21.8    23.3 GB/s
+//   32768 slots   16.2   20.8    26.0    25.9 GB/s
+inline constexpr int64_t kDecodePrefetchBytes = 8192;
+// The distance where a slot's KV heads lie side by side and one item reads them block by block in
+// turn (src/kernel/decode.cc): a head's next block is then every other head's block away. Zen 4
+// EPYC, 2 threads, batch 1, 32/8 heads, d = 128, 32768 cached bf16, flash_attn_with_kvcache on
+// numpy's (batch, seqlen, heads, d), six interleaved rounds of 15 calls: 8 KiB 6.6-9.8 ms, 16 KiB
+// 6.1-6.6 (per-round ratio, median 1.20; 24 KiB no better in four rounds). Head by head ((batch,
+// heads, seqlen, d)) 16 KiB was slower: 1.075x the 8 KiB time (median of 8 interleaved rounds).
+inline constexpr int64_t kDecodeHeadsTogetherPrefetchBytes = 16384;
+
+// Rows of `row_bytes` each that make `prefetch_bytes` of a stream (at least 1).
+inline int64_t prefetch_rows(int64_t prefetch_bytes, int64_t row_bytes) {
+  row_bytes = row_bytes > 0 ? row_bytes : 1;
+  return (prefetch_bytes + row_bytes - 1) / row_bytes;
+}
+
 struct DecodeRows {
   const void* const* table = nullptr;  // row j at table[j]; null: row j at base + j * stride
   const void* base = nullptr;
@@ -17,12 +39,15 @@ struct DecodeRows {
   // Rows [0, n) are read; [n, avail) are the rows the stream reads next (the rest of the chunk),
   // only ever prefetched.
   int64_t avail = 0;
+  int64_t prefetch_bytes = kDecodePrefetchBytes;  // how far ahead the kernels prefetch
 
-  static DecodeRows strided(const void* base, int64_t stride, int64_t avail) {
-    return {nullptr, base, stride, avail};
+  static DecodeRows strided(const void* base, int64_t stride, int64_t avail,
+                            int64_t prefetch_bytes = kDecodePrefetchBytes) {
+    return {nullptr, base, stride, avail, prefetch_bytes};
   }
-  static DecodeRows of_table(const void* const* table, int64_t avail) {
-    return {table, nullptr, 0, avail};
+  static DecodeRows of_table(const void* const* table, int64_t avail,
+                             int64_t prefetch_bytes = kDecodePrefetchBytes) {
+    return {table, nullptr, 0, avail, prefetch_bytes};
   }
   // Row j's first element, in either form (for code outside the kernels' loops).
   const void* address(int64_t j) const {
@@ -31,10 +56,10 @@ struct DecodeRows {
 };
 
 // The two forms as the kernels' template arguments: at<T>(j) is row j, prefetch_address(j) the
-// address to prefetch for row j (0: none).
+// address to prefetch for row j (0: none), prefetch_bytes as DecodeRows'.
 struct StridedRows {
   const unsigned char* base;
-  int64_t stride, avail;
+  int64_t stride, avail, prefetch_bytes;
   template <class T>
   const T* at(int64_t j) const {
     return reinterpret_cast<const T*>(base + j * stride);
@@ -48,7 +73,7 @@ struct StridedRows {
 
 struct TableRows {
   const void* const* table;
-  int64_t avail;
+  int64_t avail, prefetch_bytes;
   // Only the table's rows: an address guessed past a page would only waste bandwidth.
   template <class T>
   const T* at(int64_t j) const {
@@ -63,9 +88,10 @@ struct TableRows {
 template <class F>
 inline void with_rows(const DecodeRows& rows, const F& f) {
   if (rows.table) {
-    f(TableRows{rows.table, rows.avail});
+    f(TableRows{rows.table, rows.avail, rows.prefetch_bytes});
   } else {
-    f(StridedRows{static_cast<const unsigned char*>(rows.base), rows.stride, rows.avail});
+    f(StridedRows{static_cast<const unsigned char*>(rows.base), rows.stride, rows.avail,
+                  rows.prefetch_bytes});
   }
 }
 
