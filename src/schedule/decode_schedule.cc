@@ -50,6 +50,8 @@ std::vector<DecodeItem> make_decode_items(const DecodeKernel& kernel, int64_t* p
   // six interleaved rounds of 15 calls:
   //   (batch, seqlen, heads, d): chunk by chunk, one head per item, 9.2-13.3 ms; heads together
   //     6.4-7.2 ms (16 bytes past a line: 0.99-1.07x that; bench/alignment.py);
+  //   FlashAttention's pages ((blocks, 16, heads, d), the table shuffled), six rounds of 21 calls:
+  //     8.5-12.2 ms -> 6.7-7.9 (per-round ratio, median 0.75);
   //   the (batch, heads, seqlen, d) view of the same values, pair by pair: 4.9-7.4 ms before,
   //     5.3-5.9 after (per-round ratio over 16 rounds: median 1.0);
   //   (batch, heads, seqlen, d) chunk by chunk instead of pair by pair (`flashcte bench --decode`,
