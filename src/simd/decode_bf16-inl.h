@@ -49,12 +49,12 @@
 namespace flashcte::simd {
 
 // Rows ahead that are also requested into L1 (prefetcht0), besides the L2 requests
-// kDecodePrefetchBytes ahead, by both kernels. A paged cache's rows come in runs of a page
-// (4 KiB per head at 16 slots of bfloat16, d = 128), and at every run the L1 prefetcher starts
-// over; this keeps the next rows' lines arriving. Zen 5 EPYC, 2 threads, 32/8 heads, 32768 cached
-// tokens, cold, 3 rounds of 7 reps, bf16 native: pages of 16 went from 7.4-7.9 to 4.7-5.8 ms per
-// call and the dense cache from 4.5-4.8 to 3.8-5.3 ms (8 rows; only the table form: pages
-// 5.1-5.9, dense unchanged).
+// the rows' prefetch_bytes ahead (decode_rows.h), by both kernels. A paged cache's rows come in
+// runs of a page (4 KiB per head at 16 slots of bfloat16, d = 128), and at every run the L1
+// prefetcher starts over; this keeps the next rows' lines arriving. Zen 5 EPYC, 2 threads, 32/8
+// heads, 32768 cached tokens, cold, 3 rounds of 7 reps, bf16 native: pages of 16 went from 7.4-7.9
+// to 4.7-5.8 ms per call and the dense cache from 4.5-4.8 to 3.8-5.3 ms (8 rows; only the table
+// form: pages 5.1-5.9, dense unchanged).
 inline constexpr int64_t kL1PrefetchRows = 8;
 
 }  // namespace flashcte::simd
