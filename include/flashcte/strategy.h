@@ -8,7 +8,8 @@
 //                    matmul-softmax-matmul (NONE) or the flash kernel, and on how many threads.
 // The first two are transcriptions of shared/spec/SEMANTICS.md ("Strategy dispatch"), quirks
 // included, so that a CPU user can ask "what would Neuron have run for this shape?". None of the
-// three computes anything; all are cheap and thread-safe.
+// three computes anything; all are cheap and thread-safe. They advise callers: attention_cte and
+// the layer never consult them (they always run the flash kernel).
 #ifndef FLASHCTE_STRATEGY_H_
 #define FLASHCTE_STRATEGY_H_
 

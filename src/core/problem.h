@@ -95,7 +95,7 @@ struct Problem {
   StatView neg_max, sum_recip, lse;
 
   // Options::tiles as the caller gave them (validated; a zero field is the kernel's choice). Only
-  // the kernel resolves and reads tile sizes (src/kernel/tiling.h).
+  // the kernel resolves and reads tile sizes (resolve_tiles, src/kernel/plan.h).
   TileConfig tile_request;
   int threads = 0;  // Options::num_threads: 0 = OpenMP's default (the schedule resolves it)
 

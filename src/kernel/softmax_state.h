@@ -1,6 +1,6 @@
 // The online-softmax state of the flash recurrence, per query row, and its named operations.
 // Every place that updates (neg_max, sum, O) goes through this type: the section recurrence
-// (attention.cc), the KV-split merge (attention.cc), the decode kernel and the merge of finished
+// (section.cc), the KV-split merge (attention.cc), the decode kernel and the merge of finished
 // results, merge_attn_states (src/dispatch/merge_api.cc).
 //
 // Per row, after the keys seen so far, with scores S_j and values V_j:

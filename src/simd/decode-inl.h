@@ -137,6 +137,8 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
   static_assert(R * K == N, "the ladder sums exactly N accumulators");
   const float* qr[R];
   for (int64_t r = 0; r < R; ++r) qr[r] = q + std::min(r0 + r, rows - 1) * ldq;
+  // An array of vectors: fixed-width targets only (Highway's dot-inl.h: SVE and RVV vectors are
+  // sizeless and cannot form arrays); the aarch64 issue decides how SVE gets its register tile.
   hn::Vec<DF> acc[R * K];
 #pragma GCC unroll 16
   for (int64_t i = 0; i < R * K; ++i) acc[i] = hn::Zero(df);
@@ -239,6 +241,8 @@ HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, cons
                        int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  // An array of vectors: fixed-width targets only (Highway's dot-inl.h: SVE and RVV vectors are
+  // sizeless and cannot form arrays); the aarch64 issue decides how SVE gets its register tile.
   hn::Vec<DF> acc[R][C];
 #pragma GCC unroll 4
   for (int64_t r = 0; r < R; ++r) {

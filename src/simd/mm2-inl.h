@@ -37,6 +37,8 @@ HWY_INLINE void PvPanel(const float* HWY_RESTRICT p, int64_t ldp, int64_t n,
                         float* HWY_RESTRICT o, int64_t ldo) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  // An array of vectors: fixed-width targets only (Highway's dot-inl.h: SVE and RVV vectors are
+  // sizeless and cannot form arrays); the aarch64 issue decides how SVE gets its register tile.
   hn::Vec<DF> acc[R][kCols];
 #pragma GCC unroll 6
   for (int64_t r = 0; r < R; ++r) {
