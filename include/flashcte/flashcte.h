@@ -40,6 +40,10 @@ int dtype_size(DType dtype);
 // checks the ranks it takes.
 inline constexpr int kMaxRank = 4;
 
+// The largest head dim any entry point accepts (q/k and v alike). MLA models use d = 576 with
+// dv = 512; the per-thread scratch grows linearly with it.
+inline constexpr int64_t kMaxHeadDim = 1024;
+
 // A read-only strided view. Strides are in elements, not bytes. A view with rank 0 and null data
 // is "absent" (the default of every optional argument).
 struct TensorView {

@@ -73,6 +73,8 @@ def flash_attn_varlen_kvcache(
     flash_attn_varlen_kvcache into caller-allocated outputs, the caches read only; the other arguments are VarlenKvCacheOptions' fields by name. Raises TypeError/ValueError with the library's message.
     """
 
+MAX_HEAD_DIM: int
+
 def simd_target() -> str:
     """
     The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.

@@ -790,6 +790,7 @@ NB_MODULE(_flashcte, m) {
         "flash_attn_varlen_kvcache into caller-allocated outputs, the caches read only; the "
         "other arguments are VarlenKvCacheOptions' fields by name. Raises TypeError/ValueError "
         "with the library's message.");
+  m.attr("MAX_HEAD_DIM") = flashcte::kMaxHeadDim;
   m.def("simd_target", &flashcte::simd_target,
         "The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.");
   bind_layer(m);

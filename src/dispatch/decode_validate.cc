@@ -16,9 +16,6 @@
 namespace flashcte::internal {
 namespace {
 
-// The largest head dim accepted, as for attention_cte (validate.cc).
-constexpr int64_t kMaxHeadDim = 1024;
-
 using std::to_string;
 
 Status error(const std::string& message) { return Status::Error(message); }

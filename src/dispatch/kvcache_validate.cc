@@ -72,7 +72,6 @@ Status check_q_and_caches(const TensorView& q, const MutableTensorView& k_cache,
       expect_axis("v_cache", v_cache, 1, s->row_slots,
                   paged ? "k_cache's page_block_size" : "k_cache's seqlen_cache"));
   FLASHCTE_RETURN_IF_ERROR(expect_axis("v_cache", v_cache, 2, s->kv_heads, "k_cache's kv_heads"));
-  constexpr int64_t kMaxHeadDim = 1024;  // as attention_cte and decode_attention
   if (s->d < 1 || s->d > kMaxHeadDim || s->dv < 1 || s->dv > kMaxHeadDim) {
     return error(std::string(s->d < 1 || s->d > kMaxHeadDim ? "q: head dim d = " + to_string(s->d)
                                                             : "v_cache: dv = " + to_string(s->dv)) +

@@ -21,9 +21,6 @@
 namespace flashcte::internal {
 namespace {
 
-// The largest head dim accepted (q/k and v alike). MLA models use d = 576 with dv = 512; the
-// per-thread scratch grows linearly with it.
-constexpr int64_t kMaxHeadDim = 1024;
 // Tile parameters above these would need scratch beyond any cache and are surely a typo.
 constexpr int64_t kMaxQBlock = 4096;
 constexpr int64_t kMaxKvTile = 65536;

@@ -47,13 +47,12 @@ from typing import Any, Optional
 
 import torch
 
-from ..torch import MaskPlan, decompose_mask, equal_along, flash_attn
+from .._flashcte import MAX_HEAD_DIM
+from ..torch import _FLOATS, MaskPlan, decompose_mask, equal_along, flash_attn
 
 __all__ = ["NAME", "FlashcteFallbackWarning", "attention_cte_forward", "register"]
 
 NAME = "attention_cte"
-_MAX_HEAD_DIM = 1024
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class FlashcteFallbackWarning(UserWarning):
@@ -167,8 +166,8 @@ def _unsupported(module, query, key, value, attention_mask, dropout, kwargs) -> 
         return "output_attentions=True (flashcte returns no attention weights)"
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "query, key and value of rank other than 4"
-    if query.shape[-1] > _MAX_HEAD_DIM or query.shape[-1] != key.shape[-1]:
-        return f"head_dim {query.shape[-1]} (at most {_MAX_HEAD_DIM}, equal for query and key)"
+    if query.shape[-1] > MAX_HEAD_DIM or query.shape[-1] != key.shape[-1]:
+        return f"head_dim {query.shape[-1]} (at most {MAX_HEAD_DIM}, equal for query and key)"
     if key.shape[1] == 0 or query.shape[1] % key.shape[1] or key.shape[0] != query.shape[0]:
         return "query and key heads or batches that GQA cannot pair"
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
