@@ -17,7 +17,8 @@
 //
 // bfloat16 inputs run on the native vdpbf16ps kernels where simd::bf16_dot_for says so (the
 // policy attention_cte follows: AMD Zen 4/5 yes, Intel widens), with Q also packed as bfloat16;
-// so does a bfloat16 q against 8-bit caches, whose codes convert exactly to bfloat16.
+// so does a bfloat16 q against 8-bit caches: fp8 codes convert exactly to bfloat16, and int8 ones
+// run on integer dot products with Q and P quantized to int16 (decode_bf16-inl.h).
 //
 // A row only ever reads the scores, and P.V only the V rows, of the slots it attends: slots past
 // a token's position (the later new tokens of a chunk) or before its window may hold anything,

@@ -302,8 +302,9 @@ FLASHCTE_AVX512_BF16 float exp_sum(const float* s, int64_t n, float bias, uint16
   return total;
 }
 
-// CPUID: AVX-512 F, BW, VL (leaf 7.0 EBX bits 16, 30, 31) and BF16 (leaf 7.1 EAX bit 5), and
-// the OS saving the opmask and zmm state (XCR0 bits 1, 2, 5, 6, 7).
+// CPUID: AVX-512 F, BW, VL (leaf 7.0 EBX bits 16, 30, 31), VNNI (leaf 7.0 ECX bit 11: the int8
+// decode kernels, decode_bf16-inl.h; every CPU with BF16 has it) and BF16 (leaf 7.1 EAX bit 5),
+// and the OS saving the opmask and zmm state (XCR0 bits 1, 2, 5, 6, 7).
 bool native_available() {
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return false;  // OSXSAVE
@@ -313,7 +314,7 @@ bool native_available() {
   if ((xcr0_lo & kZmmState) != kZmmState) return false;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   constexpr uint32_t kF = 1u << 16, kBw = 1u << 30, kVl = 1u << 31;
-  if ((ebx & (kF | kBw | kVl)) != (kF | kBw | kVl)) return false;
+  if ((ebx & (kF | kBw | kVl)) != (kF | kBw | kVl) || !(ecx & (1u << 11))) return false;
   if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
   return (eax & (1u << 5)) != 0;
 }

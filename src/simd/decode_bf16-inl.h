@@ -22,11 +22,20 @@
 // broadcast pair. P is already rounded to bfloat16 for bfloat16 inputs (Ops::exp_sum), so the
 // pair is exact. Register tile R rows x G groups of 32 columns (2 accumulators each), R * 2G <= 16.
 //
-// 8-bit caches (int8, float8_e4m3fn, float8_e5m2) run on the same kernels: every code's value is
-// a bfloat16 value (int8's at most 7 significant bits, e4m3's 4 and e5m2's 3, all within
-// bfloat16's exponent range, the fp8 subnormals normal there), so each loaded row converts
-// exactly to bfloat16 in registers (the loads below) and the products stay exact. The 8-bit rows
-// are read at half the bytes, and the vdpbf16ps arithmetic is the bfloat16 cache's.
+// fp8 caches (float8_e4m3fn, float8_e5m2) run on the same kernels: every code's value is a
+// bfloat16 value (e4m3's 4 significant bits, e5m2's 3, within bfloat16's exponent range, the fp8
+// subnormals normal there), so each loaded row converts exactly to bfloat16 in registers (Fp8Load)
+// and the products stay exact. The 8-bit rows are read at half the bytes, and the vdpbf16ps
+// arithmetic is the bfloat16 cache's.
+//
+// int8 caches run on integers (AVX512_VNNI's vpdpwssd: 32 int16 products per instruction, pairs
+// added into int32 lanes, as vdpbf16ps): a row's codes are sign-extended to int16 (one vpmovsxbw
+// per 32, where converting them to bfloat16 took five and made int8 decode compute-bound). The
+// other operand is quantized to int16 per row: QK's query rows by their largest |q| (qk_rows),
+// PV's probabilities by their largest P per 64 keys (pack_p_int16), rounded to nearest; the int32
+// sums convert to float32 once, times the row's step. The one error beyond the bfloat16 kernels'
+// is that rounding: at most half a step, 2^-16 of the row's largest |q| or P (2^-15 at d > 512,
+// where the step doubles to keep QK's sums within int32), against bfloat16's 2^-9 of each value.
 //
 // The numbers: products of two bfloat16 are exact in float32; vdpbf16ps rounds each addition to
 // nearest and flushes subnormal inputs and results to zero, where the portable path keeps them: a
@@ -39,8 +48,10 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
+#include "flashcte/flashcte.h"
 #include "hwy/base.h"
 #include "hwy/detect_targets.h"
 #include "src/core/kv8.h"
@@ -65,7 +76,10 @@ inline constexpr int64_t kL1PrefetchRows = 8;
 
 namespace flashcte::simd::decode_bf16 {
 
-#define FLASHCTE_DECODE_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+// AVX512_VNNI for the int8 kernels: every CPU with AVX512_BF16 has it (Cooper Lake, Sapphire
+// Rapids, Zen 4 and 5), and bf16_dot.cc's check asks for both.
+#define FLASHCTE_DECODE_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni")))
 
 constexpr int64_t kLanes = 16;
 // GCC 12 warns that the unmasked _mm512_shuffle_* read an undefined vector (fixed in GCC 13); the
@@ -89,27 +103,22 @@ FLASHCTE_DECODE_BF16 inline void prefetch_row_to_l1(uintptr_t p, int64_t bytes) 
   }
 }
 
-// How the kernels load the 32 elements [x, x + 32) of a cache row (those outside the mask m as 0)
-// as bfloat16 bits, exactly: a bfloat16 row as it is, an 8-bit one converted.
+// How the kernels load the 32 elements [x, x + 32) of a cache row (those outside the mask m as
+// 0), exactly: as bfloat16 bits (a bfloat16 row as it is, an fp8 one converted), or with kInt as
+// int16 (int8 codes sign-extended) for the integer kernels.
 struct Bf16Load {
   static constexpr int64_t kBytes = 2;
+  static constexpr bool kInt = false;
   FLASHCTE_DECODE_BF16 __m512i operator()(const unsigned char* row, int64_t x, __mmask32 m) const {
     return _mm512_maskz_loadu_epi16(m, row + 2 * x);
   }
 };
 
-// int8: widened to int32 and converted (2 vpmovsxbd, 2 vcvtdq2ps, 1 vcvtne2ps2bf16 per 32),
-// -128 included.
 struct Int8Load {
   static constexpr int64_t kBytes = 1;
+  static constexpr bool kInt = true;
   FLASHCTE_DECODE_BF16 __m512i operator()(const unsigned char* row, int64_t x, __mmask32 m) const {
-    // The zero-masked forms with every lane selected: see kAll.
-    const __m256i codes = _mm256_maskz_loadu_epi8(m, row + x);
-    const __m512 lo = _mm512_maskz_cvtepi32_ps(
-        kAll, _mm512_maskz_cvtepi8_epi32(kAll, _mm256_castsi256_si128(codes)));
-    const __m512 hi = _mm512_maskz_cvtepi32_ps(
-        kAll, _mm512_maskz_cvtepi8_epi32(kAll, _mm256_extracti128_si256(codes, 1)));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    return _mm512_maskz_cvtepi8_epi16(~__mmask32{0}, _mm256_maskz_loadu_epi8(m, row + x));
   }
 };
 
@@ -133,6 +142,7 @@ const uint16_t* fp8_bf16_table() {
 // choosing), the code's sign bit OR-ed in: 7 operations per 32 codes.
 struct Fp8Load {
   static constexpr int64_t kBytes = 1;
+  static constexpr bool kInt = false;
   __m512i t0, t1, t2, t3;  // table entries 0-31, 32-63, 64-95, 96-127
   FLASHCTE_DECODE_BF16 explicit Fp8Load(const uint16_t* table)
       : t0(_mm512_loadu_si512(table)),
@@ -175,32 +185,108 @@ FLASHCTE_DECODE_BF16 inline void with_load(DType dtype, const Body& body) {
   }
 }
 
+// a + b lane by lane: float32, or with kInt the int32 sums the integer kernels keep in __m512
+// registers (the shuffles below move bits, whatever they hold).
+template <bool kInt>
+FLASHCTE_DECODE_BF16 inline __m512 add_lanes(__m512 a, __m512 b) {
+  if constexpr (kInt) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  } else {
+    return _mm512_add_ps(a, b);
+  }
+}
+
 // Lane i of the result = the sum of v[i]'s 16 lanes (clobbers v). Two in-block levels (vshufps:
 // lanes 0 + 1 and 2 + 3 of each 128-bit block of a pair of vectors), then two across blocks
 // (vshuff32x4): 45 three-operand shuffles and adds, no register copies, where the ConcatEven /
 // ConcatOdd ladder of decode-inl.h costs a copy per vpermt2ps (Zen 4, one thread, 4 rows,
 // d = 128, K in L1: QK 12.8 -> 9.3 ns per key).
+template <bool kInt>
 FLASHCTE_DECODE_BF16 inline __m512 sum_ladder(__m512* v) {
   // v[2i], v[2i+1] -> per block [a0+a1, a2+a3, b0+b1, b2+b3].
 #pragma GCC unroll 8
   for (int64_t i = 0; i < 8; ++i) {
-    v[i] = _mm512_add_ps(_mm512_maskz_shuffle_ps(kAll, v[2 * i], v[2 * i + 1], 0x88),
-                         _mm512_maskz_shuffle_ps(kAll, v[2 * i], v[2 * i + 1], 0xDD));
+    v[i] = add_lanes<kInt>(_mm512_maskz_shuffle_ps(kAll, v[2 * i], v[2 * i + 1], 0x88),
+                           _mm512_maskz_shuffle_ps(kAll, v[2 * i], v[2 * i + 1], 0xDD));
   }
   // -> per block [sum a, sum b, sum c, sum d] of that block, sources 4i .. 4i + 3.
 #pragma GCC unroll 4
   for (int64_t i = 0; i < 4; ++i) {
-    v[i] = _mm512_add_ps(_mm512_maskz_shuffle_ps(kAll, v[2 * i], v[2 * i + 1], 0x88),
-                         _mm512_maskz_shuffle_ps(kAll, v[2 * i], v[2 * i + 1], 0xDD));
+    v[i] = add_lanes<kInt>(_mm512_maskz_shuffle_ps(kAll, v[2 * i], v[2 * i + 1], 0x88),
+                           _mm512_maskz_shuffle_ps(kAll, v[2 * i], v[2 * i + 1], 0xDD));
   }
   // Blocks: v[i] block k holds block k's partials of sources 4i .. 4i + 3; sum the 4 blocks.
 #pragma GCC unroll 2
   for (int64_t i = 0; i < 2; ++i) {
-    v[i] = _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll, v[2 * i], v[2 * i + 1], 0x88),
-                         _mm512_maskz_shuffle_f32x4(kAll, v[2 * i], v[2 * i + 1], 0xDD));
+    v[i] = add_lanes<kInt>(_mm512_maskz_shuffle_f32x4(kAll, v[2 * i], v[2 * i + 1], 0x88),
+                           _mm512_maskz_shuffle_f32x4(kAll, v[2 * i], v[2 * i + 1], 0xDD));
   }
-  return _mm512_add_ps(_mm512_maskz_shuffle_f32x4(kAll, v[0], v[1], 0x88),
-                       _mm512_maskz_shuffle_f32x4(kAll, v[0], v[1], 0xDD));
+  return add_lanes<kInt>(_mm512_maskz_shuffle_f32x4(kAll, v[0], v[1], 0x88),
+                         _mm512_maskz_shuffle_f32x4(kAll, v[0], v[1], 0xDD));
+}
+
+// acc + the pairwise products of a and b: vdpbf16ps on bfloat16 pairs, or with kInt vpdpwssd on
+// int16 pairs into int32 lanes (exact: see qk_int_max and pack_p_int16).
+template <bool kInt>
+FLASHCTE_DECODE_BF16 inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+  if constexpr (kInt) {
+    return _mm512_castsi512_ps(_mm512_dpwssd_epi32(_mm512_castps_si512(acc), a, b));
+  } else {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+  }
+}
+
+// The largest of the 16 unsigned lanes of v (GCC 12's _mm512_reduce_max_epu32 reads an undefined
+// vector: see kAll).
+FLASHCTE_DECODE_BF16 inline uint32_t max_lane(__m512i v) {
+  alignas(64) uint32_t lanes[kLanes];
+  _mm512_store_si512(lanes, v);
+  return *std::max_element(lanes, lanes + kLanes);
+}
+
+// Lanes [0, 16) of `x` (bfloat16 bits) as float32.
+FLASHCTE_DECODE_BF16 inline __m512 bf16_to_float(__m256i x) {
+  return _mm512_castsi512_ps(
+      _mm512_maskz_slli_epi32(kAll, _mm512_maskz_cvtepu16_epi32(kAll, x), 16));
+}
+
+// The longest Q2 row the integer QK quantizes (on the stack): the API's head dim limit.
+constexpr int64_t kQkIntMaxDim = (kMaxHeadDim + 31) / 32 * 32;
+
+// The largest |q| an int16 query element takes for head dim d: the int32 sums of QK, d products of
+// at most kQkIntMax * 128 (int8's -128), stay below 2^31 (32767 up to d = 512, 16383 to 1024).
+inline int32_t qk_int_max(int64_t d) {
+  const int64_t pairs = (d + 31) / 32 * 32;  // Q2 is read over round_up(d, 32), zero past d
+  return static_cast<int32_t>(std::min<int64_t>(32767, ((int64_t{1} << 31) - 1) / (128 * pairs)));
+}
+
+// Row q of Q2 (bfloat16 bits over [0, d32), zero past d) as int16 q16 = round(q / step) with
+// |q16| <= top and the step returned: top / max |q|; 0 for a zero row (every q16 0), NaN for a
+// row holding NaN or an infinity (every q16 0, so each score of the row is NaN, as it would be).
+FLASHCTE_DECODE_BF16 inline float quantize_q_row(const uint16_t* q, int64_t d32, int32_t top,
+                                                 int16_t* q16) {
+  // The largest |q| as bits: non-negative floats order as their bits, NaN above infinity.
+  __m512i bits = _mm512_setzero_si512();
+  for (int64_t x = 0; x < d32; x += 16) {
+    const __m512 v = bf16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + x)));
+    bits = _mm512_maskz_max_epu32(kAll, bits, _mm512_castps_si512(_mm512_abs_ps(v)));
+  }
+  const uint32_t top_bits = max_lane(bits);
+  float largest = 0.0f;
+  std::memcpy(&largest, &top_bits, sizeof largest);
+  if (top_bits == 0 || top_bits >= 0x7F800000u) {
+    std::memset(q16, 0, static_cast<size_t>(d32) * sizeof(int16_t));
+    return top_bits == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+  }
+  const __m512 inverse = _mm512_set1_ps(static_cast<float>(top) / largest);
+  for (int64_t x = 0; x < d32; x += 16) {
+    const __m512 v = bf16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + x)));
+    // Rounded to nearest even (MXCSR); top / largest * |q| rounds to at most top.
+    const __m256i w = _mm512_maskz_cvtsepi32_epi16(
+        kAll, _mm512_maskz_cvtps_epi32(kAll, _mm512_mul_ps(v, inverse)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + x), w);
+  }
+  return largest / static_cast<float>(top);
 }
 
 // Rows [r0, r0 + R) of S (the last ones clamped to rows - 1 and not stored) against every key,
@@ -209,17 +295,36 @@ FLASHCTE_DECODE_BF16 inline __m512 sum_ladder(__m512* v) {
 // One loop over the keys, so the per-step setup is only the K row pointers and their prefetch.
 // Zen 4, one thread, 4 rows, d = 128, K in L1 (bench/micro_kernels decode_qk_bf16/4): 10.4 ns
 // per key as one call per step with a memcpy of the sums, 7.7 ns as this loop (medians of 5).
+// With an int8 K (Load::kInt) the rows are first quantized to int16 (quantize_q_row), and each
+// score is its int32 sum times the row's step and `scale`.
 template <int64_t R, class Load, class Rows>
 FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t rows, int64_t r0,
                                          const Rows& k, const Load& load, int64_t n, int64_t d,
                                          float scale, float* s, int64_t lds, int64_t ahead) {
   constexpr int64_t K = kLanes / R;
-  const uint16_t* qr[R];
-#pragma GCC unroll 16
-  for (int64_t r = 0; r < R; ++r) qr[r] = q + std::min(r0 + r, rows - 1) * ldq;
+  constexpr bool kInt = Load::kInt;
   const int64_t full = d / 32 * 32, row_bytes = Load::kBytes * d;
   const __mmask32 tail = static_cast<__mmask32>((uint64_t{1} << (d - full)) - 1);
-  const __m512 vscale = _mm512_set1_ps(scale);
+  // The query operand's rows, and the factor of each lane r * K + c of the sums.
+  const void* qr[R];
+  __m512 vscale = _mm512_set1_ps(scale);
+  alignas(64) int16_t q16[kInt ? R : 1][kInt ? kQkIntMaxDim : 1];
+  if constexpr (kInt) {
+    const int64_t d32 = (d + 31) / 32 * 32;
+    HWY_DASSERT(d32 <= kQkIntMaxDim);
+    alignas(64) float lane_scale[kLanes];
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r) {
+      const float step =
+          quantize_q_row(q + std::min(r0 + r, rows - 1) * ldq, d32, qk_int_max(d), q16[r]);
+      qr[r] = q16[r];
+      for (int64_t c = 0; c < K; ++c) lane_scale[r * K + c] = scale * step;
+    }
+    vscale = _mm512_load_ps(lane_scale);
+  } else {
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r) qr[r] = q + std::min(r0 + r, rows - 1) * ldq;
+  }
   for (int64_t j0 = 0; j0 < n; j0 += K) {
     __m512 acc[kLanes];
 #pragma GCC unroll 16
@@ -234,34 +339,23 @@ FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t
     // Step by step along d, all K keys at once: R * K independent accumulator chains hide the
     // vdpbf16ps latency that key by key (R chains) left exposed (4 rows, d = 128, K in L1, Zen 4:
     // 14.8 -> 12.9 ns per key, both before the in-lane ladder).
-    for (int64_t x = 0; x < full; x += 32) {
-      __m512bh kv[K];
+    const auto step = [&](int64_t x, __mmask32 m) FLASHCTE_DECODE_BF16 {
+      __m512i kv[K];
 #pragma GCC unroll 16
-      for (int64_t c = 0; c < K; ++c) kv[c] = (__m512bh)load(kr[c], x, ~__mmask32{0});
-#pragma GCC unroll 16
-      for (int64_t r = 0; r < R; ++r) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr[r] + x);
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < K; ++c) {
-          acc[r * K + c] = _mm512_dpbf16_ps(acc[r * K + c], qv, kv[c]);
-        }
-      }
-    }
-    if (tail) {
-      __m512bh kv[K];
-#pragma GCC unroll 16
-      for (int64_t c = 0; c < K; ++c) kv[c] = (__m512bh)load(kr[c], full, tail);
+      for (int64_t c = 0; c < K; ++c) kv[c] = load(kr[c], x, m);
 #pragma GCC unroll 16
       for (int64_t r = 0; r < R; ++r) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr[r] + full);
+        const __m512i qv = _mm512_loadu_si512(static_cast<const uint16_t*>(qr[r]) + x);
 #pragma GCC unroll 16
-        for (int64_t c = 0; c < K; ++c) {
-          acc[r * K + c] = _mm512_dpbf16_ps(acc[r * K + c], qv, kv[c]);
-        }
+        for (int64_t c = 0; c < K; ++c) acc[r * K + c] = dot_pairs<kInt>(acc[r * K + c], qv, kv[c]);
       }
-    }
+    };
+    for (int64_t x = 0; x < full; x += 32) step(x, ~__mmask32{0});
+    if (tail) step(full, tail);
     // Lane r * K + c holds row r0 + r's score of key j0 + c.
-    const __m512 sums = _mm512_mul_ps(sum_ladder(acc), vscale);
+    __m512 sums = sum_ladder<kInt>(acc);
+    if constexpr (kInt) sums = _mm512_maskz_cvtepi32_ps(kAll, _mm512_castps_si512(sums));
+    sums = _mm512_mul_ps(sums, vscale);
     const __mmask16 keys = static_cast<__mmask16>((1u << std::min(K, n - j0)) - 1);
 #pragma GCC unroll 16
     for (int64_t r = 0; r < R; ++r) {
@@ -315,6 +409,46 @@ FLASHCTE_DECODE_BF16 inline void pack_p_pairs(const float* p, int64_t ldp, int64
   }
 }
 
+// P rows [R][n <= kPvKeys] as int16 pairs (q[j], q[j + 1]) in one 32-bit lane, pairs[r][j / 2],
+// the second of an odd n zero, for the integer kernels: q = round(P * 32767 / largest) with
+// `largest` the row's largest |P|, and step[r] = largest / 32767 (an int32 lane of PV then sums
+// 64 products of at most 32767 * 128: below 2^28). A row whose largest P is 0, or so small that
+// 32767 / largest overflows (below 2^-113), gets step 0 and zero pairs: what it drops is under
+// 64 * 2^-113 of the largest |V| (the bfloat16 kernels flush P below 2^-126 likewise). A row
+// holding NaN or an infinity gets step NaN, so that its O becomes NaN, as it would.
+template <int64_t R>
+FLASHCTE_DECODE_BF16 inline void pack_p_int16(const float* p, int64_t ldp, int64_t n,
+                                              uint32_t (*pairs)[kPvKeys / 2], float* step) {
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = p + r * ldp;
+    // The largest |P| as bits: non-negative floats order as their bits, NaN above infinity.
+    __m512i bits = _mm512_setzero_si512();
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const __mmask16 m = static_cast<__mmask16>(n - j >= kLanes ? 0xFFFF : (1u << (n - j)) - 1);
+      bits = _mm512_maskz_max_epu32(
+          kAll, bits, _mm512_castps_si512(_mm512_abs_ps(_mm512_maskz_loadu_ps(m, row + j))));
+    }
+    const uint32_t top_bits = max_lane(bits);
+    float largest = 0.0f;
+    std::memcpy(&largest, &top_bits, sizeof largest);
+    const float inverse = 32767.0f / largest;
+    const bool usable = top_bits < 0x7F800000u && inverse <= std::numeric_limits<float>::max();
+    step[r] = top_bits >= 0x7F800000u ? std::numeric_limits<float>::quiet_NaN()
+              : usable                ? largest / 32767.0f
+                                      : 0.0f;
+    const __m512 scale = _mm512_set1_ps(usable ? inverse : 0.0f);
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const __mmask16 m = static_cast<__mmask16>(n - j >= kLanes ? 0xFFFF : (1u << (n - j)) - 1);
+      // Rounded to nearest even (MXCSR); |P| * 32767 / largest rounds to at most 32767.
+      const __m512i q =
+          _mm512_maskz_cvtps_epi32(kAll, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), scale));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&pairs[r][j / 2]),
+                          _mm512_maskz_cvtsepi32_epi16(kAll, q));
+    }
+  }
+}
+
 // R rows x G groups of 32 columns (the last one holding `last_cols` <= 32 columns; with kHalf its
 // upper 16 are past round_up(dv, 16) and are neither computed nor stored). Per pair of keys, V
 // rows j and j + 1 are interleaved into pairs with in-lane vpunpcklwd / vpunpckhwd, which leave
@@ -340,19 +474,25 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
   const __m512i from_x = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
   const __m512i from_y =
       _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  constexpr bool kInt = Load::kInt;
   __m512 acc[R][2 * G];
 #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) {
-    const __m512 al = _mm512_set1_ps(alpha ? alpha[r] : 1.0f);
+    if constexpr (kInt) {  // int32 sums per block of keys, added to O by `flush`
 #pragma GCC unroll 16
-    for (int64_t c = 0; c < C; ++c) {
-      acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldo + c * kLanes), al);
-    }
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    } else {
+      const __m512 al = _mm512_set1_ps(alpha ? alpha[r] : 1.0f);
 #pragma GCC unroll 16
-    for (int64_t g = 0; g < kUnpacked; ++g) {
-      const __m512 x = acc[r][2 * g], y = acc[r][2 * g + 1];
-      acc[r][2 * g] = _mm512_permutex2var_ps(x, to_lo, y);
-      acc[r][2 * g + 1] = _mm512_permutex2var_ps(x, to_hi, y);
+      for (int64_t c = 0; c < C; ++c) {
+        acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * ldo + c * kLanes), al);
+      }
+#pragma GCC unroll 16
+      for (int64_t g = 0; g < kUnpacked; ++g) {
+        const __m512 x = acc[r][2 * g], y = acc[r][2 * g + 1];
+        acc[r][2 * g] = _mm512_permutex2var_ps(x, to_lo, y);
+        acc[r][2 * g + 1] = _mm512_permutex2var_ps(x, to_hi, y);
+      }
     }
   }
   const __m512i lo_idx =
@@ -369,29 +509,60 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
       prefetch_row_to_l1(v.prefetch_address(j + kL1PrefetchRows), prefetch_bytes);
       prefetch_row_to_l1(v.prefetch_address(j + kL1PrefetchRows + 1), prefetch_bytes);
     }
-    __m512bh vp[2 * G];
+    __m512i vp[2 * G];
 #pragma GCC unroll 16
     for (int64_t g = 0; g < G; ++g) {
       const __mmask32 m = g == G - 1 ? last : ~__mmask32{0};
       const __m512i va = load(a, 32 * g, m);
       const __m512i vb = b ? load(b, 32 * g, m) : _mm512_setzero_si512();
       if (g < kUnpacked) {
-        vp[2 * g] = (__m512bh)_mm512_unpacklo_epi16(va, vb);
-        vp[2 * g + 1] = (__m512bh)_mm512_unpackhi_epi16(va, vb);
+        vp[2 * g] = _mm512_unpacklo_epi16(va, vb);
+        vp[2 * g + 1] = _mm512_unpackhi_epi16(va, vb);
       } else {
-        vp[2 * g] = (__m512bh)_mm512_permutex2var_epi16(va, lo_idx, vb);
+        vp[2 * g] = _mm512_permutex2var_epi16(va, lo_idx, vb);
       }
     }
 #pragma GCC unroll 16
     for (int64_t r = 0; r < R; ++r) {
-      const __m512bh pr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[r][i]));
+      const __m512i pr = _mm512_set1_epi32(static_cast<int>(pairs[r][i]));
 #pragma GCC unroll 16
-      for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pr, vp[c]);
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = dot_pairs<kInt>(acc[r][c], pr, vp[c]);
     }
   };
-  for (int64_t j0 = 0; j0 < n; j0 += kPvKeys) {
+  // The accumulators back in O's order (in place).
+  const auto to_o_order = [&](int64_t r) FLASHCTE_DECODE_BF16 {
+#pragma GCC unroll 16
+    for (int64_t g = 0; g < kUnpacked; ++g) {
+      const __m512 lo = acc[r][2 * g], hi = acc[r][2 * g + 1];
+      acc[r][2 * g] = _mm512_permutex2var_ps(lo, from_x, hi);
+      acc[r][2 * g + 1] = _mm512_permutex2var_ps(lo, from_y, hi);
+    }
+  };
+  // kInt: O[r] = a[r] O[r] + step[r] * sums (a = 1 without alpha), the sums zeroed.
+  float step_of[R];
+  const auto flush = [&](const float* a) FLASHCTE_DECODE_BF16 {
+#pragma GCC unroll 16
+    for (int64_t r = 0; r < R; ++r) {
+      to_o_order(r);
+      const __m512 al = _mm512_set1_ps(a ? a[r] : 1.0f), st = _mm512_set1_ps(step_of[r]);
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < C; ++c) {
+        float* out = o + r * ldo + c * kLanes;
+        const __m512 sums = _mm512_maskz_cvtepi32_ps(kAll, _mm512_castps_si512(acc[r][c]));
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(sums, st, _mm512_mul_ps(_mm512_loadu_ps(out), al)));
+        acc[r][c] = _mm512_setzero_ps();
+      }
+    }
+  };
+  // kInt flushes every block of keys (its P steps are per block), and at least once (n = 0:
+  // O = alpha O).
+  for (int64_t j0 = 0; j0 < n || (kInt && j0 == 0); j0 += kPvKeys) {
     const int64_t keys = std::min(kPvKeys, n - j0), even = keys / 2 * 2;
-    pack_p_pairs<R>(p + j0, ldp, keys, pairs);
+    if constexpr (kInt) {
+      pack_p_int16<R>(p + j0, ldp, keys, pairs, step_of);
+    } else {
+      pack_p_pairs<R>(p + j0, ldp, keys, pairs);
+    }
     const int64_t offset = Load::kBytes * col;
     for (int64_t j = j0; j < j0 + even; j += 2) {
       step(j, v.template at<unsigned char>(j) + offset,
@@ -400,15 +571,12 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
     if (even < keys) {
       step(j0 + even, v.template at<unsigned char>(j0 + even) + offset, nullptr, even / 2);
     }
+    if constexpr (kInt) flush(j0 == 0 ? alpha : nullptr);
   }
+  if constexpr (kInt) return;
 #pragma GCC unroll 16
   for (int64_t r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-    for (int64_t g = 0; g < kUnpacked; ++g) {
-      const __m512 lo = acc[r][2 * g], hi = acc[r][2 * g + 1];
-      acc[r][2 * g] = _mm512_permutex2var_ps(lo, from_x, hi);
-      acc[r][2 * g + 1] = _mm512_permutex2var_ps(lo, from_y, hi);
-    }
+    to_o_order(r);
 #pragma GCC unroll 16
     for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + r * ldo + c * kLanes, acc[r][c]);
   }
@@ -472,7 +640,8 @@ FLASHCTE_DECODE_BF16 inline void pv_with(const float* p, int64_t ldp, int64_t ro
 }
 
 // V rows of `dtype` (bfloat16 or an 8-bit format). P is rounded to bfloat16 as it is packed
-// (already bfloat16 values for a bfloat16 V: then nothing rounds).
+// (already bfloat16 values for a bfloat16 V: then nothing rounds); against an int8 V it is
+// quantized to int16 per row and 64 keys (pack_p_int16).
 FLASHCTE_DECODE_BF16 inline void Pv(const float* p, int64_t ldp, int64_t rows, int64_t n,
                                     DecodeRows v, DType dtype, int64_t dv, const float* alpha,
                                     float* o, int64_t ldo) {

@@ -152,14 +152,22 @@ struct QkCase {
     }
     Reference ref(rows, n);
     for (int64_t r = 0; r < rows; ++r) {
+      // The native int8 kernel quantizes Q's row to int16, steps of largest |q| / 16383 or finer
+      // (decode_bf16-inl.h, qk_int_max): half a step of error per element, times |k|.
+      double step = 0;
+      if (native && dtype == DType::kInt8) {
+        for (int64_t x = 0; x < d; ++x) step = std::max(step, std::fabs(qx[r * d + x]) / 16383);
+      }
       for (int64_t j = 0; j < n; ++j) {
-        double want = 0, abs_sum = 0;
+        double want = 0, abs_sum = 0, abs_k = 0;
         for (int64_t x = 0; x < d; ++x) {
           want += qx[r * d + x] * kx[j * d + x];
           abs_sum += std::fabs(qx[r * d + x] * kx[j * d + x]);
+          abs_k += std::fabs(kx[j * d + x]);
         }
         ref.want[r * n + j] = scale * want;
-        ref.tol[r * n + j] = scale * dot_tolerance(d, abs_sum) + std::ldexp(std::fabs(want), -23);
+        ref.tol[r * n + j] = scale * (dot_tolerance(d, abs_sum) + step / 2 * abs_k) +
+                             std::ldexp(std::fabs(want), -23);
       }
     }
     expect_near(s, ref, "S");
@@ -176,6 +184,7 @@ struct PvCase {
   bool with_alpha = true;
   bool native = false;    // decode_pv_bf16 (bfloat16 or 8-bit V, P holding bfloat16 values)
   bool reversed = false;  // V rows stored last to first (CacheRows)
+  bool fading = false;    // P 2^-10 times smaller with every 64 keys
 
   void run(const simd::Ops& ops, std::mt19937& rng) const {
     std::ostringstream os;
@@ -195,7 +204,9 @@ struct PvCase {
     }
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t j = 0; j < n; ++j) {
-        p.at(r, j) = native ? half::bf16_to_float(half::float_to_bf16(u01(rng))) : u01(rng);
+        const float value =
+            fading ? std::ldexp(u01(rng), -10 * static_cast<int>(j / 64)) : u01(rng);
+        p.at(r, j) = native ? half::bf16_to_float(half::float_to_bf16(value)) : value;
       }
       for (int64_t c = 0; c < o_touched; ++c) o.at(r, c) = u(rng);
       alpha.at(0, r) = u01(rng);
@@ -204,15 +215,27 @@ struct PvCase {
     alpha.seal();
     Reference ref(rows, dv);
     for (int64_t r = 0; r < rows; ++r) {
+      // The native int8 kernel quantizes P's row to int16 per 64 keys, steps of their largest
+      // P / 32767 (decode_bf16-inl.h, pack_p_int16): half a step of error per P, times |v|.
+      std::vector<double> step(static_cast<size_t>(n), 0.0);
+      if (native && dtype == DType::kInt8) {
+        for (int64_t j0 = 0; j0 < n; j0 += 64) {
+          double largest = 0;
+          for (int64_t j = j0; j < std::min(n, j0 + 64); ++j)
+            largest = std::max(largest, double{p.at(r, j)});
+          for (int64_t j = j0; j < std::min(n, j0 + 64); ++j) step[j] = largest / 32767;
+        }
+      }
       for (int64_t c = 0; c < dv; ++c) {
         const double a = with_alpha ? alpha.at(0, r) : 1.0;
-        double want = a * o.at(r, c), abs_sum = std::fabs(want);
+        double want = a * o.at(r, c), abs_sum = std::fabs(want), quantized = 0;
         for (int64_t j = 0; j < n; ++j) {
           want += p.at(r, j) * vx[j * dv + c];
           abs_sum += std::fabs(p.at(r, j) * vx[j * dv + c]);
+          quantized += step[j] / 2 * std::fabs(vx[j * dv + c]);
         }
         ref.want[r * dv + c] = want;
-        ref.tol[r * dv + c] = dot_tolerance(n + 1, abs_sum);
+        ref.tol[r * dv + c] = dot_tolerance(n + 1, abs_sum) + quantized;
       }
     }
     if (native) {
@@ -311,6 +334,13 @@ TEST(SimdDecodeBf16Native, QkAndPvAtEveryEdge) {
           PvCase{dtype, 4, n, d, 0, true, true}.run(ops, rng);
         }
       }
+      // Past one block of P (64 keys, each block its own int16 step for an int8 V), with P's
+      // size falling block by block; head dims past 512 (QK's int16 step doubles).
+      for (int64_t n : {64, 65, 130, 200}) {
+        PvCase{dtype, 4, n, 128, 0, true, true, false, true}.run(ops, rng);
+        PvCase{dtype, 3, n, 40, 1, false, true, true, true}.run(ops, rng);
+      }
+      for (int64_t d : {512, 513, 1024}) QkCase{dtype, 4, 9, d, 0, true}.run(ops, rng);
       for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16}) {
         for (int64_t ld_extra : {0, 1, 7}) {
           for (bool reversed : {false, true}) {
@@ -323,6 +353,65 @@ TEST(SimdDecodeBf16Native, QkAndPvAtEveryEdge) {
   });
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
   if (ran.empty()) GTEST_SKIP() << "this CPU has no AVX512_BF16: the native kernels cannot run";
+}
+
+// The native int8 kernels' int16 steps at their limits (decode_bf16-inl.h): QK at d = 1024 with
+// every product at its largest (32767 * -128 would overflow the int32 sums; the step doubles),
+// a zero query row and rows holding NaN or an infinity; PV with a zero P row, a row too small
+// to quantize (dropped: O = alpha O), and a row holding NaN (its O all NaN).
+TEST(SimdDecodeInt8Native, StepsAtTheirLimits) {
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
+  std::vector<std::string> ran;
+  for_each_target([&](const simd::Ops& ops) {
+    if (simd::bf16_dot_for(ops) == nullptr || ops.decode_qk_bf16 == nullptr) return;
+    ran.emplace_back(ops.target);
+    constexpr int64_t d = 1024, n = 5, rows = 4;
+    CacheRows k(DType::kInt8, n, d, d);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t x = 0; x < d; ++x) ASSERT_EQ(k.set(j, x, 0.0f), -128.0);  // code 0x80
+    }
+    std::vector<uint16_t> q(rows * d, half::float_to_bf16(1.0f));
+    std::fill(q.begin() + d, q.begin() + 2 * d, 0);                               // zero row
+    q[2 * d + 7] = half::float_to_bf16(std::numeric_limits<float>::quiet_NaN());  // NaN
+    q[3 * d + 9] = half::float_to_bf16(-std::numeric_limits<float>::infinity());  // infinity
+    std::vector<float> s(rows * n, 1.0f);
+    ops.decode_qk_bf16(q.data(), d, rows, k.rows(), DType::kInt8, n, d, 0.5f, s.data(), n);
+    for (int64_t j = 0; j < n; ++j) {
+      EXPECT_EQ(s[j], 0.5f * -128.0f * d) << j;
+      EXPECT_EQ(s[n + j], 0.0f) << j;
+      EXPECT_TRUE(std::isnan(s[2 * n + j])) << j;
+      EXPECT_TRUE(std::isnan(s[3 * n + j])) << j;
+    }
+
+    constexpr int64_t keys = 70, dv = 32;
+    CacheRows v(DType::kInt8, keys, dv, dv);
+    std::vector<double> vx(keys * dv);
+    std::mt19937 rng(17);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (int64_t j = 0; j < keys; ++j) {
+      for (int64_t c = 0; c < dv; ++c) vx[j * dv + c] = v.set(j, c, u(rng));
+    }
+    std::vector<float> p(rows * keys), o(rows * dv, 3.0f), alpha = {0.5f, 0.25f, 2.0f, 1.0f};
+    for (int64_t j = 0; j < keys; ++j) {
+      p[j] = 0.0f;
+      p[keys + j] = 1e-36f;  // below 2^-113
+      p[2 * keys + j] = j == 66 ? std::numeric_limits<float>::quiet_NaN() : 0.5f;
+      p[3 * keys + j] = 0.25f;
+    }
+    ops.decode_pv_bf16(p.data(), keys, rows, keys, v.rows(), DType::kInt8, dv, alpha.data(),
+                       o.data(), dv);
+    for (int64_t c = 0; c < dv; ++c) {
+      EXPECT_EQ(o[c], 1.5f) << c;
+      EXPECT_EQ(o[dv + c], 0.75f) << c;
+      EXPECT_TRUE(std::isnan(o[2 * dv + c])) << c;
+      double want = 3.0;
+      for (int64_t j = 0; j < keys; ++j) want += 0.25 * vx[j * dv + c];
+      EXPECT_NEAR(o[3 * dv + c], want, 1e-4) << c;  // 0.25 is a whole step count: exact sums
+    }
+  });
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
+  if (ran.empty())
+    GTEST_SKIP() << "this CPU has no AVX512_BF16 and VNNI: the native kernels cannot run";
 }
 
 }  // namespace
