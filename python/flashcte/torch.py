@@ -38,6 +38,7 @@ __all__ = [
     "decompose_mask",
     "flash_attn",
     "flash_attn_with_kvcache",
+    "mask_allowed",
     "scaled_dot_product_attention",
 ]
 
@@ -462,6 +463,25 @@ def decompose_mask(allowed: torch.Tensor) -> Optional[MaskPlan]:
     return MaskPlan(torch.from_numpy(lo), torch.from_numpy(hi), key_bias)
 
 
+def mask_allowed(mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """The boolean form (True: attend) of an attention mask, or None when it has none.
+
+    A boolean mask is its own. An additive float mask is boolean when it holds only 0 (attend)
+    and masked values: ``-inf`` or anything at or below the dtype's minimum (the value
+    transformers and others write for "masked"). Adding such a value to a score leaves the key
+    a probability of exactly 0 in any row that keeps a key, so the two forms agree there. A row
+    that keeps no key outputs 0 on flashcte's kernel (as FlashAttention, and as torch's boolean
+    masks); PyTorch's softmax over a row of finite minimums averages V instead. This is the one
+    rule for every caller (scaled_dot_product_attention, the transformers integration).
+    """
+    if mask.dtype == torch.bool:
+        return mask
+    allowed = mask == 0
+    if not bool((allowed | (mask <= torch.finfo(mask.dtype).min)).all()):
+        return None
+    return allowed
+
+
 def equal_along(t: torch.Tensor, dim: int) -> bool:
     """Whether every slice of `t` along `dim` equals the first (exact, one pass)."""
     t = t.detach()
@@ -478,7 +498,7 @@ _SUPPORTED_MASKS = (
     "supported attn_mask forms: (1) a mask that is the same for every query (broadcast over the "
     "query axis, e.g. a padding mask of shape (B, 1, 1, S_kv) or (B, 1, S_q, S_kv) with all rows "
     "equal), boolean or additive, per batch and head; (2) a boolean mask (or an additive one of 0 "
-    "and -inf only), the same for every head, "
+    "and -inf or the dtype's minimum only), the same for every head, "
     "whose every row is one interval of keys intersected with a per-key padding mask (causal, "
     "sliding-window, block-diagonal masks with left or right padding); is_causal=True with no mask"
 )
@@ -518,9 +538,7 @@ def _mask_to_plan(mask, batch, heads, seqlen_q, seqlen_k):
             "attn_mask: under torch.compile only masks broadcast over the query axis (size 1 "
             "there, e.g. (B, 1, 1, S_kv)) are supported; " + _SUPPORTED_MASKS
         )
-    allowed = m if mask.dtype == torch.bool else None
-    if allowed is None and bool(((m == 0) | (m == -math.inf)).all()):
-        allowed = m == 0  # an additive 0 / -inf mask is a boolean one
+    allowed = mask_allowed(m)
     if allowed is not None and equal_along(allowed, 1):
         plan = decompose_mask(allowed[:, 0])
         if plan is not None:
@@ -559,12 +577,14 @@ def scaled_dot_product_attention(
     a mask that is the same for every query (a padding mask, ``(B, 1, 1, S)``, or ``(B, 1, L, S)``
     whose rows are equal -- checked, one pass over the mask) becomes the kernel's per-key bias;
     a boolean mask whose rows are key intervals intersected with a per-key mask (causal or
-    sliding-window plus padding) becomes per-row bounds. Other masks raise ValueError saying
-    which masks are supported. ``dropout_p`` must be 0.
+    sliding-window plus padding) becomes per-row bounds, and so does an additive one of 0 and
+    masked values (:func:`mask_allowed`). Other masks raise ValueError saying which masks are
+    supported. ``dropout_p`` must be 0.
 
     Returns ``(B, H, L, Ev)`` in query's dtype: a ``transpose(1, 2)`` view of a contiguous
     ``(B, L, H, Ev)`` tensor (``out.transpose(1, 2).reshape(B, L, H * Ev)`` is then free).
-    Rows that see no key output 0 (as torch's boolean masks do).
+    Rows that see no key output 0 (as torch's boolean masks do; where an additive mask puts the
+    dtype's minimum on every key of a row, torch averages V instead).
     """
     if dropout_p:
         raise ValueError(f"dropout_p: flashcte has no dropout, got {dropout_p}")

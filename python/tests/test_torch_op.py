@@ -328,6 +328,9 @@ def _masks(g, b, h, l, s):
         "bool_causal_left_pad": causal[None, None] & left[:, None, None, :],
         "bool_window_right_pad": window[None, None] & keys[:, None, None, :],
         "float_causal_neginf": torch.zeros(l, s).masked_fill(~causal, -math.inf),
+        "float_causal_finfo_min": torch.zeros(l, s).masked_fill(
+            ~causal, torch.finfo(torch.float32).min
+        ),
     }
 
 

@@ -13,6 +13,7 @@ Skipped when torch or transformers is not installed (python/run_tests.sh install
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import warnings
 
@@ -311,6 +312,31 @@ def test_mask_plans_are_cached_per_mask(monkeypatch):
         again = model(input_ids=ids, attention_mask=mask).logits
     assert len(calls) == 1 + model.config.num_hidden_layers
     assert torch.equal(again, got)
+
+
+def _plan_tensors(plan):
+    tensors = (plan.bound_min, plan.bound_max, plan.key_bias)
+    return [None if t is None else t.clone() for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_values_follow_one_rule(dtype):
+    """-inf, the dtype's minimum and a boolean mask give one plan (flashcte.torch.mask_allowed,
+    the rule scaled_dot_product_attention follows too); any other value varying along the
+    queries has no kernel form."""
+    i = torch.arange(6)[:, None] + 2
+    j = torch.arange(8)[None, :]
+    allowed = ((j <= i) & (j >= torch.tensor([0, 3])[:, None, None]))[:, None]  # (2, 1, 6, 8)
+    plans = [fct._analyse(allowed, 8)]
+    for masked in (-math.inf, torch.finfo(dtype).min):
+        additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, masked)
+        plans.append(fct._analyse(additive, 8))
+    want = _plan_tensors(plans[0])
+    for plan in plans[1:]:
+        for got, w in zip(_plan_tensors(plan), want):
+            assert (got is None and w is None) or torch.equal(got, w)
+    other = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, -1e4)
+    assert fct._analyse(other, 8) is None
 
 
 # ---- a real model: all-MiniLM-L6-v2 (BERT, non-causal encoder) ---------------------------------

@@ -48,7 +48,14 @@ from typing import Any, Optional
 import torch
 
 from .._flashcte import MAX_HEAD_DIM
-from ..torch import _FLOATS, MaskPlan, decompose_mask, equal_along, flash_attn
+from ..torch import (
+    _FLOATS,
+    MaskPlan,
+    decompose_mask,
+    equal_along,
+    flash_attn,
+    mask_allowed,
+)
 
 __all__ = ["NAME", "FlashcteFallbackWarning", "attention_cte_forward", "register"]
 
@@ -109,16 +116,10 @@ def _analyse(mask: torch.Tensor, kv_len: int) -> Optional[MaskPlan]:
     if not equal_along(m, 1):  # masks that differ between heads
         return None
     m = m[:, 0]  # (b, rows, kv_len)
-    if m.dtype == torch.bool:
-        allowed = m
-    else:
-        if equal_along(m, 1):
-            return MaskPlan(None, None, m[:, 0].to(torch.float32))  # additive, every query
-        # eager-style masks: 0 where attended, the dtype's minimum (or -inf) where not
-        allowed = m == 0
-        if not bool((allowed | (m <= torch.finfo(m.dtype).min)).all()):
-            return None
-    return decompose_mask(allowed)
+    if m.dtype != torch.bool and equal_along(m, 1):
+        return MaskPlan(None, None, m[:, 0].to(torch.float32))  # additive, every query
+    allowed = mask_allowed(m)  # eager-style masks: 0 attends, the dtype's minimum masks
+    return None if allowed is None else decompose_mask(allowed)
 
 
 def _plan_for(mask: torch.Tensor, kv_len: int) -> Optional[MaskPlan]:
