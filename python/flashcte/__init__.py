@@ -29,7 +29,8 @@ from ._attention import attention_cte
 from ._flash_attn import flash_attn_func, flash_attn_varlen_func
 from ._flashcte import simd_target
 from ._kvcache import flash_attn_with_kvcache, paged_attention, quantize_kv
-from ._layer import AttentionLayer, KvCache, layer_gemm_backend
+from ._layer import AttentionLayer, layer_gemm_backend
+from ._layer_cache import KvCache
 
 __version__ = "0.1.0"
 __all__ = [

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._layer import AttentionLayer, KvCache, _float32, _positions
+from .._layer import AttentionLayer, _float32, _positions
+from .._layer_cache import KvCache
 from .._tensors import BFLOAT16, TORCH, Tensor
 from . import _comm
 

@@ -48,14 +48,8 @@ from typing import Any, Optional
 import torch
 
 from .._flashcte import MAX_HEAD_DIM
-from ..torch import (
-    _FLOATS,
-    MaskPlan,
-    decompose_mask,
-    equal_along,
-    flash_attn,
-    mask_allowed,
-)
+from .._torch_masks import MaskPlan, decompose_mask, equal_along, mask_allowed
+from ..torch import _FLOATS, flash_attn
 
 __all__ = ["NAME", "FlashcteFallbackWarning", "attention_cte_forward", "register"]
 
