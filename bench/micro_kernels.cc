@@ -140,8 +140,7 @@ std::vector<unsigned char> decode_rows(flashcte::DType dtype, int64_t d, uint64_
 }
 
 // range(0): rows; range(1): the cache's DType.
-void DecodeQkBf16(benchmark::State& state) {
-  const Ops& ops = flashcte::simd::ops();
+void DecodeQkBf16(benchmark::State& state, const Bf16DotOps* dot) {
   const auto dtype = static_cast<flashcte::DType>(state.range(1));
   const int64_t rows = state.range(0), d = kDecodeD, ld = flashcte::simd::leading_dim(kDecodeSlots);
   const std::vector<uint16_t> q = random_bf16(rows * d, 9);
@@ -150,14 +149,13 @@ void DecodeQkBf16(benchmark::State& state) {
       flashcte::simd::DecodeRows::strided(k.data(), flashcte::dtype_size(dtype) * d, kDecodeSlots);
   std::vector<float> s(rows * ld);
   for (auto _ : state) {
-    ops.decode_qk_bf16(q.data(), d, rows, k_rows, dtype, kDecodeSlots, d, 0.1f, s.data(), ld);
+    dot->decode_qk(q.data(), d, rows, k_rows, dtype, kDecodeSlots, d, 0.1f, s.data(), ld);
     benchmark::DoNotOptimize(s.data());
   }
   set_ns_per_slot(state);
 }
 
-void DecodePvBf16(benchmark::State& state) {
-  const Ops& ops = flashcte::simd::ops();
+void DecodePvBf16(benchmark::State& state, const Bf16DotOps* dot) {
   const auto dtype = static_cast<flashcte::DType>(state.range(1));
   const int64_t rows = state.range(0), d = kDecodeD, ldp = kDecodeSlots;
   std::vector<float> p(rows * ldp);
@@ -171,8 +169,7 @@ void DecodePvBf16(benchmark::State& state) {
       flashcte::simd::DecodeRows::strided(v.data(), flashcte::dtype_size(dtype) * d, kDecodeSlots);
   std::vector<float> o(rows * d, 0.0f), alpha(rows, 0.5f);
   for (auto _ : state) {
-    ops.decode_pv_bf16(p.data(), ldp, rows, kDecodeSlots, v_rows, dtype, d, alpha.data(), o.data(),
-                       d);
+    dot->decode_pv(p.data(), ldp, rows, kDecodeSlots, v_rows, dtype, d, alpha.data(), o.data(), d);
     benchmark::DoNotOptimize(o.data());
   }
   set_ns_per_slot(state);
@@ -192,14 +189,14 @@ void Register() {
     benchmark::RegisterBenchmark("qk_bf16_native", QkNative, dot)->Arg(64)->Arg(128);
     benchmark::RegisterBenchmark("pv_bf16_native", PvNative, dot)->Arg(64)->Arg(128);
   }
-  if (dot && flashcte::simd::ops().decode_qk_bf16 != nullptr) {
+  if (dot) {
     // rows: 32/8 heads x 1, 2, 4 tokens; the cache bfloat16 or 8-bit.
     for (flashcte::DType cache : {flashcte::DType::kBFloat16, flashcte::DType::kInt8,
                                   flashcte::DType::kFloat8E4M3, flashcte::DType::kFloat8E5M2}) {
       const std::string tag = std::string("/") + flashcte::dtype_name(cache);
       for (const auto& [name, fn] : {std::pair{"decode_qk_bf16", &DecodeQkBf16},
                                      std::pair{"decode_pv_bf16", &DecodePvBf16}}) {
-        auto* b = benchmark::RegisterBenchmark((name + tag).c_str(), fn);
+        auto* b = benchmark::RegisterBenchmark((name + tag).c_str(), fn, dot);
         for (int64_t rows : {4, 8, 16}) b->Args({rows, static_cast<int64_t>(cache)});
       }
     }

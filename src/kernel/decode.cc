@@ -70,7 +70,7 @@ constexpr int64_t kStartPrefetchBytes = 8192;
 // ahead the kernels prefetch its K and V (further where an item reads several heads in turn).
 struct PairShape {
   int64_t b, kv_head, rows, ldq, ldq2, lds, ldo, prefetch_bytes;
-  bool native;
+  const simd::Bf16DotOps* native;  // the native kernels, or null
 };
 
 struct DecodeScratch {
@@ -97,9 +97,10 @@ std::vector<DecodeScratch>& decode_scratch(int64_t heads) {
 PairShape pair_shape(const DecodeProblem& p, const simd::Ops& ops, int64_t pair, int64_t heads) {
   // A bfloat16 q against caches whose values are bfloat16 values: bfloat16 or 8-bit.
   const auto bf16_exact = [](DType t) { return t == DType::kBFloat16 || kv8::is_8bit(t); };
-  const bool native = p.dtype == DType::kBFloat16 && bf16_exact(p.k.dtype) &&
-                      bf16_exact(p.v.dtype) && simd::bf16_dot_for(ops) != nullptr &&
-                      ops.decode_qk_bf16 != nullptr && ops.decode_pv_bf16 != nullptr;
+  const simd::Bf16DotOps* native =
+      p.dtype == DType::kBFloat16 && bf16_exact(p.k.dtype) && bf16_exact(p.v.dtype)
+          ? simd::bf16_dot_for(ops)
+          : nullptr;
   return {pair / p.kv_heads,
           pair % p.kv_heads,
           p.rows(),
@@ -232,8 +233,8 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
                                         j0 + all.hi, sc.gather_k, sc.gather_k_rows);
   const float scale = p.k_scale.empty() ? p.scale : p.scale * p.k_scale[ps.kv_head];
   if (ps.native) {
-    ops.decode_qk_bf16(sc.q2.data(), ps.ldq2, ps.rows, k, p.k.dtype, all.hi - all.lo, p.head_dim,
-                       scale, sc.s.data(), ps.lds);
+    ps.native->decode_qk(sc.q2.data(), ps.ldq2, ps.rows, k, p.k.dtype, all.hi - all.lo, p.head_dim,
+                         scale, sc.s.data(), ps.lds);
   } else {
     ops.decode_qk(sc.q.data(), ps.ldq, ps.rows, k, p.k.dtype, all.hi - all.lo, p.head_dim, scale,
                   sc.s.data(), ps.lds);
@@ -280,8 +281,8 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
                     sc.token_scale);
     }
     if (ps.native) {
-      ops.decode_pv_bf16(prow, ps.lds, r1 - r0, n, v, p.v.dtype, p.value_dim, state.alpha() + r0,
-                         state.o(r0), ps.ldo);
+      ps.native->decode_pv(prow, ps.lds, r1 - r0, n, v, p.v.dtype, p.value_dim, state.alpha() + r0,
+                           state.o(r0), ps.ldo);
     } else {
       ops.decode_pv(prow, ps.lds, r1 - r0, n, v, p.v.dtype, p.value_dim, state.alpha() + r0,
                     state.o(r0), ps.ldo);

@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "hwy/detect_targets.h"
+#include "src/simd/decode_bf16-inl.h"
 #include "src/simd/exp_common.h"
 #include "src/simd/ops.h"
 
@@ -332,7 +333,20 @@ bool native_pays() {
   return std::string(vendor) == "AuthenticAMD";
 }
 
-constexpr Bf16DotOps kNativeOps = {kLanes, kQkRows, kQkCols, kPvRows, kPvCols, &qk, &pv, &exp_sum};
+constexpr Bf16DotOps kNativeOps = [] {
+  Bf16DotOps t{};
+  t.lanes = kLanes;
+  t.qk_rows = kQkRows;
+  t.qk_cols = kQkCols;
+  t.pv_rows = kPvRows;
+  t.pv_cols = kPvCols;
+  t.qk = &qk;
+  t.pv = &pv;
+  t.exp_sum = &exp_sum;
+  t.decode_qk = &decode_bf16::Qk;
+  t.decode_pv = &decode_bf16::Pv;
+  return t;
+}();
 
 #endif  // HWY_ARCH_X86
 

@@ -1,8 +1,8 @@
-// The native bfloat16 matmuls: MM1 and MM2 on AVX512_BF16's vdpbf16ps, which multiplies pairs
-// of bfloat16 and adds both products to a float32 lane (64 FLOPs per zmm instruction). Highway
-// 1.0.3 has no such op on x86, so this is a small intrinsics file of its own
-// (shared/design/ARCHITECTURE.md), compiled for AVX-512 on every x86 build and used only where
-// the CPU has AVX512_BF16 and the dot product pays (the policy in bf16_dot.cc).
+// The native bfloat16 kernels, one table for prefill and decode: MM1 and MM2 on AVX512_BF16's
+// vdpbf16ps, which multiplies pairs of bfloat16 and adds both products to a float32 lane (64 FLOPs
+// per zmm instruction). Highway 1.0.3 has no such op on x86, so this is a small intrinsics file of
+// its own (shared/design/ARCHITECTURE.md), compiled for AVX-512 on every x86 build and used only
+// where the CPU has AVX512_BF16 and the dot product pays (the policy in bf16_dot.cc).
 //
 // Layouts (bfloat16 pairs along the contraction, one uint32_t per pair, low half = even index):
 //   Q2  [rows][ldq] uint16_t     query rows, unscaled; d2 = round_up(d, 2) entries, zero past d
@@ -20,6 +20,9 @@
 #define FLASHCTE_SRC_SIMD_BF16_DOT_H_
 
 #include <cstdint>
+
+#include "flashcte/flashcte.h"
+#include "src/simd/decode_rows.h"
 
 namespace flashcte::simd {
 
@@ -41,6 +44,15 @@ struct Bf16DotOps {
   // Ops::exp_sum with round_bf16, P written as bfloat16 to p2 (s is only read), rounded by
   // vcvtneps2bf16: the same P bits and the same sum. Touches exactly [0, n) of s and p2.
   float (*exp_sum)(const float* s, int64_t n, float bias, uint16_t* p2);
+
+  // Decode's Ops::decode_qk and decode_pv natively (decode_bf16-inl.h), for bfloat16 and 8-bit
+  // caches (dtype), with Q as bfloat16 rows [rows][ldq], ldq >= round_up(d, 32), zero past d.
+  // P is rounded to bfloat16 (exact when it holds bfloat16 values), or quantized to int16
+  // against an int8 V.
+  void (*decode_qk)(const uint16_t* q, int64_t ldq, int64_t rows, DecodeRows k, DType dtype,
+                    int64_t n, int64_t d, float scale, float* s, int64_t lds);
+  void (*decode_pv)(const float* p, int64_t ldp, int64_t rows, int64_t n, DecodeRows v, DType dtype,
+                    int64_t dv, const float* alpha, float* o, int64_t ldo);
 };
 
 struct Ops;

@@ -51,7 +51,7 @@
 #include <type_traits>
 
 #include "hwy/highway.h"
-#include "src/simd/decode_bf16-inl.h"
+#include "src/simd/decode_rows.h"
 #include "src/simd/shared-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -65,24 +65,6 @@ constexpr int64_t kDecodeQkRows = kMaxLanes < 4 ? kMaxLanes : 4;
 // leaving room for the C converted V vectors and the P broadcast.
 constexpr int64_t kDecodePvAcc = kMaxLanes >= 16 ? 16 : 8;
 constexpr int64_t kDecodePvCols = kMaxLanes >= 16 ? 8 : 4;
-
-// Requests the `bytes` at p into L2 (kLocality 2: prefetcht1) or L1 (3: prefetcht0), one request
-// per cache line; nothing for p = 0 (no row there: prefetch_address of decode_rows.h).
-template <int kLocality>
-HWY_INLINE void PrefetchLines(uintptr_t p, int64_t bytes) {
-#if HWY_COMPILER_GCC || HWY_COMPILER_CLANG
-  if (p == 0) return;
-  for (uintptr_t a = p & ~uintptr_t{63}; a < p + static_cast<uintptr_t>(bytes); a += 64) {
-    // An address that may lie past the buffer: integer arithmetic keeps it clear of
-    // out-of-bounds pointer arithmetic, and a prefetch never faults.
-    // NOLINTNEXTLINE(performance-no-int-to-ptr)
-    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, kLocality);
-  }
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
 
 #if !HWY_HAVE_SCALABLE
 // v[0..M) with M = N: returns the vector whose lane i is the sum of v[i]'s lanes. Each level
@@ -147,8 +129,8 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
   // Key by key, each K row read from start to end: sequential lines for the prefetchers.
 #pragma GCC unroll 16
   for (int64_t c = 0; c < K; ++c) {
-    PrefetchLines<2>(k.prefetch_address(j0 + c + ahead), row_bytes);
-    PrefetchLines<3>(k.prefetch_address(j0 + c + kL1PrefetchRows), row_bytes);
+    prefetch_lines<2>(k.prefetch_address(j0 + c + ahead), row_bytes);
+    prefetch_lines<3>(k.prefetch_address(j0 + c + kL1PrefetchRows), row_bytes);
     DotRow<R>(df, qr, k.template at<T>(std::min(j0 + c, n - 1)), d, acc + c, K);
   }
   HWY_ALIGN float sums[N];
@@ -256,8 +238,8 @@ HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, cons
   for (int64_t j = 0; j < n; ++j) {
     const T* row = v.template at<T>(j) + col;
     if (prefetch_bytes) {
-      PrefetchLines<2>(v.prefetch_address(j + ahead), prefetch_bytes);
-      PrefetchLines<3>(v.prefetch_address(j + kL1PrefetchRows), prefetch_bytes);
+      prefetch_lines<2>(v.prefetch_address(j + ahead), prefetch_bytes);
+      prefetch_lines<3>(v.prefetch_address(j + kL1PrefetchRows), prefetch_bytes);
     }
     hn::Vec<DF> vv[C];
 #pragma GCC unroll 8

@@ -57,22 +57,10 @@
 #include "src/core/kv8.h"
 #include "src/simd/decode_rows.h"
 
-namespace flashcte::simd {
-
-// Rows ahead that are also requested into L1 (prefetcht0), besides the L2 requests
-// the rows' prefetch_bytes ahead (decode_rows.h), by both kernels. A paged cache's rows come in
-// runs of a page (4 KiB per head at 16 slots of bfloat16, d = 128), and at every run the L1
-// prefetcher starts over; this keeps the next rows' lines arriving. Zen 5 EPYC, 2 threads, 32/8
-// heads, 32768 cached tokens, cold, 3 rounds of 7 reps, bf16 native: pages of 16 went from 7.4-7.9
-// to 4.7-5.8 ms per call and the dense cache from 4.5-4.8 to 3.8-5.3 ms (8 rows; only the table
-// form: pages 5.1-5.9, dense unchanged).
-inline constexpr int64_t kL1PrefetchRows = 8;
-
-}  // namespace flashcte::simd
+namespace flashcte::simd {}  // namespace flashcte::simd
 
 #if HWY_ARCH_X86 && (HWY_COMPILER_GCC || HWY_COMPILER_CLANG)
 #include <immintrin.h>
-#define FLASHCTE_DECODE_HAVE_BF16 1
 
 namespace flashcte::simd::decode_bf16 {
 
@@ -85,23 +73,6 @@ constexpr int64_t kLanes = 16;
 // GCC 12 warns that the unmasked _mm512_shuffle_* read an undefined vector (fixed in GCC 13); the
 // zero-masked forms with every lane selected compute the same.
 constexpr __mmask16 kAll = 0xFFFF;
-
-// One L2 prefetch (prefetcht1) per cache line of [p, p + bytes); nothing for p = 0 (no row
-// there: prefetch_address of decode_rows.h).
-FLASHCTE_DECODE_BF16 inline void prefetch_row(uintptr_t p, int64_t bytes) {
-  if (p == 0) return;
-  for (uintptr_t a = p & ~uintptr_t{63}; a < p + static_cast<uintptr_t>(bytes); a += 64) {
-    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 2);
-  }
-}
-
-// One L1 prefetch (prefetcht0) per cache line of [p, p + bytes); nothing for p = 0.
-FLASHCTE_DECODE_BF16 inline void prefetch_row_to_l1(uintptr_t p, int64_t bytes) {
-  if (p == 0) return;
-  for (uintptr_t a = p & ~uintptr_t{63}; a < p + static_cast<uintptr_t>(bytes); a += 64) {
-    __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 3);
-  }
-}
 
 // How the kernels load the 32 elements [x, x + 32) of a cache row (those outside the mask m as
 // 0), exactly: as bfloat16 bits (a bfloat16 row as it is, an fp8 one converted), or with kInt as
@@ -333,8 +304,8 @@ FLASHCTE_DECODE_BF16 inline void qk_rows(const uint16_t* q, int64_t ldq, int64_t
 #pragma GCC unroll 16
     for (int64_t c = 0; c < K; ++c) {
       kr[c] = k.template at<unsigned char>(std::min(j0 + c, n - 1));
-      prefetch_row(k.prefetch_address(j0 + c + ahead), row_bytes);
-      prefetch_row_to_l1(k.prefetch_address(j0 + c + kL1PrefetchRows), row_bytes);
+      prefetch_lines<2>(k.prefetch_address(j0 + c + ahead), row_bytes);
+      prefetch_lines<3>(k.prefetch_address(j0 + c + kL1PrefetchRows), row_bytes);
     }
     // Step by step along d, all K keys at once: R * K independent accumulator chains hide the
     // vdpbf16ps latency that key by key (R chains) left exposed (4 rows, d = 128, K in L1, Zen 4:
@@ -504,10 +475,10 @@ FLASHCTE_DECODE_BF16 inline void pv_tile(const float* p, int64_t ldp, int64_t n,
   const auto step = [&](int64_t j, const unsigned char* a, const unsigned char* b,
                         int64_t i) FLASHCTE_DECODE_BF16 {
     if (prefetch_bytes) {
-      prefetch_row(v.prefetch_address(j + ahead), prefetch_bytes);
-      prefetch_row(v.prefetch_address(j + ahead + 1), prefetch_bytes);
-      prefetch_row_to_l1(v.prefetch_address(j + kL1PrefetchRows), prefetch_bytes);
-      prefetch_row_to_l1(v.prefetch_address(j + kL1PrefetchRows + 1), prefetch_bytes);
+      prefetch_lines<2>(v.prefetch_address(j + ahead), prefetch_bytes);
+      prefetch_lines<2>(v.prefetch_address(j + ahead + 1), prefetch_bytes);
+      prefetch_lines<3>(v.prefetch_address(j + kL1PrefetchRows), prefetch_bytes);
+      prefetch_lines<3>(v.prefetch_address(j + kL1PrefetchRows + 1), prefetch_bytes);
     }
     __m512i vp[2 * G];
 #pragma GCC unroll 16
@@ -661,20 +632,6 @@ FLASHCTE_DECODE_BF16 inline void Pv(const float* p, int64_t ldp, int64_t rows, i
 }
 
 }  // namespace flashcte::simd::decode_bf16
-
-namespace flashcte::simd {
-inline constexpr auto kDecodeQkBf16 = &decode_bf16::Qk;
-inline constexpr auto kDecodePvBf16 = &decode_bf16::Pv;
-}  // namespace flashcte::simd
-
-#else  // no AVX512_BF16 code on this architecture or compiler
-
-namespace flashcte::simd {
-inline constexpr void (*kDecodeQkBf16)(const uint16_t*, int64_t, int64_t, DecodeRows, DType,
-                                       int64_t, int64_t, float, float*, int64_t) = nullptr;
-inline constexpr void (*kDecodePvBf16)(const float*, int64_t, int64_t, int64_t, DecodeRows, DType,
-                                       int64_t, const float*, float*, int64_t) = nullptr;
-}  // namespace flashcte::simd
 
 #endif  // HWY_ARCH_X86 && (HWY_COMPILER_GCC || HWY_COMPILER_CLANG)
 #endif  // FLASHCTE_SRC_SIMD_DECODE_BF16_INL_H_

@@ -21,28 +21,31 @@ namespace flashcte::simd {
 namespace HWY_NAMESPACE {
 
 const Ops* GetOps() {
-  static const Ops table = {hwy::TargetName(HWY_TARGET),
-                            HWY_TARGET,
-                            static_cast<int64_t>(hn::Lanes(DF())),
-                            kRows,
-                            &Qk,
-                            &RowMax,
-                            &ExpSum,
-                            &Softcap,
-                            &Alibi,
-                            &AddRow,
-                            &MulRow,
-                            &Classify,
-                            &ToFloat,
-                            &FromFloat,
-                            &NarrowBf16,
-                            &InterleaveBf16,
-                            &PairBf16,
-                            &Pv,
-                            &DecodeQk,
-                            &DecodePv,
-                            kDecodeQkBf16,
-                            kDecodePvBf16};
+  // Filled by name, so that a field added to Ops cannot take another's place unnoticed.
+  static const Ops table = [] {
+    Ops t{};
+    t.target = hwy::TargetName(HWY_TARGET);
+    t.target_bits = HWY_TARGET;
+    t.lanes = static_cast<int64_t>(hn::Lanes(DF()));
+    t.mm_rows = kRows;
+    t.qk = &Qk;
+    t.row_max = &RowMax;
+    t.exp_sum = &ExpSum;
+    t.softcap = &Softcap;
+    t.alibi = &Alibi;
+    t.add = &AddRow;
+    t.mul = &MulRow;
+    t.classify = &Classify;
+    t.to_float = &ToFloat;
+    t.from_float = &FromFloat;
+    t.narrow_bf16 = &NarrowBf16;
+    t.interleave_bf16 = &InterleaveBf16;
+    t.pair_bf16 = &PairBf16;
+    t.pv = &Pv;
+    t.decode_qk = &DecodeQk;
+    t.decode_pv = &DecodePv;
+    return t;
+  }();
   return &table;
 }
 

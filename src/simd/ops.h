@@ -171,15 +171,8 @@ struct Ops {
                     int64_t d, float scale, float* s, int64_t lds);
   void (*decode_pv)(const float* p, int64_t ldp, int64_t rows, int64_t n, DecodeRows v, DType dtype,
                     int64_t dv, const float* alpha, float* o, int64_t ldo);
-  // The same two on AVX512_BF16's vdpbf16ps (decode_bf16-inl.h) for caches whose values are
-  // bfloat16 values: bfloat16 and the 8-bit formats (dtype), with Q as bfloat16 rows
-  // [rows][ldq], ldq >= round_up(d, 32), zero past d; P is rounded to bfloat16 (exact when it
-  // holds bfloat16 values). Call them only where bf16_dot_for(*this) is non-null (the CPU runs
-  // vdpbf16ps and the policy wants it); null where the build has no such code (not x86).
-  void (*decode_qk_bf16)(const uint16_t* q, int64_t ldq, int64_t rows, DecodeRows k, DType dtype,
-                         int64_t n, int64_t d, float scale, float* s, int64_t lds);
-  void (*decode_pv_bf16)(const float* p, int64_t ldp, int64_t rows, int64_t n, DecodeRows v,
-                         DType dtype, int64_t dv, const float* alpha, float* o, int64_t ldo);
+  // The native bfloat16 kernels of prefill and decode are not here: bf16_dot_for(*this)
+  // (bf16_dot.h) gives them where the CPU runs them and the policy wants them.
 };
 
 // The table for the best target Highway supports on this CPU (respecting

@@ -146,7 +146,8 @@ struct QkCase {
     q.seal();
     const std::vector<unsigned char> k_before = k.snapshot();
     if (native) {
-      ops.decode_qk_bf16(q2.data(), ldq2, rows, k.rows(), dtype, n, d, scale, s.data(), s.ld());
+      simd::bf16_dot_for(ops)->decode_qk(q2.data(), ldq2, rows, k.rows(), dtype, n, d, scale,
+                                         s.data(), s.ld());
     } else {
       ops.decode_qk(q.data(), q.ld(), rows, k.rows(), dtype, n, d, scale, s.data(), s.ld());
     }
@@ -239,8 +240,8 @@ struct PvCase {
       }
     }
     if (native) {
-      ops.decode_pv_bf16(p.data(), p.ld(), rows, n, v.rows(), dtype, dv,
-                         with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
+      simd::bf16_dot_for(ops)->decode_pv(p.data(), p.ld(), rows, n, v.rows(), dtype, dv,
+                                         with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
     } else {
       ops.decode_pv(p.data(), p.ld(), rows, n, v.rows(), dtype, dv,
                     with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
@@ -325,7 +326,7 @@ TEST(SimdDecodeBf16Native, QkAndPvAtEveryEdge) {
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
   std::vector<std::string> ran;
   for_each_target([&](const simd::Ops& ops) {
-    if (simd::bf16_dot_for(ops) == nullptr || ops.decode_qk_bf16 == nullptr) return;
+    if (simd::bf16_dot_for(ops) == nullptr) return;
     ran.emplace_back(ops.target);
     for (DType dtype : kNativeDtypes) {
       for (int64_t d : {1, 15, 16, 17, 31, 32, 33, 63, 64, 80, 128, 257}) {
@@ -363,7 +364,7 @@ TEST(SimdDecodeInt8Native, StepsAtTheirLimits) {
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
   std::vector<std::string> ran;
   for_each_target([&](const simd::Ops& ops) {
-    if (simd::bf16_dot_for(ops) == nullptr || ops.decode_qk_bf16 == nullptr) return;
+    if (simd::bf16_dot_for(ops) == nullptr) return;
     ran.emplace_back(ops.target);
     constexpr int64_t d = 1024, n = 5, rows = 4;
     CacheRows k(DType::kInt8, n, d, d);
@@ -375,7 +376,8 @@ TEST(SimdDecodeInt8Native, StepsAtTheirLimits) {
     q[2 * d + 7] = half::float_to_bf16(std::numeric_limits<float>::quiet_NaN());  // NaN
     q[3 * d + 9] = half::float_to_bf16(-std::numeric_limits<float>::infinity());  // infinity
     std::vector<float> s(rows * n, 1.0f);
-    ops.decode_qk_bf16(q.data(), d, rows, k.rows(), DType::kInt8, n, d, 0.5f, s.data(), n);
+    simd::bf16_dot_for(ops)->decode_qk(q.data(), d, rows, k.rows(), DType::kInt8, n, d, 0.5f,
+                                       s.data(), n);
     for (int64_t j = 0; j < n; ++j) {
       EXPECT_EQ(s[j], 0.5f * -128.0f * d) << j;
       EXPECT_EQ(s[n + j], 0.0f) << j;
@@ -398,8 +400,8 @@ TEST(SimdDecodeInt8Native, StepsAtTheirLimits) {
       p[2 * keys + j] = j == 66 ? std::numeric_limits<float>::quiet_NaN() : 0.5f;
       p[3 * keys + j] = 0.25f;
     }
-    ops.decode_pv_bf16(p.data(), keys, rows, keys, v.rows(), DType::kInt8, dv, alpha.data(),
-                       o.data(), dv);
+    simd::bf16_dot_for(ops)->decode_pv(p.data(), keys, rows, keys, v.rows(), DType::kInt8, dv,
+                                       alpha.data(), o.data(), dv);
     for (int64_t c = 0; c < dv; ++c) {
       EXPECT_EQ(o[c], 1.5f) << c;
       EXPECT_EQ(o[dv + c], 0.75f) << c;
