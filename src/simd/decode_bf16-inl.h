@@ -57,8 +57,6 @@
 #include "src/core/kv8.h"
 #include "src/simd/decode_rows.h"
 
-namespace flashcte::simd {}  // namespace flashcte::simd
-
 #if HWY_ARCH_X86 && (HWY_COMPILER_GCC || HWY_COMPILER_CLANG)
 #include <immintrin.h>
 
@@ -224,8 +222,9 @@ FLASHCTE_DECODE_BF16 inline __m512 bf16_to_float(__m256i x) {
 // The longest Q2 row the integer QK quantizes (on the stack): the API's head dim limit.
 constexpr int64_t kQkIntMaxDim = (kMaxHeadDim + 31) / 32 * 32;
 
-// The largest |q| an int16 query element takes for head dim d: the int32 sums of QK, d products of
-// at most kQkIntMax * 128 (int8's -128), stay below 2^31 (32767 up to d = 512, 16383 to 1024).
+// The largest |q| an int16 query element takes for head dim d, so that QK's int32 sums (d
+// products of at most that times 128, int8's -128) stay below 2^31: 32767 up to d = 512, 16383
+// to 1024.
 inline int32_t qk_int_max(int64_t d) {
   const int64_t pairs = (d + 31) / 32 * 32;  // Q2 is read over round_up(d, 32), zero past d
   return static_cast<int32_t>(std::min<int64_t>(32767, ((int64_t{1} << 31) - 1) / (128 * pairs)));
