@@ -1,6 +1,6 @@
 """Measures the context-parallel strategies on this machine against docs/distributed.md's model.
 
-    python -m flashcte.distributed.bench [--world 2] [--seqlen 8192] [--causal] ...
+    build/python-venv/bin/python bench/distributed.py [--world 2] [--seqlen 8192] [--causal] ...
 
 Spawns ``--world`` ranks (gloo on loopback), each on ``--threads`` OpenMP threads, and times each
 strategy on a Llama-3-8B-shaped attention (32 query heads, 8 KV heads, d = 128, bfloat16 by
