@@ -7,6 +7,8 @@ PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libhwy-dev          # Highway: portable SIMD with runtime dispatch
   libgtest-dev        # GoogleTest
+  libcli11-dev        # CLI11: the command line's flag parsing and --help (tools/args.cc)
+  nlohmann-json3-dev  # nlohmann-json: bench's --json output (tools/)
   libomp-dev clang    # clang + libomp: the ThreadSanitizer build and the libFuzzer targets
   libclang-rt-14-dev  # sanitizer and fuzzer runtimes for clang
   clang-format clang-tidy

@@ -1,19 +1,14 @@
 #include "tools/args.h"
 
+#include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 
 namespace flashcte::tools {
 namespace {
-
-const FlagSpec* find_spec(const std::vector<FlagSpec>& specs, const std::string& name) {
-  for (const FlagSpec& s : specs) {
-    if (name == s.name) return &s;
-  }
-  return nullptr;
-}
 
 std::string range_text(const FlagSpec& spec) {
   return "[" + std::to_string(spec.min) + ", " + std::to_string(spec.max) + "]";
@@ -31,38 +26,51 @@ std::string shown(const std::string& s) {
   return out + "'";
 }
 
-bool parse_value(const FlagSpec& spec, const std::string& text, FlagValue* v, std::string* error) {
-  const std::string flag = std::string("--") + spec.name;
-  v->text = text;
+// What --help writes after a flag's name.
+std::string placeholder(const FlagSpec& spec) {
   switch (spec.kind) {
     case FlagKind::kString:
-      if (text.empty()) {
-        *error = flag + ": the value is empty";
-        return false;
-      }
-      return true;
+      return "PATH";
     case FlagKind::kBool:
-      if (!ParseBool(text, &v->boolean)) {
-        *error = flag + ": expected true, false, 1 or 0, got " + shown(text);
-        return false;
-      }
-      return true;
+      return "true|false";
     case FlagKind::kInt:
-      if (!ParseInt64(text, &v->integer)) {
-        *error = flag + ": expected an integer, got " + shown(text);
-        return false;
-      }
-      if (v->integer < spec.min || v->integer > spec.max) {
-        *error = flag + ": " + text + " is out of range " + range_text(spec);
-        return false;
-      }
-      return true;
+      return "N";
     case FlagKind::kFloat:
-      if (!ParseFiniteDouble(text, &v->real)) {
-        *error = flag + ": expected a finite number, got " + shown(text);
-        return false;
+      return "X";
+    case FlagKind::kIntList:
+      return "N[,N...]";
+    case FlagKind::kChoice:
+      return spec.choices ? spec.choices : "";
+  }
+  return "";
+}
+
+// Reads `text` as the value of `spec` into *v. Returns "" when it is valid, else the rule it
+// broke (CLI11 puts the flag's name in front). A flag written without a value (or with "") has
+// the value "": missing, or true for a boolean.
+std::string parse_value(const FlagSpec& spec, const std::string& text, FlagValue* v) {
+  v->text = text;
+  if (text.empty()) {
+    if (spec.kind != FlagKind::kBool) return "missing value";
+    v->text = "true";  // a bare boolean flag switches it on
+  }
+  switch (spec.kind) {
+    case FlagKind::kString:
+      return "";
+    case FlagKind::kBool:
+      if (!ParseBool(v->text, &v->boolean)) {
+        return "expected true, false, 1 or 0, got " + shown(text);
       }
-      return true;
+      return "";
+    case FlagKind::kInt:
+      if (!ParseInt64(text, &v->integer)) return "expected an integer, got " + shown(text);
+      if (v->integer < spec.min || v->integer > spec.max) {
+        return text + " is out of range " + range_text(spec);
+      }
+      return "";
+    case FlagKind::kFloat:
+      if (!ParseFiniteDouble(text, &v->real)) return "expected a finite number, got " + shown(text);
+      return "";
     case FlagKind::kIntList: {
       v->list.clear();
       size_t start = 0;
@@ -72,20 +80,15 @@ bool parse_value(const FlagSpec& spec, const std::string& text, FlagValue* v, st
             text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
         int64_t x = 0;
         if (!ParseInt64(item, &x)) {
-          *error = flag + ": expected an integer or a comma-separated list of integers, got " +
-                   shown(text);
-          return false;
+          return "expected an integer or a comma-separated list of integers, got " + shown(text);
         }
-        if (x < spec.min || x > spec.max) {
-          *error = flag + ": " + item + " is out of range " + range_text(spec);
-          return false;
-        }
+        if (x < spec.min || x > spec.max) return item + " is out of range " + range_text(spec);
         v->list.push_back(x);
         if (comma == std::string::npos) break;
         start = comma + 1;
       }
       v->integer = v->list.front();
-      return true;
+      return "";
     }
     case FlagKind::kChoice: {
       const std::string choices = spec.choices ? spec.choices : "";
@@ -94,17 +97,41 @@ bool parse_value(const FlagSpec& spec, const std::string& text, FlagValue* v, st
         const size_t bar = choices.find('|', start);
         if (choices.compare(start, bar == std::string::npos ? std::string::npos : bar - start,
                             text) == 0) {
-          return true;
+          return "";
         }
         if (bar == std::string::npos) break;
         start = bar + 1;
       }
-      *error = flag + ": expected one of " + choices + ", got " + shown(text);
-      return false;
+      return "expected one of " + choices + ", got " + shown(text);
     }
   }
-  *error = flag + ": internal error: unknown flag kind";
-  return false;
+  return "internal error: unknown flag kind";
+}
+
+// A CLI11 app with one option per spec. Every option takes zero or one value, so that a flag
+// without one reaches parse_value (which names the rule) instead of CLI11's generic mismatch;
+// all occurrences are kept so that a flag given twice is caught. When `values` is given, each
+// option's validator parses its value into (*values)[name].
+std::unique_ptr<CLI::App> make_app(const std::vector<FlagSpec>& specs,
+                                   std::map<std::string, FlagValue>* values) {
+  auto app = std::make_unique<CLI::App>();
+  app->set_help_flag("-h,--help");
+  app->allow_extras();  // unknown flags and stray words get this file's messages (ParseFlags)
+  for (const FlagSpec& spec : specs) {
+    CLI::Option* option = app->add_option(std::string("--") + spec.name, spec.help);
+    option->expected(0, 1)->take_all()->option_text(placeholder(spec));
+    if (values != nullptr) {
+      option->check(CLI::Validator(
+          [spec, values](std::string& text) {
+            FlagValue v;
+            std::string rule = parse_value(spec, text, &v);
+            if (rule.empty()) (*values)[spec.name] = std::move(v);
+            return rule;
+          },
+          placeholder(spec)));
+    }
+  }
+  return app;
 }
 
 }  // namespace
@@ -180,83 +207,54 @@ bool ParseFiniteDouble(const std::string& s, double* value) {
 bool ParseFlags(const std::vector<std::string>& args, const std::vector<FlagSpec>& specs,
                 ParsedFlags* out, std::string* error) {
   *out = ParsedFlags();
-  for (size_t i = 0; i < args.size(); ++i) {
-    const std::string& arg = args[i];
-    if (arg == "-h" || arg == "--help") {
-      out->help_ = true;
-      return true;
-    }
-    if (arg.size() < 3 || arg[0] != '-' || arg[1] != '-') {
-      *error = "unexpected argument " + shown(arg) + " (flags are written --name value)";
+  const std::unique_ptr<CLI::App> app = make_app(specs, &out->values_);
+  try {
+    app->parse(std::vector<std::string>(args.rbegin(), args.rend()));  // CLI11 pops from the back
+  } catch (const CLI::CallForHelp&) {
+    out->help_ = true;
+    return true;
+  } catch (const CLI::ParseError& e) {
+    *error = e.what();
+    return false;
+  }
+  for (const FlagSpec& spec : specs) {
+    const std::string flag = std::string("--") + spec.name;
+    const size_t count = app->get_option(flag)->count();
+    if (count > 1) {
+      *error = flag + ": given twice";
       return false;
     }
-    std::string name = arg.substr(2);
-    std::string value;
-    bool inline_value = false;
-    const size_t eq = name.find('=');
-    if (eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name.resize(eq);
-      inline_value = true;
-    }
-    const FlagSpec* spec = find_spec(specs, name);
-    if (spec == nullptr) {
-      *error = "unknown flag " + shown("--" + name) + " (--help lists the flags)";
-      return false;
-    }
-    if (out->values_.count(name)) {
-      *error = "--" + name + ": given twice";
-      return false;
-    }
-    if (!inline_value) {
-      const bool next_is_value =
-          i + 1 < args.size() && !(args[i + 1].size() >= 2 && args[i + 1].compare(0, 2, "--") == 0);
-      if (next_is_value) {
-        value = args[++i];
-      } else if (spec->kind == FlagKind::kBool) {
-        value = "true";  // a bare boolean flag switches it on
-      } else {
-        *error = "--" + name + ": missing value";
+    // CLI11 runs no validator on an empty value (a flag written without one), so it is read here.
+    FlagValue v;
+    if (count == 1 && out->values_.count(spec.name) == 0) {
+      if (std::string rule = parse_value(spec, "", &v); !rule.empty()) {
+        *error = flag + ": " + rule;
         return false;
       }
+      out->values_[spec.name] = std::move(v);
     }
-    FlagValue v;
-    if (!parse_value(*spec, value, &v, error)) return false;
-    out->values_[name] = std::move(v);
+  }
+  const std::vector<std::string> extras = app->remaining();
+  if (!extras.empty()) {
+    const std::string& first = extras.front();
+    if (first.size() > 2 && first.compare(0, 2, "--") == 0) {
+      *error =
+          "unknown flag " + shown(first.substr(0, first.find('='))) + " (--help lists the flags)";
+    } else {
+      *error = "unexpected argument " + shown(first) + " (flags are written --name value)";
+    }
+    return false;
   }
   return true;
 }
 
 std::string FlagsHelp(const std::vector<FlagSpec>& specs) {
+  const std::unique_ptr<CLI::App> app = make_app(specs, nullptr);
+  CLI::Formatter formatter;
+  formatter.column_width(34);
   std::string out;
-  for (const FlagSpec& s : specs) {
-    std::string left = std::string("  --") + s.name;
-    switch (s.kind) {
-      case FlagKind::kString:
-        left += " PATH";
-        break;
-      case FlagKind::kBool:
-        left += " true|false";
-        break;
-      case FlagKind::kInt:
-        left += " N";
-        break;
-      case FlagKind::kFloat:
-        left += " X";
-        break;
-      case FlagKind::kIntList:
-        left += " N[,N...]";
-        break;
-      case FlagKind::kChoice:
-        left += std::string(" ") + (s.choices ? s.choices : "");
-        break;
-    }
-    if (left.size() < 34) {
-      left.append(34 - left.size(), ' ');
-    } else {
-      left += "\n" + std::string(34, ' ');
-    }
-    out += left + s.help + "\n";
+  for (const FlagSpec& spec : specs) {
+    out += formatter.make_option(app->get_option(std::string("--") + spec.name), false);
   }
   return out;
 }

@@ -1,7 +1,9 @@
 // Command-line flags of the form `--name value` (or `--name=value`), declared per subcommand in a
-// table so that parsing, range checks and the help text come from one place. Errors name the
-// flag and say what was expected. ParseFlags is pure (no I/O, no globals), so a fuzzer can drive
-// it with arbitrary argument vectors.
+// table so that parsing, range checks and the help text come from one place. CLI11 splits the
+// arguments and lays out the help; the table's kinds are checked by strict parsers of this file's
+// own (CLI11's integer conversion would take "0x10" and "010"), so that errors name the flag and
+// say what was expected. ParseFlags is pure (no I/O, no globals), so a fuzzer can drive it with
+// arbitrary argument vectors.
 #ifndef FLASHCTE_TOOLS_ARGS_H_
 #define FLASHCTE_TOOLS_ARGS_H_
 
@@ -60,10 +62,10 @@ class ParsedFlags {
   bool help_ = false;
 };
 
-// Parses `args` (without the program and subcommand names) against `specs`. "-h" and "--help"
-// anywhere set help_requested() and stop parsing. Returns false with *error naming the flag on
-// an unknown flag, a missing or malformed value, a value out of range, a flag given twice or a
-// stray positional argument.
+// Parses `args` (without the program and subcommand names) against `specs`. "-h" or "--help"
+// anywhere sets help_requested() unless a value is malformed (CLI11 checks values first). Returns
+// false with *error naming the flag on an unknown flag, a missing or malformed value, a value out
+// of range, a flag given twice or a stray positional argument.
 bool ParseFlags(const std::vector<std::string>& args, const std::vector<FlagSpec>& specs,
                 ParsedFlags* out, std::string* error);
 

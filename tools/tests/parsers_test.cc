@@ -220,7 +220,14 @@ TEST(Args, ErrorsNameTheFlag) {
             "--dtype: expected one of float32|bfloat16, got 'int8'");
   EXPECT_EQ(FlagError({"--dtype", "float"}),
             "--dtype: expected one of float32|bfloat16, got 'float'");
-  EXPECT_EQ(FlagError({"--path", ""}), "--path: the value is empty");
+  // CLI11 hands an empty value and none alike to the parser: both are missing.
+  EXPECT_EQ(FlagError({"--path", ""}), "--path: missing value");
+  EXPECT_EQ(FlagError({"--n="}), "--n: missing value");
+  EXPECT_EQ(FlagError({"--on", "--n"}), "--n: missing value");
+  EXPECT_EQ(FlagError({"--", "--n", "1"}),
+            "unexpected argument '--' (flags are written --name value)");
+  EXPECT_EQ(FlagError({"--nope=1"}), "unknown flag '--nope' (--help lists the flags)");
+  EXPECT_EQ(FlagError({"-n", "1"}), "unexpected argument '-n' (flags are written --name value)");
   EXPECT_EQ(FlagError({"--nope", "1"}), "unknown flag '--nope' (--help lists the flags)");
   EXPECT_EQ(FlagError({"--n", "1", "--n", "2"}), "--n: given twice");
   EXPECT_EQ(FlagError({"stray"}), "unexpected argument 'stray' (flags are written --name value)");
