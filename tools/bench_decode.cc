@@ -32,6 +32,7 @@
 #include "flashcte/decode.h"
 #include "tools/bandwidth.h"
 #include "tools/commands.h"
+#include "tools/json.h"
 #include "tools/tensors.h"
 
 namespace flashcte::tools {
@@ -70,24 +71,31 @@ void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<doubl
   // reach), and is printed with a warning, never alone.
   const bool above = gbps > bandwidth || (block_size > 0 && gbps > runs_bandwidth);
   if (c.json) {
-    std::printf(
-        "{\"impl\":\"flashcte-decode\",\"dtype\":\"%s\",\"kv_dtype\":\"%s\",\"batch\":%lld,"
-        "\"heads\":%lld,"
-        "\"kv_heads\":%lld,\"d\":%lld,\"cached\":%lld,\"new\":%lld,\"block_size\":%lld,"
-        "\"threads\":%d,\"cold\":%s,\"reps\":%d,\"median_ms\":%.4f,\"min_ms\":%.4f,"
-        "\"kv_bytes\":%.0f,\"kv_gbps\":%.3f,\"read_bandwidth_gbps\":%.3f,"
-        "\"bandwidth_ratio\":%.3f,\"paged_over_dense_speed\":%s,\"runs_bandwidth_gbps\":%s,"
-        "\"runs_bandwidth_ratio\":%s,\"above_bandwidth\":%s,\"simd\":%s}\n",
-        dtype_name(c.dtype), dtype_name(c.cache_dtype), static_cast<long long>(c.batch),
-        static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads),
-        static_cast<long long>(c.d), static_cast<long long>(c.cached),
-        static_cast<long long>(c.tokens), static_cast<long long>(block_size), c.threads,
-        c.cold ? "true" : "false", c.reps, median_ms, *std::min_element(ms.begin(), ms.end()),
-        c.kv_bytes(), gbps, bandwidth, gbps / bandwidth,
-        block_size > 0 ? std::to_string(speed_ratio).c_str() : "null",
-        block_size > 0 ? std::to_string(runs_bandwidth).c_str() : "null",
-        block_size > 0 ? std::to_string(gbps / runs_bandwidth).c_str() : "null",
-        above ? "true" : "false", JsonString(simd_target()).c_str());
+    const bool paged = block_size > 0;
+    PrintJsonLine({{"impl", "flashcte-decode"},
+                   {"dtype", dtype_name(c.dtype)},
+                   {"kv_dtype", dtype_name(c.cache_dtype)},
+                   {"batch", c.batch},
+                   {"heads", c.heads},
+                   {"kv_heads", c.kv_heads},
+                   {"d", c.d},
+                   {"cached", c.cached},
+                   {"new", c.tokens},
+                   {"block_size", block_size},
+                   {"threads", c.threads},
+                   {"cold", c.cold},
+                   {"reps", c.reps},
+                   {"median_ms", median_ms},
+                   {"min_ms", *std::min_element(ms.begin(), ms.end())},
+                   {"kv_bytes", c.kv_bytes()},
+                   {"kv_gbps", gbps},
+                   {"read_bandwidth_gbps", bandwidth},
+                   {"bandwidth_ratio", gbps / bandwidth},
+                   {"paged_over_dense_speed", paged ? Json(speed_ratio) : Json()},
+                   {"runs_bandwidth_gbps", paged ? Json(runs_bandwidth) : Json()},
+                   {"runs_bandwidth_ratio", paged ? Json(gbps / runs_bandwidth) : Json()},
+                   {"above_bandwidth", above},
+                   {"simd", simd_target()}});
     return;
   }
   if (header) {
@@ -321,10 +329,12 @@ int BandwidthBench(int threads, int reps, bool json) {
     const double median = Median(gbps[i]);
     const double best = *std::max_element(gbps[i].begin(), gbps[i].end());
     if (json) {
-      std::printf(
-          "{\"impl\":\"bandwidth\",\"threads\":%d,\"bytes\":%zu,\"reps\":%d,"
-          "\"gbps\":%.3f,\"best_gbps\":%.3f}\n",
-          counts[i], buffer.bytes(), reps, median, best);
+      PrintJsonLine({{"impl", "bandwidth"},
+                     {"threads", counts[i]},
+                     {"bytes", buffer.bytes()},
+                     {"reps", reps},
+                     {"gbps", median},
+                     {"best_gbps", best}});
     } else {
       std::printf(
           "read bandwidth, %d thread%s: median %.2f GB/s, best %.2f GB/s (%d passes over "

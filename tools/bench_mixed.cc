@@ -22,6 +22,7 @@
 #include "tools/bandwidth.h"
 #include "tools/bench_decode.h"
 #include "tools/commands.h"
+#include "tools/json.h"
 #include "tools/tensors.h"
 
 namespace flashcte::tools {
@@ -152,26 +153,41 @@ int MixedBench(const ParsedFlags& f) {
     }
     ratios.push_back(separate_ms.back() / mixed_ms.back());
   }
-  std::string busy, separate_busy;
+  std::vector<double> busy, separate_busy;
   for (size_t t = 0; t < shares.size(); ++t) {
-    busy += (t ? "," : "") + std::to_string(Median(shares[t])).substr(0, 5);
-    separate_busy += (t ? "," : "") + std::to_string(Median(separate_shares[t])).substr(0, 5);
+    busy.push_back(Median(shares[t]));
+    separate_busy.push_back(Median(separate_shares[t]));
   }
   if (json) {
-    std::printf(
-        "{\"impl\":\"flashcte-mixed\",\"dtype\":\"%s\",\"prefill\":%lld,\"decoding\":%lld,"
-        "\"new\":%lld,\"cached\":%lld,\"heads\":%lld,\"kv_heads\":%lld,\"d\":%lld,"
-        "\"block_size\":%lld,\"threads\":%d,\"reps\":%d,\"mixed_ms\":%.4f,"
-        "\"separate_ms\":%.4f,\"separate_over_mixed\":%.4f,\"busy_share\":[%s],"
-        "\"separate_busy_share\":[%s],\"read_bandwidth_gbps\":%.3f,\"simd\":%s}\n",
-        dtype_name(dtype), static_cast<long long>(prefill), static_cast<long long>(decoding),
-        static_cast<long long>(tokens), static_cast<long long>(cached),
-        static_cast<long long>(heads), static_cast<long long>(kv_heads), static_cast<long long>(d),
-        static_cast<long long>(block), threads, reps, Median(mixed_ms), Median(separate_ms),
-        Median(ratios), busy.c_str(), separate_busy.c_str(), bw.empty() ? 0.0 : Median(bw),
-        JsonString(simd_target()).c_str());
+    PrintJsonLine({{"impl", "flashcte-mixed"},
+                   {"dtype", dtype_name(dtype)},
+                   {"prefill", prefill},
+                   {"decoding", decoding},
+                   {"new", tokens},
+                   {"cached", cached},
+                   {"heads", heads},
+                   {"kv_heads", kv_heads},
+                   {"d", d},
+                   {"block_size", block},
+                   {"threads", threads},
+                   {"reps", reps},
+                   {"mixed_ms", Median(mixed_ms)},
+                   {"separate_ms", Median(separate_ms)},
+                   {"separate_over_mixed", Median(ratios)},
+                   {"busy_share", busy},
+                   {"separate_busy_share", separate_busy},
+                   {"read_bandwidth_gbps", bw.empty() ? 0.0 : Median(bw)},
+                   {"simd", simd_target()}});
     return kExitOk;
   }
+  // Each thread's share with 3 decimals, cut: "0.987,0.912".
+  const auto shares_text = [](const std::vector<double>& share) {
+    std::string text;
+    for (size_t t = 0; t < share.size(); ++t) {
+      text += (t ? "," : "") + std::to_string(share[t]).substr(0, 5);
+    }
+    return text;
+  };
   std::printf(
       "mixed batch, %s: one %lld-token prefill chunk + %lld sequences decoding %lld over %lld "
       "cached, %lld/%lld heads, d %lld, pages of %lld, %d threads, %d reps%s\n",
@@ -180,9 +196,9 @@ int MixedBench(const ParsedFlags& f) {
       static_cast<long long>(kv_heads), static_cast<long long>(d), static_cast<long long>(block),
       threads, reps, cold ? ", cold" : "");
   std::printf("  one call:       median %9.3f ms, busy share per thread %s\n", Median(mixed_ms),
-              busy.c_str());
+              shares_text(busy).c_str());
   std::printf("  two calls:      median %9.3f ms, busy share per thread %s\n", Median(separate_ms),
-              separate_busy.c_str());
+              shares_text(separate_busy).c_str());
   std::printf("  two / one:      %.3f (median of the per-rep ratios); SIMD target %s\n",
               Median(ratios), simd_target().c_str());
   return kExitOk;

@@ -27,6 +27,7 @@
 #include "tools/attention_flags.h"
 #include "tools/bench_decode.h"
 #include "tools/commands.h"
+#include "tools/json.h"
 #include "tools/openblas_core.h"
 #include "tools/peak.h"
 #include "tools/tensors.h"
@@ -68,8 +69,8 @@ class Impl {
   virtual bool Setup(std::string* error) = 0;
   virtual bool Run(std::string* error) = 0;
   virtual double Flops() const = 0;
-  // Extra `"key": value` pairs for the JSON line, each starting with a comma.
-  virtual std::string ExtraJson() const { return ""; }
+  // This impl's own fields of the JSON line.
+  virtual void AddJson(Json*) const {}
   virtual bool UsesOpenBlas() const { return false; }
 };
 
@@ -101,9 +102,9 @@ class FlashImpl : public Impl {
   double Flops() const override {
     return 4.0 * c_.d * c_.heads * UnmaskedPairs(c_.sq, c_.skv, c_.causal);
   }
-  std::string ExtraJson() const override {
-    return ",\"compute_dtype\":" + JsonString(dtype_name(c_.dtype)) +
-           ",\"simd\":" + JsonString(simd_target());
+  void AddJson(Json* j) const override {
+    (*j)["compute_dtype"] = dtype_name(c_.dtype);
+    (*j)["simd"] = simd_target();
   }
 
  private:
@@ -114,11 +115,11 @@ class FlashImpl : public Impl {
 
 #if FLASHCTE_HAVE_OPENBLAS
 // The OpenBLAS kernels the process runs with, and why, as JSON fields.
-std::string OpenBlasJson(const OpenBlasSelection& o) {
-  return ",\"openblas_core\":" + JsonString(o.used) + ",\"openblas_core_detected\":" +
-         (o.detected.empty() ? std::string("null") : JsonString(o.detected)) +
-         ",\"openblas_core_overridden\":" + (o.overridden ? "true" : "false") +
-         ",\"openblas_core_reason\":" + JsonString(o.reason);
+void AddOpenBlasJson(const OpenBlasSelection& o, Json* j) {
+  (*j)["openblas_core"] = o.used;
+  (*j)["openblas_core_detected"] = o.detected.empty() ? Json() : Json(o.detected);
+  (*j)["openblas_core_overridden"] = o.overridden;
+  (*j)["openblas_core_reason"] = o.reason;
 }
 
 class MaterializedImpl : public Impl {
@@ -160,14 +161,13 @@ class MaterializedImpl : public Impl {
   double Flops() const override {
     return 4.0 * c_.d * c_.heads * UnmaskedPairs(c_.sq, c_.skv, c_.causal);
   }
-  std::string ExtraJson() const override {
-    std::string s = ",\"compute_dtype\":\"float32\"";
+  void AddJson(Json* j) const override {
+    (*j)["compute_dtype"] = "float32";
     if (c_.dtype != DType::kFloat32) {
-      s += ",\"input_conversion\":" +
-           JsonString(std::string(dtype_name(c_.dtype)) + " inputs widened to float32 once, " +
-                      "outside the timing");
+      (*j)["input_conversion"] =
+          std::string(dtype_name(c_.dtype)) + " inputs widened to float32 once, outside the timing";
     }
-    return s + OpenBlasJson(c_.openblas);
+    AddOpenBlasJson(c_.openblas, j);
   }
 
  private:
@@ -200,10 +200,12 @@ class SgemmImpl : public Impl {
     return true;
   }
   double Flops() const override { return 2.0 * n_ * n_ * n_; }
-  std::string ExtraJson() const override {
-    return ",\"compute_dtype\":\"float32\",\"m\":" + std::to_string(n_) +
-           ",\"n\":" + std::to_string(n_) + ",\"k\":" + std::to_string(n_) +
-           OpenBlasJson(c_.openblas);
+  void AddJson(Json* j) const override {
+    (*j)["compute_dtype"] = "float32";
+    (*j)["m"] = n_;
+    (*j)["n"] = n_;
+    (*j)["k"] = n_;
+    AddOpenBlasJson(c_.openblas, j);
   }
 
  private:
@@ -431,15 +433,23 @@ int BenchCommand(const std::vector<std::string>& args) {
     const double median = Median(ms[i]);
     const double gflops = impls[i]->Flops() / (median * 1e-3) * 1e-9;
     if (json) {
-      std::printf(
-          "{\"impl\":\"%s\",\"dtype\":\"%s\",\"causal\":%s,\"sq\":%lld,\"skv\":%lld,\"d\":%lld,"
-          "\"heads\":%lld,\"kv_heads\":%lld,\"threads\":%d,\"median_ms\":%.4f,\"gflops\":%.3f,"
-          "\"peak_rss_mib\":%.1f,\"reps\":%d,\"min_ms\":%.4f,\"flops\":%.6g%s}\n",
-          impls[i]->name(), dtype_name(c.dtype), c.causal ? "true" : "false",
-          static_cast<long long>(c.sq), static_cast<long long>(c.skv), static_cast<long long>(c.d),
-          static_cast<long long>(c.heads), static_cast<long long>(c.kv_heads), c.threads, median,
-          gflops, rss[i], reps, *std::min_element(ms[i].begin(), ms[i].end()), impls[i]->Flops(),
-          impls[i]->ExtraJson().c_str());
+      Json j = {{"impl", impls[i]->name()},
+                {"dtype", dtype_name(c.dtype)},
+                {"causal", c.causal},
+                {"sq", c.sq},
+                {"skv", c.skv},
+                {"d", c.d},
+                {"heads", c.heads},
+                {"kv_heads", c.kv_heads},
+                {"threads", c.threads},
+                {"median_ms", median},
+                {"gflops", gflops},
+                {"peak_rss_mib", rss[i]},
+                {"reps", reps},
+                {"min_ms", *std::min_element(ms[i].begin(), ms[i].end())},
+                {"flops", impls[i]->Flops()}};
+      impls[i]->AddJson(&j);
+      PrintJsonLine(j);
     } else {
       std::printf("%-13s %-9s %6lld %6lld %5lld %5lld/%-3lld %3d %11.3f %9.2f %9.1f\n",
                   impls[i]->name(), dtype_name(c.dtype), static_cast<long long>(c.sq),

@@ -30,13 +30,4 @@ std::string FormatG(double x, int digits) {
   return buf;
 }
 
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) >= 0x20) out += c;
-  }
-  return out + "\"";
-}
-
 }  // namespace flashcte::tools

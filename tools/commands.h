@@ -37,9 +37,6 @@ std::string ExplainStatus(const std::string& message,
 // Formats x with `digits` significant digits, e.g. 1.23e+09 or 0.0123.
 std::string FormatG(double x, int digits = 4);
 
-// s as a JSON string literal: quotes and backslashes escaped, control characters dropped.
-std::string JsonString(const std::string& s);
-
 }  // namespace flashcte::tools
 
 #endif  // FLASHCTE_TOOLS_COMMANDS_H_

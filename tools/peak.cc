@@ -26,6 +26,7 @@
 // Must come after foreach_target.h.
 #include "hwy/highway.h"
 #include "tools/commands.h"
+#include "tools/json.h"
 #include "tools/peak.h"
 
 #ifndef FLASHCTE_TOOLS_PEAK_ONCE_
@@ -282,21 +283,21 @@ std::vector<PeakResult> MeasurePeak(int threads, int reps) {
 void PrintPeak(const std::vector<PeakResult>& results, int reps, bool json) {
   if (json) {
     for (const PeakResult& r : results) {
+      Json j = {{"impl", "peak"}, {"kind", r.kind}, {"target", r.target}};
+      j["available"] = r.available;
       if (!r.available) {
-        std::printf(
-            "{\"impl\":\"peak\",\"kind\":%s,\"target\":%s,\"available\":false,\"note\":%s,"
-            "\"counting\":%s}\n",
-            JsonString(r.kind).c_str(), JsonString(r.target).c_str(), JsonString(r.note).c_str(),
-            JsonString(PeakCounting(r.kind)).c_str());
-        continue;
+        j["note"] = r.note;
+      } else {
+        j["threads"] = r.threads;
+        j["gflops"] = r.median();
+        j["best_gflops"] = r.best();
+        j["reps"] = reps;
+        j["vector_bits"] = r.vector_bits;
+        j["chains"] = r.chains;
+        j["flops_per_instruction"] = r.flops_per_instruction;
       }
-      std::printf(
-          "{\"impl\":\"peak\",\"kind\":%s,\"target\":%s,\"available\":true,\"threads\":%d,"
-          "\"gflops\":%.3f,\"best_gflops\":%.3f,\"reps\":%d,\"vector_bits\":%d,\"chains\":%d,"
-          "\"flops_per_instruction\":%g,\"counting\":%s}\n",
-          JsonString(r.kind).c_str(), JsonString(r.target).c_str(), r.threads, r.median(), r.best(),
-          reps, r.vector_bits, r.chains, r.flops_per_instruction,
-          JsonString(PeakCounting(r.kind)).c_str());
+      j["counting"] = PeakCounting(r.kind);
+      PrintJsonLine(j);
     }
     return;
   }
