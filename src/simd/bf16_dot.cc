@@ -25,6 +25,7 @@
 #include "src/simd/decode_bf16-inl.h"
 #include "src/simd/exp_common.h"
 #include "src/simd/ops.h"
+#include "src/simd/row_blocks.h"
 
 #if HWY_ARCH_X86
 #include <cpuid.h>
@@ -42,6 +43,11 @@ namespace {
 #define FLASHCTE_LAMBDA_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline))
 #define FLASHCTE_INLINE_BF16 FLASHCTE_LAMBDA_BF16 inline
+// One register tile's call, kept out of line: with every tile size inlined into qk (what GCC 12
+// does once the row-block loop is always inlined) MM1 ran 12% slower (qk_bf16_native/64 and
+// /128, bench/micro_kernels, 4 interleaved runs each, Intel Xeon with AVX512_BF16, AVX3).
+#define FLASHCTE_PANEL_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), noinline))
 
 constexpr int64_t kLanes = 16;  // float32 lanes of a zmm register
 // W1 of ops.h for this file's vectors: the padding unit holds whole zmm vectors of float32.
@@ -86,25 +92,6 @@ inline uint32_t load_pair(const uint16_t* p) {
   uint32_t pair;
   std::memcpy(&pair, p, sizeof pair);
   return pair;
-}
-
-// body(std::integral_constant<int64_t, R>(), r) over row blocks covering [0, rows): full blocks
-// of kR, then one of the rest (as shared-inl.h's ForEachRowBlock).
-template <int64_t R, class Body>
-inline void remainder_block(int64_t left, int64_t r, const Body& body) {
-  if constexpr (R > 0) {
-    if (left == R) {
-      body(std::integral_constant<int64_t, R>(), r);
-    } else {
-      remainder_block<R - 1>(left, r, body);
-    }
-  }
-}
-template <int64_t kR, class Body>
-inline void for_each_row_block(int64_t rows, const Body& body) {
-  int64_t r = 0;
-  for (; r + kR <= rows; r += kR) body(std::integral_constant<int64_t, kR>(), r);
-  remainder_block<kR - 1>(rows - r, r, body);
 }
 
 // body(std::integral_constant<int64_t, W>()) with W = min(vectors, kW), vectors >= 1: the panel
@@ -185,7 +172,7 @@ FLASHCTE_AVX512_BF16 void qk(const uint16_t* q, int64_t ldq, int64_t rows, const
       for (int64_t c = 0; c < cols; c += kQkCols) {
         const int64_t vectors = (cols - c + kLanes - 1) / kLanes;
         with_panel_width<kQkVectors>(vectors, [&](auto width) FLASHCTE_AVX512_BF16 {
-          for_each_row_block<kQkRows>(group_rows, [&](auto block, int64_t r) FLASHCTE_AVX512_BF16 {
+          ForEachRowBlock<kQkRows>(group_rows, [&](auto block, int64_t r) FLASHCTE_PANEL_BF16 {
             qk_panel<decltype(block)::value, decltype(width)::value>(
                 q + (g + r) * ldq + 2 * x0, ldq, k + x0 * ldk + c, ldk, xn, accumulate, last, scale,
                 s + (g + r) * lds + c, lds, cols - c, mv ? mv + r * kLanes : nullptr);
@@ -238,7 +225,7 @@ FLASHCTE_AVX512_BF16 void pv(const uint16_t* p, int64_t ldp, int64_t rows, int64
   const int64_t pairs = n2 / 2;
   for (int64_t c = 0; c < dv_pad; c += kPvCols) {
     with_panel_width<kPvVectors>((dv_pad - c) / kLanes, [&](auto width) FLASHCTE_AVX512_BF16 {
-      for_each_row_block<kPvRows>(rows, [&](auto block, int64_t r) FLASHCTE_AVX512_BF16 {
+      ForEachRowBlock<kPvRows>(rows, [&](auto block, int64_t r) FLASHCTE_PANEL_BF16 {
         pv_panel<decltype(block)::value, decltype(width)::value>(
             p + r * ldp, ldp, pairs, v + c, ldv, alpha ? alpha + r : nullptr, o + r * ldo + c, ldo);
       });

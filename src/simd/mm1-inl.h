@@ -107,7 +107,7 @@ void Qk(const float* q, int64_t ldq, int64_t rows, const float* k, int64_t ldk, 
       const float* qx = qg + x0;
       const float* kx = k + x0 * ldk;
       for (int64_t c = 0; c < cols; c += 2 * N) {
-        ForEachRowBlock(group_rows, [&](auto block_rows, int64_t r) HWY_ATTR {
+        ForEachRowBlock<kRows>(group_rows, [&](auto block_rows, int64_t r) HWY_ATTR {
           constexpr int64_t R = decltype(block_rows)::value;
           float* mr = mx ? mx + r * N : nullptr;
           // Two vectors while more than one vector of columns remains (the second may cover

@@ -73,7 +73,7 @@ void Pv(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, in
   HWY_DASSERT(dv_pad % N == 0);
   for (int64_t c = 0; c < dv_pad; c += 2 * N) {
     const bool two = c + 2 * N <= dv_pad;  // else one vector is left (W3)
-    ForEachRowBlock(rows, [&](auto block_rows, int64_t r) HWY_ATTR {
+    ForEachRowBlock<kRows>(rows, [&](auto block_rows, int64_t r) HWY_ATTR {
       constexpr int64_t R = decltype(block_rows)::value;
       const float* ar = alpha ? alpha + r : nullptr;
       if (two) {

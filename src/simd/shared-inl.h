@@ -1,7 +1,7 @@
 // Per-target definitions shared by the kernel families (included once per Highway target by
-// ops.cc): the float vector type, the register block height, the width contracts of ops.h that
-// depend on this target's lane count, the row-block loop of the two matmuls, and the loads that
-// widen a cache row of any K/V dtype (8-bit formats included) to float32 in registers.
+// ops.cc): the float vector type, the register block height (the row-block loop itself is
+// row_blocks.h), the width contracts of ops.h that depend on this target's lane count, and the
+// loads that widen a cache row of any K/V dtype (8-bit formats included) to float32 in registers.
 
 // Per-target include guard (Highway's idiom: toggled for every target foreach_target compiles).
 #if defined(FLASHCTE_SRC_SIMD_SHARED_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -17,6 +17,7 @@
 
 #include "hwy/highway.h"
 #include "src/simd/ops.h"
+#include "src/simd/row_blocks.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashcte::simd {
@@ -42,27 +43,6 @@ static_assert(kPadFloats >= kMaxLanes, "W2: qk's overrun past cols must fit in t
 // 0.997 (8 pairs), 6 x 4 1.004 (14 pairs); 8 x 3 0.80 (its 8 rows exceed the unroll pragmas and
 // the accumulators go to the stack). The native bfloat16 MM1 does gain from 4 x 4 (bf16_dot.cc).
 inline constexpr int64_t kRows = 6;
-
-// Calls body(std::integral_constant<int64_t, R>(), r) for consecutive row blocks covering
-// [0, rows): full blocks of kRows, then one block of the remaining 1..kRows-1 rows, so each
-// block size is a compile-time constant for the micro-kernel's register arrays.
-template <int64_t R, class Body>
-HWY_INLINE void RemainderBlock(int64_t left, int64_t r, const Body& body) {
-  if constexpr (R > 0) {
-    if (left == R) {
-      body(std::integral_constant<int64_t, R>(), r);
-    } else {
-      RemainderBlock<R - 1>(left, r, body);
-    }
-  }
-}
-
-template <class Body>
-HWY_INLINE void ForEachRowBlock(int64_t rows, const Body& body) {
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) body(std::integral_constant<int64_t, kRows>(), r);
-  RemainderBlock<kRows - 1>(rows - r, r, body);
-}
 
 // x rounded to bfloat16, to nearest even, as a float32 with the low half zero; finite x only (a
 // NaN may round to infinity). The exp-and-sum's P (softmax-inl.h) and the output rows
