@@ -1,5 +1,6 @@
 // A small reader and writer for NumPy's .npy format (versions 1.0, 2.0 and 3.0), enough for the
 // CLI's tensors: little-endian float16/float32/float64/int32/int64, C or Fortran order, any rank.
+// Our own because no Debian package reads .npy from C++ (cnpy and libnpy are not packaged).
 //
 // parse_npy works on bytes in memory and is written to be fed hostile input (a libFuzzer target
 // drives it): every length is checked before it is used, nothing is allocated before the data it

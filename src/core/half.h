@@ -2,7 +2,8 @@
 // in: the one copy for the kernel (packing and write-back), the CLI (whole input files) and the
 // tests. They round exactly as numpy does (round to nearest, ties to even) and never trap on
 // NaN, infinity or subnormals. Packing converts each element once per tile (O(tile * d)) against
-// O(rows * tile * d) arithmetic, so scalar code is not the kernel's cost.
+// O(rows * tile * d) arithmetic, so scalar code is not the kernel's cost. Our own because
+// Highway 1.0.3's scalar BF16FromF32 truncates, and it has no scalar float16 conversion.
 #ifndef FLASHCTE_SRC_CORE_HALF_H_
 #define FLASHCTE_SRC_CORE_HALF_H_
 
