@@ -109,6 +109,116 @@ bool IsScalarArgument(const std::string& argument) {
          argument.compare(0, 6, "tiles.") == 0;
 }
 
+// The tensors a run reads, in the compute dtype (float32 for sink, ALiBi slopes and key bias).
+struct RunInputs {
+  DType dtype = DType::kFloat32;
+  HostTensor q, k, v, k_prior, v_prior, sink, alibi_slopes, key_bias;
+};
+
+// Reads the input files into *in and points o's optional inputs at them. Returns the exit code,
+// with the message in *error.
+int LoadInputs(const ParsedFlags& f, Options* o, RunInputs* in, std::string* error) {
+  // The compute dtype: as asked, or what q's file holds.
+  NpyArray q_file;
+  if (!read_npy(f.text("q"), &q_file, error)) {
+    *error = "--q: " + *error;
+    return kExitRuntime;
+  }
+  if (f.has("dtype")) {
+    ParseFloatDType(f.text("dtype"), &in->dtype);  // the flag's choices are all valid dtypes
+  } else {
+    in->dtype = NaturalDType(q_file.dtype);
+  }
+  if (!ConvertFloatArray(q_file, in->dtype, &in->q)) {
+    *error = "--q: " + f.text("q") + ": dtype " + npy_dtype_name(q_file.dtype) +
+             " is not a floating-point type (expected float32, float16 or float64)";
+    return kExitRuntime;
+  }
+  q_file = NpyArray();  // release the file image before loading the rest
+  if (in->q.rank() != 3) {
+    *error = "--q: " + f.text("q") + ": shape " + shape_string(in->q.shape()) +
+             " must have rank 3: " + (o->tp_q ? "(bs, Sq, d)" : "(bs, d, Sq) with --tp-q false");
+    return kExitRuntime;
+  }
+  if (!LoadFloatTensor("--k", f.text("k"), in->dtype, &in->k, error) ||
+      !LoadFloatTensor("--v", f.text("v"), in->dtype, &in->v, error)) {
+    return kExitRuntime;
+  }
+  if (f.has("k-prior")) {
+    if (!LoadFloatTensor("--k-prior", f.text("k-prior"), in->dtype, &in->k_prior, error) ||
+        !LoadFloatTensor("--v-prior", f.text("v-prior"), in->dtype, &in->v_prior, error)) {
+      return kExitRuntime;
+    }
+    o->k_prior = in->k_prior.view();
+    o->v_prior = in->v_prior.view();
+  }
+  const struct {
+    const char* flag;
+    HostTensor* tensor;
+    TensorView* option;
+  } float32_inputs[] = {{"sink", &in->sink, &o->sink},
+                        {"alibi-slopes", &in->alibi_slopes, &o->alibi_slopes},
+                        {"key-bias", &in->key_bias, &o->key_bias}};
+  for (const auto& input : float32_inputs) {
+    if (!f.has(input.flag)) continue;
+    if (!LoadFloatTensor(std::string("--") + input.flag, f.text(input.flag), DType::kFloat32,
+                         input.tensor, error)) {
+      return kExitRuntime;
+    }
+    *input.option = input.tensor->view();
+  }
+  return kExitOk;
+}
+
+// The outputs of a run: shapes follow q and v (the library checks everything else).
+struct RunOutputs {
+  HostTensor out, neg_max, sum_recip, lse;
+  Outputs views;
+};
+
+// Allocates the outputs the flags ask for. Returns the exit code, with the message in *error.
+int AllocateOutputs(const ParsedFlags& f, const Options& o, const RunInputs& in, RunOutputs* r,
+                    std::string* error) {
+  const int64_t bs = in.q.shape()[0];
+  const int64_t sq = in.q.shape()[o.tp_q ? 1 : 2];
+  const int64_t dv = in.v.rank() == 3 ? in.v.shape()[2] : 0;
+  if (o.cache_softmax && sq % 128 != 0) {
+    *error =
+        "--cache-softmax: --neg-max and --sum-recip use the Neuron layout (bs, 128, Sq/128), "
+        "which needs Sq to be a multiple of 128, but " +
+        f.text("q") + " has Sq = " + std::to_string(sq) +
+        "; use --lse L.npy, which works for any Sq";
+    return kExitUsage;
+  }
+  r->out = HostTensor(
+      in.dtype, o.tp_out ? std::vector<int64_t>{bs, dv, sq} : std::vector<int64_t>{bs, sq, dv});
+  r->views.out = r->out.mutable_view();
+  if (o.cache_softmax) {
+    r->neg_max = HostTensor(DType::kFloat32, {bs, 128, sq / 128});
+    r->sum_recip = HostTensor(DType::kFloat32, {bs, 128, sq / 128});
+    r->views.neg_max = r->neg_max.mutable_view();
+    r->views.sum_recip = r->sum_recip.mutable_view();
+  }
+  if (f.has("lse")) {
+    r->lse = HostTensor(DType::kFloat32, {bs, sq});
+    r->views.lse = r->lse.mutable_view();
+  }
+  return kExitOk;
+}
+
+// Writes every output asked for as float32 .npy; false with the message in *error.
+bool SaveOutputs(const ParsedFlags& f, const Options& o, const RunOutputs& r, std::string* error) {
+  if (!SaveFloat32("--out", f.text("out"), ToFloat32(r.out), r.out.shape(), error)) return false;
+  if (o.cache_softmax && (!SaveFloat32("--neg-max", f.text("neg-max"), ToFloat32(r.neg_max),
+                                       r.neg_max.shape(), error) ||
+                          !SaveFloat32("--sum-recip", f.text("sum-recip"), ToFloat32(r.sum_recip),
+                                       r.sum_recip.shape(), error))) {
+    return false;
+  }
+  return !f.has("lse") ||
+         SaveFloat32("--lse", f.text("lse"), ToFloat32(r.lse), r.lse.shape(), error);
+}
+
 }  // namespace
 
 int RunCommand(const std::vector<std::string>& args) {
@@ -132,91 +242,15 @@ int RunCommand(const std::vector<std::string>& args) {
   o.tp_out = f.boolean("tp-out", false);
   o.cache_softmax = f.boolean("cache-softmax", false);
 
-  // The compute dtype: as asked, or what q's file holds.
-  DType dtype = DType::kFloat32;
-  NpyArray q_file;
-  if (!read_npy(f.text("q"), &q_file, &error)) return RuntimeError(kCommand, "--q: " + error);
-  if (f.has("dtype")) {
-    ParseFloatDType(f.text("dtype"), &dtype);  // the flag's choices are all valid dtypes
-  } else {
-    dtype = NaturalDType(q_file.dtype);
-  }
-
-  HostTensor q, k, v, k_prior, v_prior, sink, alibi_slopes, key_bias;
-  if (!ConvertFloatArray(q_file, dtype, &q)) {
-    return RuntimeError(kCommand, "--q: " + f.text("q") + ": dtype " +
-                                      npy_dtype_name(q_file.dtype) +
-                                      " is not a floating-point type (expected float32, float16 "
-                                      "or float64)");
-  }
-  q_file = NpyArray();  // release the file image before loading the rest
-  if (q.rank() != 3) {
-    return RuntimeError(kCommand, "--q: " + f.text("q") + ": shape " + shape_string(q.shape()) +
-                                      " must have rank 3: " +
-                                      (o.tp_q ? "(bs, Sq, d)" : "(bs, d, Sq) with --tp-q false"));
-  }
-  if (!LoadFloatTensor("--k", f.text("k"), dtype, &k, &error) ||
-      !LoadFloatTensor("--v", f.text("v"), dtype, &v, &error)) {
-    return RuntimeError(kCommand, error);
-  }
-  if (f.has("k-prior")) {
-    if (!LoadFloatTensor("--k-prior", f.text("k-prior"), dtype, &k_prior, &error) ||
-        !LoadFloatTensor("--v-prior", f.text("v-prior"), dtype, &v_prior, &error)) {
-      return RuntimeError(kCommand, error);
-    }
-    o.k_prior = k_prior.view();
-    o.v_prior = v_prior.view();
-  }
-  if (f.has("sink")) {
-    if (!LoadFloatTensor("--sink", f.text("sink"), DType::kFloat32, &sink, &error)) {
-      return RuntimeError(kCommand, error);
-    }
-    o.sink = sink.view();
-  }
-  if (f.has("alibi-slopes")) {
-    if (!LoadFloatTensor("--alibi-slopes", f.text("alibi-slopes"), DType::kFloat32, &alibi_slopes,
-                         &error)) {
-      return RuntimeError(kCommand, error);
-    }
-    o.alibi_slopes = alibi_slopes.view();
-  }
-  if (f.has("key-bias")) {
-    if (!LoadFloatTensor("--key-bias", f.text("key-bias"), DType::kFloat32, &key_bias, &error)) {
-      return RuntimeError(kCommand, error);
-    }
-    o.key_bias = key_bias.view();
-  }
-
-  // Output shapes follow q and v; the library checks everything else and its messages are
-  // translated to flag names below.
-  const int64_t bs = q.shape()[0];
-  const int64_t sq = q.shape()[o.tp_q ? 1 : 2];
-  const int64_t dv = v.rank() == 3 ? v.shape()[2] : 0;
-  if (o.cache_softmax && sq % 128 != 0) {
-    return UsageError(kCommand,
-                      "--cache-softmax: --neg-max and --sum-recip use the Neuron layout (bs, 128, "
-                      "Sq/128), which needs Sq to be a multiple of 128, but " +
-                          f.text("q") + " has Sq = " + std::to_string(sq) +
-                          "; use --lse L.npy, which works for any Sq");
-  }
-  Outputs outputs;
-  HostTensor out(dtype,
-                 o.tp_out ? std::vector<int64_t>{bs, dv, sq} : std::vector<int64_t>{bs, sq, dv});
-  outputs.out = out.mutable_view();
-  HostTensor neg_max, sum_recip, lse;
-  if (o.cache_softmax) {
-    neg_max = HostTensor(DType::kFloat32, {bs, 128, sq / 128});
-    sum_recip = HostTensor(DType::kFloat32, {bs, 128, sq / 128});
-    outputs.neg_max = neg_max.mutable_view();
-    outputs.sum_recip = sum_recip.mutable_view();
-  }
-  if (f.has("lse")) {
-    lse = HostTensor(DType::kFloat32, {bs, sq});
-    outputs.lse = lse.mutable_view();
+  RunInputs in;
+  RunOutputs r;
+  if (int rc = LoadInputs(f, &o, &in, &error); rc != kExitOk) return RuntimeError(kCommand, error);
+  if (int rc = AllocateOutputs(f, o, in, &r, &error); rc != kExitOk) {
+    return UsageError(kCommand, error);
   }
 
   const auto start = std::chrono::steady_clock::now();
-  const Status status = attention_cte(q.view(), k.view(), v.view(), outputs, o);
+  const Status status = attention_cte(in.q.view(), in.k.view(), in.v.view(), r.views, o);
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   if (!status.ok) {
@@ -228,21 +262,9 @@ int RunCommand(const std::vector<std::string>& args) {
     return IsScalarArgument(argument) ? UsageError(kCommand, message)
                                       : RuntimeError(kCommand, message);
   }
-
-  if (!SaveFloat32("--out", f.text("out"), ToFloat32(out), out.shape(), &error)) {
-    return RuntimeError(kCommand, error);
-  }
-  if (o.cache_softmax &&
-      (!SaveFloat32("--neg-max", f.text("neg-max"), ToFloat32(neg_max), neg_max.shape(), &error) ||
-       !SaveFloat32("--sum-recip", f.text("sum-recip"), ToFloat32(sum_recip), sum_recip.shape(),
-                    &error))) {
-    return RuntimeError(kCommand, error);
-  }
-  if (f.has("lse") && !SaveFloat32("--lse", f.text("lse"), ToFloat32(lse), lse.shape(), &error)) {
-    return RuntimeError(kCommand, error);
-  }
+  if (!SaveOutputs(f, o, r, &error)) return RuntimeError(kCommand, error);
   std::printf("wrote %s %s float32 (computed in %s) in %.3f ms\n", f.text("out").c_str(),
-              shape_string(out.shape()).c_str(), dtype_name(dtype), ms);
+              shape_string(r.out.shape()).c_str(), dtype_name(in.dtype), ms);
   return kExitOk;
 }
 
