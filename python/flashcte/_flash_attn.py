@@ -145,6 +145,51 @@ def _inputs(q: Any, k: Any, v: Any, rank: int, layout: str) -> tuple[Tensor, Ten
     return tensors[0], tensors[1], tensors[2]
 
 
+def fa_call(
+    qt: Tensor,
+    kt: Tensor,
+    vt: Tensor,
+    out: Any,
+    lse: Any,
+    scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: Any,
+    sinks: Any,
+    num_threads: int | None,
+) -> None:
+    """FlashAttention's call with its arguments normalised, into caller-allocated ``out``
+    ``(batch, seqlen_q, heads, dv)`` and ``lse`` ``(batch, heads, seqlen_q)`` or None: the one
+    mapping of FlashAttention's layout onto the library, shared by :func:`flash_attn_func` and
+    ``flashcte.torch.flash_attn``.
+
+    The whole batch is one call and one parallel region: the library's flash_attn_with_kvcache
+    over k and v as full caches (nothing appended, so they are only read), which sends up to 16
+    queries per sequence to the decode kernel and more to attention_cte. Its messages name the
+    caches; here they are k and v."""
+    try:
+        _flashcte.flash_attn_with_kvcache(
+            q=native(qt),
+            k_cache=native(kt),
+            v_cache=native(vt),
+            out=native(out),
+            lse=native(lse),
+            bf16_bits=is_bf16_numpy(qt.arr),
+            softmax_scale=scale,
+            causal=causal,
+            window_left=window_left,
+            window_right=window_right,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            sinks=sinks,
+            num_threads=0 if num_threads is None else int(num_threads),
+        )
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("k_cache", "k").replace("v_cache", "v")) from None
+
+
 def flash_attn_func(
     q: ArrayLike,
     k: ArrayLike,
@@ -216,27 +261,7 @@ def flash_attn_func(
 
     out = empty(qt, (batch, seqlen_q, heads, dv))
     lse = empty(qt, (batch, heads, seqlen_q), "float32") if return_softmax_lse else None
-    # The whole batch in one call and one parallel region: FlashAttention's serving call over k
-    # and v as full caches (nothing appended, so they are only read). Its messages name the
-    # caches; here they are k and v.
-    try:
-        _flashcte.flash_attn_with_kvcache(
-            q=native(qt),
-            k_cache=native(kt),
-            v_cache=native(vt),
-            out=native(out),
-            lse=native(lse),
-            bf16_bits=is_bf16_numpy(qt.arr),
-            softmax_scale=scale,
-            causal=bool(causal),
-            window_left=left,
-            window_right=right,
-            softcap=cap,
-            alibi_slopes=slopes,
-            num_threads=0 if num_threads is None else int(num_threads),
-        )
-    except (TypeError, ValueError) as e:
-        raise type(e)(str(e).replace("k_cache", "k").replace("v_cache", "v")) from None
+    fa_call(qt, kt, vt, out, lse, scale, bool(causal), left, right, cap, slopes, None, num_threads)
     if return_softmax_lse:
         return give_back(qt, out), give_back(qt, lse)
     return give_back(qt, out)

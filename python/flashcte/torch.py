@@ -24,6 +24,7 @@ import torch
 
 from . import _kvcache
 from ._attention import _call
+from ._flash_attn import fa_call
 from ._tensors import Tensor, dtype_name
 from ._torch_masks import MaskPlan, decompose_mask, mask_allowed, mask_to_plan
 
@@ -167,20 +168,32 @@ def _flash_attn_op(
         lse.fill_(-math.inf)
         return out, lse
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(torch.float32)
+    if sinks is not None:
+        sinks = sinks.to(torch.float32)
+    if key_bias is None and bound_min is None and (bottom_right or seqlen_q == seqlen_k):
+        # FlashAttention's own arguments take FlashAttention's one mapping (flash_attn_func's),
+        # which also sends short query blocks to the decode kernel.
+        qt, kt, vt = Tensor("q", q), Tensor("k", k), Tensor("v", v)
+        fa_call(qt, kt, vt, out, lse, scale, bool(causal), int(window_left), int(window_right),
+                float(softcap), alibi_slopes, sinks, num_threads)
+        return out, lse
+    # What that call cannot express (a key bias, per-row bounds, top-left alignment of unequal
+    # lengths): attention_cte's rank-4 form, one call for the whole batch, entry b the
+    # (heads, seqlen, d) problem of sequence b, every view a transpose of the caller's tensors.
     if key_bias is not None:
         key_bias = key_bias.to(torch.float32)
         if key_bias.dim() == 2:
             key_bias = key_bias[:, None, :]
         key_bias = key_bias.expand(batch, heads, seqlen_k)  # a view (stride 0 over heads)
     if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.to(torch.float32).expand(batch, heads)
+        alibi_slopes = alibi_slopes.expand(batch, heads)
     if sinks is not None:
-        sinks = sinks.to(torch.float32).expand(batch, heads)  # a view (stride 0 over the batch)
+        sinks = sinks.expand(batch, heads)  # a view (stride 0 over the batch)
     if bound_min is not None:
         bound_min = bound_min.expand(batch, seqlen_q)
         bound_max = bound_max.expand(batch, seqlen_q)
-    # One call for the whole batch: attention_cte's rank-4 form, entry b the (heads, seqlen, d)
-    # problem of sequence b, every view a transpose of the caller's tensors.
     _call(
         Tensor("q", q.transpose(1, 2)),
         Tensor("k", k.transpose(1, 2)),

@@ -293,6 +293,7 @@ const OptionTable<flashcte::KvCacheOptions> kKvCacheOptions[] = {
     FLASHCTE_OUT_TENSOR_OPTION(flashcte::KvCacheOptions, k_scale),
     FLASHCTE_OUT_TENSOR_OPTION(flashcte::KvCacheOptions, v_scale),
     FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, alibi_slopes),
+    FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, sinks),
     FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, softmax_scale, float),
     FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, causal, bool),
     FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, window_left, int64_t),

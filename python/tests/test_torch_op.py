@@ -160,31 +160,43 @@ def test_op_vs_reference(dtype, case, sq, sk):
     assert torch.allclose(lse[finite].double(), want_lse[finite], rtol=1e-4, atol=1e-4)
 
 
-def test_op_reads_inputs_in_place(monkeypatch):
-    """q, k, v reach the native call as views of the caller's memory (transposed, sliced: no
-    copy), and the outputs are the op's own fresh tensors."""
+# What each path of the op calls: FlashAttention's own arguments go through FlashAttention's
+# mapping (flash_attn_with_kvcache over k and v as full caches), what it cannot express (a key
+# bias here) through attention_cte's rank-4 form. Both read q, k, v in place.
+_PATHS = {
+    "flash_attn_with_kvcache": ({}, ("q", "k_cache", "v_cache", "out"), False),
+    "attention_cte": ({"key_bias": "kb"}, ("q", "k", "v", "out"), True),
+}
+
+
+@pytest.mark.parametrize("binding", sorted(_PATHS))
+def test_op_reads_inputs_in_place(monkeypatch, binding):
+    """q, k, v reach the one native call for the whole batch as views of the caller's memory
+    (transposed, sliced: no copy), and the outputs are the op's own fresh tensors."""
+    extra, names, transposed = _PATHS[binding]
     g = torch.Generator().manual_seed(2)
     base_q = rand(g, 3, 8, 40, 16)  # (B, H, S, d) storage, sliced to 30 rows
     q = base_q[:, :, 5:35].transpose(1, 2)  # (B, S, H, d) view, neither contiguous
     k = rand(g, 3, 4, 30, 16).transpose(1, 2)
     v = rand(g, 3, 30, 4, 32)[:, :, :, ::2]  # every other channel: dv 16, stride 2
+    kwargs = {n: torch.zeros(3, 30) if a == "kb" else a for n, a in extra.items()}
     seen = []
-    real = _attention._flashcte.attention_cte
+    real = getattr(_attention._flashcte, binding)
 
-    def recording(**kwargs):
-        seen.append({n: kwargs[n] for n in ("q", "k", "v", "out")})
-        return real(**kwargs)
+    def recording(**call):
+        seen.append([call[n] for n in names])
+        return real(**call)
 
-    monkeypatch.setattr(_attention._flashcte, "attention_cte", recording)
+    monkeypatch.setattr(_attention._flashcte, binding, recording)
     with torch.no_grad():
-        out, lse = ft.flash_attn(q, k, v, causal=True)
-    assert len(seen) == 1  # one call for the whole batch (attention_cte's rank-4 form)
-    for got, src in (("q", q), ("k", k), ("v", v)):
-        t = seen[0][got]
+        out, lse = ft.flash_attn(q, k, v, causal=True, **kwargs)
+    assert len(seen) == 1  # one call for the whole batch
+    for t, src in zip(seen[0], (q, k, v, out)):
         assert isinstance(t, torch.Tensor) and t.dim() == 4
-        assert t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr(), got
-    assert seen[0]["out"].untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
-    want, _ = reference(q, k, v, causal=True)
+        assert t.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+        # attention_cte gets (batch, heads, seqlen, d) views; FlashAttention's call the layout.
+        assert t.shape == (src.transpose(1, 2).shape if transposed else src.shape)
+    want, _ = reference(q, k, v, causal=True, **kwargs)
     close(out, want)
 
 
