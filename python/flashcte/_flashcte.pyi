@@ -80,6 +80,9 @@ def simd_target() -> str:
     The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.
     """
 
+def version() -> str:
+    """The library's version (CMakeLists.txt's project VERSION), e.g. '0.1.0'."""
+
 class Llama3RopeScaling:
     def __init__(self) -> None: ...
     @property

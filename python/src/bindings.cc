@@ -793,5 +793,7 @@ NB_MODULE(_flashcte, m) {
   m.attr("MAX_HEAD_DIM") = flashcte::kMaxHeadDim;
   m.def("simd_target", &flashcte::simd_target,
         "The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.");
+  m.def("version", &flashcte::version,
+        "The library's version (CMakeLists.txt's project VERSION), e.g. '0.1.0'.");
   bind_layer(m);
 }
