@@ -292,3 +292,8 @@ class KvCache:
 
 def layer_gemm_backend() -> str:
     """The GEMM library the layer's projections run on and its kernels."""
+
+def set_layer_gemm_fallback(path: str, symbol_prefix: str) -> None:
+    """
+    The OpenBLAS the projections load when libopenblas.so.0 does not (a shared library's path and its symbols' prefix); only before the first load counts.
+    """

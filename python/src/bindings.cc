@@ -753,6 +753,10 @@ void bind_layer(nb::module_& m) {
 
   m.def("layer_gemm_backend", &flashcte::layer_gemm_backend,
         "The GEMM library the layer's projections run on and its kernels.");
+  m.def("set_layer_gemm_fallback", &flashcte::set_layer_gemm_fallback, nb::arg("path"),
+        nb::arg("symbol_prefix"),
+        "The OpenBLAS the projections load when libopenblas.so.0 does not (a shared library's "
+        "path and its symbols' prefix); only before the first load counts.");
 }
 
 }  // namespace
