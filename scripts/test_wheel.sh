@@ -39,7 +39,11 @@ VERSION="$(sed -n 's/^project(flashcte VERSION \([0-9.]*\).*/\1/p' CMakeLists.tx
 CHECK="$ROOT/scripts/wheel_check.py"
 
 echo "== auditwheel show $(basename "$WHEEL")"
-tools=(build/wheel-tools-venv-*/bin/auditwheel)
+tools=(build/wheel-tools-venv-*/bin/auditwheel)  # scripts/wheel.sh's venv
+if [[ ! -x "${tools[0]}" ]]; then
+  echo "test_wheel: no auditwheel in build/wheel-tools-venv-*: run scripts/wheel.sh once" >&2
+  exit 1
+fi
 show="$("${tools[0]}" show "$WHEEL")"
 echo "$show"
 # auditwheel wraps its lines; the tag is manylinux only when every library the extension needs
