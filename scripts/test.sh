@@ -45,7 +45,8 @@ python/run_tests.sh
 
 # The release wheel as a user installs it: built from the sdist (scripts/wheel.sh, auditwheel's
 # manylinux tag), installed into a fresh venv and run with the system's libhwy, libgomp and
-# libopenblas hidden (unshare -m). About 2 minutes of compiling on 2 cores, 30 s of checks.
+# libopenblas hidden (unshare -m). 4.3 minutes measured with one compile job on a busy 2-core
+# machine, 3.3 of them compiling (two jobs here).
 section "wheel"
 scripts/test_wheel.sh
 
