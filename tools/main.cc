@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "flashcte/flashcte.h"
 #include "tools/commands.h"
 
 namespace {
@@ -31,6 +32,10 @@ int Dispatch(const std::vector<std::string>& argv) {
   using namespace flashcte::tools;
   if (argv.empty()) return DemoCommand({});
   const std::string& command = argv[0];
+  if (command == "--version") {  // the library's version: CMakeLists.txt's project(VERSION)
+    std::printf("flashcte %s\n", flashcte::version().c_str());
+    return kExitOk;
+  }
   const std::vector<std::string> rest(argv.begin() + 1, argv.end());
   if (command == "run") return RunCommand(rest);
   if (command == "demo") return DemoCommand(rest);

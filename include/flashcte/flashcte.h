@@ -218,6 +218,10 @@ Status plan_attention(const TensorView& q, const TensorView& k, const TensorView
 // Human-readable description of the SIMD target the dispatcher picked at run time.
 std::string simd_target();
 
+// The library's version, "MAJOR.MINOR.PATCH": CMakeLists.txt's project(VERSION), the one place it
+// is written (the CLI's --version, the Python package's __version__ and its wheel read it too).
+std::string version();
+
 }  // namespace flashcte
 
 #endif  // FLASHCTE_FLASHCTE_H_

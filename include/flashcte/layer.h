@@ -210,6 +210,13 @@ class AttentionLayer {
 // "OpenBLAS 0.3.21, core SkylakeX (set by flashcte: the detected Zen ...)". Loads it on first use.
 std::string layer_gemm_backend();
 
+// Another OpenBLAS for the projections, tried when the system's libopenblas.so.0 does not load:
+// a shared library's path and the prefix of its symbols, e.g. scipy-openblas32's
+// lib/libscipy_openblas.so and "scipy_" (scipy_cblas_sgemm, ...); the Python package sets that
+// one when scipy-openblas32 is installed. OpenBLAS is loaded once per process, on the first
+// projection or layer_gemm_backend(): a call after that changes nothing.
+void set_layer_gemm_fallback(const std::string& path, const std::string& symbol_prefix);
+
 }  // namespace flashcte
 
 #endif  // FLASHCTE_LAYER_H_

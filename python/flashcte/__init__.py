@@ -26,13 +26,19 @@ kind of ``q``. Errors raise TypeError (dtypes) or ValueError with the library's
 """
 
 from ._attention import attention_cte
+from ._blas import register_scipy_openblas
 from ._flash_attn import flash_attn_func, flash_attn_varlen_func
-from ._flashcte import simd_target
+from ._flashcte import simd_target, version
 from ._kvcache import flash_attn_with_kvcache, paged_attention, quantize_kv
 from ._layer import AttentionLayer, layer_gemm_backend
 from ._layer_cache import KvCache
 
-__version__ = "0.1.0"
+# The layer's OpenBLAS when the system has none: pip's scipy-openblas32, if installed (_blas.py).
+register_scipy_openblas()
+
+# The C++ library's version, which CMakeLists.txt's project(VERSION) sets, as the wheel's is.
+__version__ = version()
+del register_scipy_openblas, version
 __all__ = [
     "AttentionLayer",
     "KvCache",

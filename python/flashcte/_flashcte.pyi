@@ -80,6 +80,9 @@ def simd_target() -> str:
     The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.
     """
 
+def version() -> str:
+    """The library's version (CMakeLists.txt's project VERSION), e.g. '0.1.0'."""
+
 class Llama3RopeScaling:
     def __init__(self) -> None: ...
     @property
@@ -289,3 +292,8 @@ class KvCache:
 
 def layer_gemm_backend() -> str:
     """The GEMM library the layer's projections run on and its kernels."""
+
+def set_layer_gemm_fallback(path: str, symbol_prefix: str) -> None:
+    """
+    The OpenBLAS the projections load when libopenblas.so.0 does not (a shared library's path and its symbols' prefix); only before the first load counts.
+    """

@@ -754,6 +754,10 @@ void bind_layer(nb::module_& m) {
 
   m.def("layer_gemm_backend", &flashcte::layer_gemm_backend,
         "The GEMM library the layer's projections run on and its kernels.");
+  m.def("set_layer_gemm_fallback", &flashcte::set_layer_gemm_fallback, nb::arg("path"),
+        nb::arg("symbol_prefix"),
+        "The OpenBLAS the projections load when libopenblas.so.0 does not (a shared library's "
+        "path and its symbols' prefix); only before the first load counts.");
 }
 
 }  // namespace
@@ -794,5 +798,7 @@ NB_MODULE(_flashcte, m) {
   m.attr("MAX_HEAD_DIM") = flashcte::kMaxHeadDim;
   m.def("simd_target", &flashcte::simd_target,
         "The SIMD target the library dispatched to on this machine, e.g. 'AVX3_ZEN4'.");
+  m.def("version", &flashcte::version,
+        "The library's version (CMakeLists.txt's project VERSION), e.g. '0.1.0'.");
   bind_layer(m);
 }

@@ -130,4 +130,6 @@ Status plan_attention(const TensorView& q, const TensorView& k, const TensorView
 
 std::string simd_target() { return simd::ops().target; }
 
+std::string version() { return FLASHCTE_VERSION; }
+
 }  // namespace flashcte

@@ -453,4 +453,8 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& positions,
 
 std::string layer_gemm_backend() { return layer::gemm_backend(); }
 
+void set_layer_gemm_fallback(const std::string& path, const std::string& symbol_prefix) {
+  layer::set_gemm_fallback(path, symbol_prefix);
+}
+
 }  // namespace flashcte

@@ -22,6 +22,13 @@ constexpr int kCblasTrans = 112;
 // twice, so past 2 rows sgemm is assumed to win (not measured).
 constexpr int64_t kMaxGemvRows = 2;
 
+// The system's OpenBLAS (Debian's libopenblas0), tried first; set_gemm_fallback names another.
+constexpr char kSystemOpenBlas[] = "libopenblas.so.0";
+// The error of every projection when neither loads, followed by dlopen's reasons.
+constexpr char kNoOpenBlas[] =
+    "OpenBLAS not loadable (install Debian's libopenblas0, or for the Python package pip install "
+    "scipy-openblas32): ";
+
 using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int,
                          float, float*, int);
 using SgemvFn = void (*)(int, int, int, int, float, const float*, int, const float*, int, float,
@@ -55,6 +62,49 @@ const char* best_core_for_cpu() {
   return "";
 }
 
+// Opens one OpenBLAS build and resolves its functions, whose names carry `prefix`
+// (scipy-openblas32 prefixes every symbol with "scipy_"). False, with *why set, when the library
+// does not load; a library without cblas_sgemm / cblas_sgemv leaves blas->sgemm null.
+bool open_blas(const std::string& path, const std::string& prefix, OpenBlas* blas,
+               std::string* why) {
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* error = dlerror();
+    *why = error ? error : path + ": dlopen failed";
+    return false;
+  }
+  const auto sym = [&](const char* name) { return dlsym(handle, (prefix + name).c_str()); };
+  blas->sgemm = reinterpret_cast<SgemmFn>(sym("cblas_sgemm"));
+  blas->sgemv = reinterpret_cast<SgemvFn>(sym("cblas_sgemv"));
+  blas->set_threads = reinterpret_cast<SetThreadsFn>(sym("openblas_set_num_threads"));
+  blas->get_threads = reinterpret_cast<GetThreadsFn>(sym("openblas_get_num_threads"));
+  const auto core = reinterpret_cast<NameFn>(sym("openblas_get_corename"));
+  const auto config = reinterpret_cast<NameFn>(sym("openblas_get_config"));
+  if (blas->sgemm == nullptr || blas->sgemv == nullptr) {
+    blas->sgemm = nullptr;
+    blas->description =
+        path + " loaded but without " + prefix + "cblas_sgemm / " + prefix + "cblas_sgemv";
+    return true;
+  }
+  blas->description =
+      std::string(config ? config() : "OpenBLAS") + ", core " + (core ? core() : "unknown");
+  if (path != kSystemOpenBlas) blas->description += ", " + path;
+  return true;
+}
+
+std::mutex& fallback_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+std::string& fallback_path() {
+  static std::string path;
+  return path;
+}
+std::string& fallback_prefix() {
+  static std::string prefix;
+  return prefix;
+}
+
 OpenBlas load() {
   OpenBlas blas;
   std::string how = "OpenBLAS's own choice";
@@ -66,26 +116,25 @@ OpenBlas load() {
     set_here = setenv("OPENBLAS_CORETYPE", best, 0) == 0;
     how = std::string("set by flashcte for this CPU's ISA: ") + best;
   }
-  void* handle = dlopen("libopenblas.so.0", RTLD_NOW | RTLD_LOCAL);
+  std::string why;
+  bool loaded = open_blas(kSystemOpenBlas, "", &blas, &why);
+  std::string path, prefix;
+  {
+    std::lock_guard<std::mutex> lock(fallback_mutex());
+    path = fallback_path();
+    prefix = fallback_prefix();
+  }
+  if (!loaded && !path.empty()) {
+    std::string why_fallback;
+    loaded = open_blas(path, prefix, &blas, &why_fallback);
+    if (!loaded) why += "; " + why_fallback;
+  }
   if (set_here) unsetenv("OPENBLAS_CORETYPE");
-  if (handle == nullptr) {
-    const char* why = dlerror();
-    blas.description = std::string("OpenBLAS not loadable (install libopenblas0): ") +
-                       (why ? why : "dlopen failed");
-    return blas;
+  if (!loaded) {
+    blas.description = std::string(kNoOpenBlas) + why;
+  } else if (blas.sgemm != nullptr) {
+    blas.description += " (" + how + ")";
   }
-  blas.sgemm = reinterpret_cast<SgemmFn>(dlsym(handle, "cblas_sgemm"));
-  blas.sgemv = reinterpret_cast<SgemvFn>(dlsym(handle, "cblas_sgemv"));
-  blas.set_threads = reinterpret_cast<SetThreadsFn>(dlsym(handle, "openblas_set_num_threads"));
-  blas.get_threads = reinterpret_cast<GetThreadsFn>(dlsym(handle, "openblas_get_num_threads"));
-  const auto core = reinterpret_cast<NameFn>(dlsym(handle, "openblas_get_corename"));
-  const auto config = reinterpret_cast<NameFn>(dlsym(handle, "openblas_get_config"));
-  if (blas.sgemm == nullptr || blas.sgemv == nullptr) {
-    blas.description = "OpenBLAS loaded but without cblas_sgemm / cblas_sgemv";
-    return blas;
-  }
-  blas.description = std::string(config ? config() : "OpenBLAS") + ", core " +
-                     (core ? core() : "unknown") + " (" + how + ")";
   return blas;
 }
 
@@ -95,6 +144,12 @@ const OpenBlas& openblas() {
 }
 
 }  // namespace
+
+void set_gemm_fallback(const std::string& path, const std::string& symbol_prefix) {
+  std::lock_guard<std::mutex> lock(fallback_mutex());
+  fallback_path() = path;
+  fallback_prefix() = symbol_prefix;
+}
 
 Status gemm_nt(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                int64_t ldb, float* c, int64_t ldc, int threads) {

@@ -5,7 +5,8 @@
 // kernels run 312, issue 10). So unless the caller set OPENBLAS_CORETYPE, it is set to the best
 // core for this CPU's ISA for the one dlopen and removed again (tools/openblas_core.cc has the
 // measurements behind the table). A process that loaded OpenBLAS before keeps its kernels; the
-// backend description says which ones run.
+// backend description says which ones run. Without libopenblas.so.0 it loads the fallback set
+// by set_gemm_fallback (the Python package's: pip's scipy-openblas32), the same way.
 #ifndef FLASHCTE_SRC_LAYER_BLAS_H_
 #define FLASHCTE_SRC_LAYER_BLAS_H_
 
@@ -24,6 +25,10 @@ Status gemm_nt(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, con
 
 // "OpenBLAS <version>, core <name> (<how it was chosen>)", or why it could not be loaded.
 std::string gemm_backend();
+
+// The OpenBLAS tried when libopenblas.so.0 does not load, and its symbol prefix
+// (flashcte::set_layer_gemm_fallback). Counts only before the first load.
+void set_gemm_fallback(const std::string& path, const std::string& symbol_prefix);
 
 }  // namespace flashcte::layer
 
