@@ -95,10 +95,11 @@ std::vector<DecodeScratch>& decode_scratch(int64_t heads) {
 
 // Pair `pair` computed in an item of `heads` pairs.
 PairShape pair_shape(const DecodeProblem& p, const simd::Ops& ops, int64_t pair, int64_t heads) {
-  // A bfloat16 q against caches whose values are bfloat16 values: bfloat16 or 8-bit.
-  const auto bf16_exact = [](DType t) { return t == DType::kBFloat16 || kv8::is_8bit(t); };
+  // A bfloat16 q against caches the native kernels read as they are: bfloat16, or 8-bit codes
+  // (fp8 values are bfloat16 values; int8 runs on the integer kernels).
+  const auto native_cache = [](DType t) { return t == DType::kBFloat16 || kv8::is_8bit(t); };
   const simd::Bf16DotOps* native =
-      p.dtype == DType::kBFloat16 && bf16_exact(p.k.dtype) && bf16_exact(p.v.dtype)
+      p.dtype == DType::kBFloat16 && native_cache(p.k.dtype) && native_cache(p.v.dtype)
           ? simd::bf16_dot_for(ops)
           : nullptr;
   return {pair / p.kv_heads,
@@ -245,7 +246,8 @@ void attend_block(const DecodeKernel& kernel, const simd::Ops& ops, const PairSh
   }
 
   // bfloat16 inputs round P to bfloat16 before P.V, as attention_cte; an 8-bit V keeps it float
-  // (the native kernel rounds P times a per-token scale once, as it packs it).
+  // here (the native kernel packs P, times a per-token scale, once per 64 keys: rounded to
+  // bfloat16 for an fp8 V, quantized to int16 for an int8 V).
   const bool round_p = p.v.dtype == DType::kBFloat16;
   for (int64_t t0 = 0; t0 < p.tokens;) {
     // A run of tokens [t0, t1) with the same range in the block: their rows are consecutive.

@@ -363,9 +363,10 @@ FLASHCTE_DECODE_BF16 inline void Qk(const uint16_t* q, int64_t ldq, int64_t rows
 // Keys per pass of pv_tile: the P pairs of its rows for this many keys are packed first.
 constexpr int64_t kPvKeys = 64;
 
-// P rows [R][n <= kPvKeys] (float32 holding bfloat16 values) as pairs (P[j], P[j + 1]) of
+// P rows [R][n <= kPvKeys] (float32) as pairs (P[j], P[j + 1]) of
 // bfloat16 bits in one 32-bit lane, pairs[r][j / 2], the second of an odd n zero: vcvtneps2bf16
-// of 16 floats is exactly 8 such pairs (the values are bfloat16 already, so nothing rounds).
+// of 16 floats is exactly 8 such pairs. For a bfloat16 V the values are bfloat16 already and
+// nothing rounds; for an fp8 V this is where P (times its per-token scale) rounds to nearest even.
 template <int64_t R>
 FLASHCTE_DECODE_BF16 inline void pack_p_pairs(const float* p, int64_t ldp, int64_t n,
                                               uint32_t (*pairs)[kPvKeys / 2]) {
