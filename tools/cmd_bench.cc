@@ -250,50 +250,52 @@ std::vector<FlagSpec> AllBenchFlagSpecs() {
 constexpr const char* kNotForPeak[] = {"sq",     "skv",   "d",       "heads",   "kv-heads",
                                        "causal", "dtype", "q-block", "kv-tile", "openblas-core"};
 
-// `flashcte bench --help`; %s is the flags' table.
-constexpr char kBenchHelp[] =
-    "usage: flashcte bench [--sq N --skv N --d N --heads N --kv-heads N --causal B "
-    "--dtype D\n                       --threads T --reps R --impl I --json --q-block N "
-    "--kv-tile N\n                       --openblas-core C]\n"
-    "       flashcte bench --impl peak [--threads T --reps R --json]\n"
-    "       flashcte bench --impl bandwidth [--threads T --reps R --json]\n"
-    "       flashcte bench --decode [--batch B --heads N --kv-heads N --d N --cached N\n"
-    "                       --new T --dtype D --threads T --reps R --cold B --block-size N\n"
-    "                       --kv-dtype K --json]\n\n"
-    "Times one configuration (q (heads, Sq, d), k (kv_heads, d, Skv), v (kv_heads, Skv, d),\n"
-    "uniform [0, 1) inputs, scale 1/sqrt(d)). Reports the median over --reps after one\n"
-    "warm-up; GFLOP/s counts 4*d*heads*(unmasked query-key pairs) for attention impls and\n"
-    "2MNK for sgemm. peak_rss_mib is the process's ru_maxrss after the impl's warm-up (impls\n"
-    "are set up in the order flashcte, materialized, sgemm, so a later impl's figure\n"
-    "includes the earlier ones' buffers).\n\n"
-    "sgemm is the roofline, so it runs with OpenBLAS's best kernels for this CPU: with\n"
-    "--openblas-core auto it drops OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE inherited from the\n"
-    "environment and, when OpenBLAS's own choice of core is older than the CPU's ISA\n"
-    "(AVX-512 -> SkylakeX, with AVX512_BF16 Cooperlake; AVX2+FMA -> Haswell, on AMD Zen),\n"
-    "re-executes itself with OPENBLAS_CORETYPE set. The core used and why are printed\n"
-    "(JSON: openblas_core, openblas_core_detected, openblas_core_overridden,\n"
-    "openblas_core_reason).\n\n"
-    "--impl peak measures the arithmetic limit of the cores instead: back-to-back independent\n"
-    "fp32 multiply-adds per SIMD target the CPU runs (2 FLOPs per lane), and the native bf16\n"
-    "dot product vdpbf16ps when the CPU has AVX512_BF16 (64 FLOPs per zmm instruction: 32\n"
-    "bf16 products and 32 adds), on 1 thread and on --threads (default: all), median and\n"
-    "best of --reps rounds of about 0.1 s per measurement. JSON lines: impl \"peak\", kind\n"
-    "(fma_f32, bf16_dot), target, threads, gflops (median), best_gflops, counting.\n\n"
-    "--impl bandwidth measures the streaming read bandwidth of memory: 1 and --threads\n"
-    "threads sum a buffer of 8x the L3 cache (at least 256 MiB), --reps passes each.\n\n"
-    "--decode times decode_attention: --new tokens per sequence at positions --cached ..\n"
-    "against a (batch, kv_heads, cached + new, d) K/V cache, scale 1/sqrt(d). It prints the\n"
-    "median time per call, the K/V bytes a call reads (batch x kv_heads x (cached + new) x\n"
-    "2d x dtype size), their GB/s, the read bandwidth measured on --threads threads and the\n"
-    "ratio. With --cold (default) a timed bandwidth pass before each call evicts the caches\n"
-    "from L3 and is the bandwidth sample (the two are interleaved). With --block-size N the\n"
-    "same call also runs on a paged copy of the cache (pages of N slots in vLLM's "
-    "(num_blocks,\n"
-    "kv_heads, block_size, d) layout, at shuffled places), interleaved with the dense call,\n"
-    "and vs_dense is the median of the per-rep dense/paged time ratios. With --kv-dtype the\n"
-    "cache is 8-bit (int8, float8_e4m3fn, float8_e5m2; one scale per tensor) and q and out\n"
-    "are --dtype; the dtype column names the cache's.\n\n"
-    "flags:\n%s";
+void PrintBenchHelp(const std::vector<FlagSpec>& specs) {
+  std::printf(
+      "usage: flashcte bench [--sq N --skv N --d N --heads N --kv-heads N --causal B "
+      "--dtype D\n                       --threads T --reps R --impl I --json --q-block N "
+      "--kv-tile N\n                       --openblas-core C]\n"
+      "       flashcte bench --impl peak [--threads T --reps R --json]\n"
+      "       flashcte bench --impl bandwidth [--threads T --reps R --json]\n"
+      "       flashcte bench --decode [--batch B --heads N --kv-heads N --d N --cached N\n"
+      "                       --new T --dtype D --threads T --reps R --cold B --block-size N\n"
+      "                       --kv-dtype K --json]\n\n"
+      "Times one configuration (q (heads, Sq, d), k (kv_heads, d, Skv), v (kv_heads, Skv, d),\n"
+      "uniform [0, 1) inputs, scale 1/sqrt(d)). Reports the median over --reps after one\n"
+      "warm-up; GFLOP/s counts 4*d*heads*(unmasked query-key pairs) for attention impls and\n"
+      "2MNK for sgemm. peak_rss_mib is the process's ru_maxrss after the impl's warm-up (impls\n"
+      "are set up in the order flashcte, materialized, sgemm, so a later impl's figure\n"
+      "includes the earlier ones' buffers).\n\n"
+      "sgemm is the roofline, so it runs with OpenBLAS's best kernels for this CPU: with\n"
+      "--openblas-core auto it drops OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE inherited from the\n"
+      "environment and, when OpenBLAS's own choice of core is older than the CPU's ISA\n"
+      "(AVX-512 -> SkylakeX, with AVX512_BF16 Cooperlake; AVX2+FMA -> Haswell, on AMD Zen),\n"
+      "re-executes itself with OPENBLAS_CORETYPE set. The core used and why are printed\n"
+      "(JSON: openblas_core, openblas_core_detected, openblas_core_overridden,\n"
+      "openblas_core_reason).\n\n"
+      "--impl peak measures the arithmetic limit of the cores instead: back-to-back independent\n"
+      "fp32 multiply-adds per SIMD target the CPU runs (2 FLOPs per lane), and the native bf16\n"
+      "dot product vdpbf16ps when the CPU has AVX512_BF16 (64 FLOPs per zmm instruction: 32\n"
+      "bf16 products and 32 adds), on 1 thread and on --threads (default: all), median and\n"
+      "best of --reps rounds of about 0.1 s per measurement. JSON lines: impl \"peak\", kind\n"
+      "(fma_f32, bf16_dot), target, threads, gflops (median), best_gflops, counting.\n\n"
+      "--impl bandwidth measures the streaming read bandwidth of memory: 1 and --threads\n"
+      "threads sum a buffer of 8x the L3 cache (at least 256 MiB), --reps passes each.\n\n"
+      "--decode times decode_attention: --new tokens per sequence at positions --cached ..\n"
+      "against a (batch, kv_heads, cached + new, d) K/V cache, scale 1/sqrt(d). It prints the\n"
+      "median time per call, the K/V bytes a call reads (batch x kv_heads x (cached + new) x\n"
+      "2d x dtype size), their GB/s, the read bandwidth measured on --threads threads and the\n"
+      "ratio. With --cold (default) a timed bandwidth pass before each call evicts the caches\n"
+      "from L3 and is the bandwidth sample (the two are interleaved). With --block-size N the\n"
+      "same call also runs on a paged copy of the cache (pages of N slots in vLLM's "
+      "(num_blocks,\n"
+      "kv_heads, block_size, d) layout, at shuffled places), interleaved with the dense call,\n"
+      "and vs_dense is the median of the per-rep dense/paged time ratios. With --kv-dtype the\n"
+      "cache is 8-bit (int8, float8_e4m3fn, float8_e5m2; one scale per tensor) and q and out\n"
+      "are --dtype; the dtype column names the cache's.\n\n"
+      "flags:\n%s",
+      FlagsHelp(specs).c_str());
+}
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -484,12 +486,9 @@ int PrefillBench(const ParsedFlags& f, const std::string& which, int threads, in
 
 int BenchCommand(const std::vector<std::string>& args) {
   ParsedFlags f;
-  std::string error;
-  const std::vector<FlagSpec> specs = AllBenchFlagSpecs();
-  if (!ParseFlags(args, specs, &f, &error)) return UsageError(kCommand, error);
-  if (f.help_requested()) {
-    std::printf(kBenchHelp, FlagsHelp(specs).c_str());
-    return kExitOk;
+  if (int rc = ParseCommandFlags(kCommand, args, AllBenchFlagSpecs(), PrintBenchHelp, &f);
+      rc != kContinue) {
+    return rc;
   }
   const std::string which = f.text("impl", "flashcte");
   const int reps = static_cast<int>(f.integer("reps", 5));

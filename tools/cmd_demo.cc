@@ -202,12 +202,9 @@ int KernelDemo(const ParsedFlags& f) {
 
 int DemoCommand(const std::vector<std::string>& args) {
   ParsedFlags f;
-  std::string error;
-  const std::vector<FlagSpec> specs = DemoFlagSpecs();
-  if (!ParseFlags(args, specs, &f, &error)) return UsageError(kCommand, error);
-  if (f.help_requested()) {
-    PrintDemoHelp(specs);
-    return kExitOk;
+  if (int rc = ParseCommandFlags(kCommand, args, DemoFlagSpecs(), PrintDemoHelp, &f);
+      rc != kContinue) {
+    return rc;
   }
   if (f.boolean("layer", false)) {
     if (f.has("seqlen")) return UsageError(kCommand, "--seqlen: not with --layer (use --tokens)");

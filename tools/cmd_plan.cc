@@ -30,24 +30,26 @@ std::vector<FlagSpec> PlanFlagSpecs() {
   return specs;
 }
 
+void PrintPlanHelp(const std::vector<FlagSpec>& specs) {
+  std::printf(
+      "usage: flashcte plan --sq N [--bs N --bs-kv N --skv N --d N --dv N --s-prior N] "
+      "[mode flags]\n\n"
+      "Prints the schedule attention_cte would follow: Q blocks, KV tiles, sections, work\n"
+      "items, tile pairs computed unmasked / masked / skipped, and FLOPs done vs dense vs\n"
+      "useful. Nothing is computed.\n\nflags:\n%s",
+      FlagsHelp(specs).c_str());
+}
+
 }  // namespace
 
 int PlanCommand(const std::vector<std::string>& args) {
   ParsedFlags f;
-  std::string error;
-  const std::vector<FlagSpec> specs = PlanFlagSpecs();
-  if (!ParseFlags(args, specs, &f, &error)) return UsageError(kCommand, error);
-  if (f.help_requested()) {
-    std::printf(
-        "usage: flashcte plan --sq N [--bs N --bs-kv N --skv N --d N --dv N --s-prior N] "
-        "[mode flags]\n\n"
-        "Prints the schedule attention_cte would follow: Q blocks, KV tiles, sections, work\n"
-        "items, tile pairs computed unmasked / masked / skipped, and FLOPs done vs dense vs\n"
-        "useful. Nothing is computed.\n\nflags:\n%s",
-        FlagsHelp(specs).c_str());
-    return kExitOk;
+  if (int rc = ParseCommandFlags(kCommand, args, PlanFlagSpecs(), PrintPlanHelp, &f);
+      rc != kContinue) {
+    return rc;
   }
   if (!f.has("sq")) return UsageError(kCommand, "--sq is required");
+  std::string error;
   if (int rc = CheckModeFlags(f, &error); rc != kExitOk) return UsageError(kCommand, error);
   if (f.has("prior-used-len") && f.integer("s-prior", 0) == 0) {
     return UsageError(kCommand, "--prior-used-len: needs --s-prior (the prefix cache length)");

@@ -44,7 +44,7 @@ std::vector<FlagSpec> RunFlagSpecs() {
   return specs;
 }
 
-void PrintHelp() {
+void PrintRunHelp(const std::vector<FlagSpec>& specs) {
   std::printf(
       "usage: flashcte run --q Q.npy --k K.npy --v V.npy --out OUT.npy [flags]\n"
       "\n"
@@ -54,7 +54,7 @@ void PrintHelp() {
       "else float32). Outputs are float32.\n"
       "\n"
       "flags:\n%s",
-      FlagsHelp(RunFlagSpecs()).c_str());
+      FlagsHelp(specs).c_str());
 }
 
 // Checks the flags that only make sense together, before touching any file.
@@ -223,13 +223,11 @@ bool SaveOutputs(const ParsedFlags& f, const Options& o, const RunOutputs& r, st
 
 int RunCommand(const std::vector<std::string>& args) {
   ParsedFlags f;
-  std::string error;
-  const std::vector<FlagSpec> specs = RunFlagSpecs();
-  if (!ParseFlags(args, specs, &f, &error)) return UsageError(kCommand, error);
-  if (f.help_requested()) {
-    PrintHelp();
-    return kExitOk;
+  if (int rc = ParseCommandFlags(kCommand, args, RunFlagSpecs(), PrintRunHelp, &f);
+      rc != kContinue) {
+    return rc;
   }
+  std::string error;
   if (int rc = CheckFlags(f, &error); rc != kExitOk) return UsageError(kCommand, error);
 
   Options o;

@@ -56,35 +56,36 @@ std::string Indented(const std::string& reason) {
   }
 }
 
+void PrintStrategyHelp(const std::vector<FlagSpec>& specs) {
+  std::printf(
+      "usage: flashcte strategy --sq N [--d N --lnc N --batch-heads N --custom-scale B\n"
+      "                         --kernel-enabled default|true|false --cp-degree N --strided B\n"
+      "                         --sliding-window N --attention-mask B --skv N\n"
+      "                         --kv-batch-heads N --causal B --dtype D --threads T]\n\n"
+      "Prints the attention strategy three callers would pick for this prefill shape, and the\n"
+      "rule that decided:\n"
+      "  optimum-neuron  get_flash_attention_strategy (NONE, UNSHARDED_KERNEL, SHARDED_KERNEL,\n"
+      "                  LARGE_D_UNSHARDED_KERNEL, LARGE_D_SHARDED_KERNEL): --d --sq --lnc\n"
+      "                  --custom-scale --batch-heads;\n"
+      "  NxD Inference   (NONE, UNSHARDED, SHARDED, CONTEXT_PARALLEL, "
+      "STRIDED_CONTEXT_PARALLEL):\n"
+      "                  --kernel-enabled --cp-degree --strided --sliding-window --lnc --sq --d\n"
+      "                  --attention-mask;\n"
+      "  flashcte (CPU)  materialized NONE or the flash KERNEL, and threads: --batch-heads\n"
+      "                  --kv-batch-heads --sq --skv --d --causal --dtype --threads (a sliding\n"
+      "                  window or --cp-degree > 1 count as non-plain modes).\n"
+      "Both Neuron decisions follow shared/spec/SEMANTICS.md, quirks included. Nothing is\n"
+      "computed.\n\nflags:\n%s",
+      FlagsHelp(specs).c_str());
+}
+
 }  // namespace
 
 int StrategyCommand(const std::vector<std::string>& args) {
   ParsedFlags f;
-  std::string error;
-  const std::vector<FlagSpec> specs = StrategyFlagSpecs();
-  if (!ParseFlags(args, specs, &f, &error)) return UsageError(kCommand, error);
-  if (f.help_requested()) {
-    std::printf(
-        "usage: flashcte strategy --sq N [--d N --lnc N --batch-heads N --custom-scale B\n"
-        "                         --kernel-enabled default|true|false --cp-degree N --strided B\n"
-        "                         --sliding-window N --attention-mask B --skv N\n"
-        "                         --kv-batch-heads N --causal B --dtype D --threads T]\n\n"
-        "Prints the attention strategy three callers would pick for this prefill shape, and the\n"
-        "rule that decided:\n"
-        "  optimum-neuron  get_flash_attention_strategy (NONE, UNSHARDED_KERNEL, SHARDED_KERNEL,\n"
-        "                  LARGE_D_UNSHARDED_KERNEL, LARGE_D_SHARDED_KERNEL): --d --sq --lnc\n"
-        "                  --custom-scale --batch-heads;\n"
-        "  NxD Inference   (NONE, UNSHARDED, SHARDED, CONTEXT_PARALLEL, "
-        "STRIDED_CONTEXT_PARALLEL):\n"
-        "                  --kernel-enabled --cp-degree --strided --sliding-window --lnc --sq --d\n"
-        "                  --attention-mask;\n"
-        "  flashcte (CPU)  materialized NONE or the flash KERNEL, and threads: --batch-heads\n"
-        "                  --kv-batch-heads --sq --skv --d --causal --dtype --threads (a sliding\n"
-        "                  window or --cp-degree > 1 count as non-plain modes).\n"
-        "Both Neuron decisions follow shared/spec/SEMANTICS.md, quirks included. Nothing is\n"
-        "computed.\n\nflags:\n%s",
-        FlagsHelp(specs).c_str());
-    return kExitOk;
+  if (int rc = ParseCommandFlags(kCommand, args, StrategyFlagSpecs(), PrintStrategyHelp, &f);
+      rc != kContinue) {
+    return rc;
   }
   if (!f.has("sq")) return UsageError(kCommand, "--sq is required");
   if (f.integer("batch-heads", 1) % f.integer("kv-batch-heads", f.integer("batch-heads", 1)) != 0) {

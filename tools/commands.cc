@@ -10,6 +10,19 @@ int UsageError(const std::string& command, const std::string& message) {
   return kExitUsage;
 }
 
+int ParseCommandFlags(const std::string& command, const std::vector<std::string>& args,
+                      const std::vector<FlagSpec>& specs,
+                      const std::function<void(const std::vector<FlagSpec>&)>& print_help,
+                      ParsedFlags* f) {
+  std::string error;
+  if (!ParseFlags(args, specs, f, &error)) return UsageError(command, error);
+  if (f->help_requested()) {
+    print_help(specs);
+    return kExitOk;
+  }
+  return kContinue;
+}
+
 int RuntimeError(const std::string& command, const std::string& message) {
   std::fprintf(stderr, "flashcte %s: %s\n", command.c_str(), message.c_str());
   return kExitRuntime;

@@ -8,9 +8,12 @@
 #ifndef FLASHCTE_TOOLS_COMMANDS_H_
 #define FLASHCTE_TOOLS_COMMANDS_H_
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
+
+#include "tools/args.h"
 
 namespace flashcte::tools {
 
@@ -23,6 +26,16 @@ int DemoCommand(const std::vector<std::string>& args);
 int PlanCommand(const std::vector<std::string>& args);
 int BenchCommand(const std::vector<std::string>& args);
 int StrategyCommand(const std::vector<std::string>& args);
+
+// What ParseCommandFlags returns when the command goes on.
+inline constexpr int kContinue = -1;
+
+// A command's flags, parsed against `specs` into *f: kExitUsage after printing the error,
+// kExitOk after print_help(specs) when --help was asked, else kContinue.
+int ParseCommandFlags(const std::string& command, const std::vector<std::string>& args,
+                      const std::vector<FlagSpec>& specs,
+                      const std::function<void(const std::vector<FlagSpec>&)>& print_help,
+                      ParsedFlags* f);
 
 // Print "flashcte <command>: <message>" to stderr (usage errors add a pointer to --help) and
 // return the matching exit code.
