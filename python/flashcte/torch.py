@@ -25,7 +25,8 @@ import torch
 from . import _kvcache
 from ._attention import _call
 from ._flash_attn import fa_call
-from ._tensors import Tensor, dtype_name
+from ._tensors import Tensor
+from ._torch_checks import check_cpu, op_shapes
 from ._torch_masks import MaskPlan, decompose_mask, mask_allowed, mask_to_plan
 
 if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):  # pragma: no cover
@@ -43,96 +44,12 @@ __all__ = [
     "scaled_dot_product_attention",
 ]
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INTS = (torch.int32, torch.int64)
-
 _SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
     "int window_left=-1, int window_right=-1, bool bottom_right=True, float softcap=0., "
     "Tensor? key_bias=None, Tensor? sinks=None, Tensor? alibi_slopes=None, "
     "Tensor? bound_min=None, Tensor? bound_max=None, int? num_threads=None) -> (Tensor, Tensor)"
 )
-
-
-# ---- argument checks shared by the real and the fake implementation ---------------------------
-
-
-def _check_cpu(name: str, t: Optional[torch.Tensor]) -> None:
-    if t is not None and t.device.type not in ("cpu", "meta"):
-        raise ValueError(
-            f"{name}: flashcte runs on the CPU only, got a tensor on {t.device}; move the inputs "
-            "with .cpu() (or use torch's own attention on that device)"
-        )
-
-
-def _shapes(q, k, v, key_bias, sinks, alibi_slopes, bound_min, bound_max):
-    """Checks the op's arguments (what a fake tensor can tell: ranks, shapes, dtypes, devices) and
-    returns (batch, seqlen_q, heads, seqlen_k, heads_k, dv)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_cpu(name, t)
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name}: must have rank 4 (batch, seqlen, heads, head_dim), got shape "
-                f"{tuple(t.shape)}"
-            )
-        if t.dtype not in _FLOATS:
-            raise TypeError(
-                f"{name}: dtype must be float32, float16 or bfloat16, got {dtype_name(t.dtype)}"
-            )
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        bad = "k" if k.dtype != q.dtype else "v"
-        raise TypeError(
-            f"{bad}: dtype {dtype_name((k if bad == 'k' else v).dtype)} differs from q's dtype "
-            f"{dtype_name(q.dtype)}"
-        )
-    batch, seqlen_q, heads, d = q.shape
-    _, seqlen_k, heads_k, dk = k.shape
-    dv = v.shape[3]
-    if k.shape[0] != batch or v.shape[0] != batch:
-        raise ValueError(
-            f"k, v: batch {k.shape[0]}, {v.shape[0]} must equal q's batch {batch} "
-            f"(q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})"
-        )
-    if v.shape[1] != seqlen_k or v.shape[2] != heads_k:
-        raise ValueError(
-            f"v: shape {tuple(v.shape)} must match k's {tuple(k.shape)} but for head_dim"
-        )
-    if dk != d:
-        raise ValueError(f"k: head_dim {dk} differs from q's {d}")
-    if heads_k == 0 or heads % heads_k:
-        raise ValueError(
-            f"k: {heads_k} heads must divide q's {heads} heads (grouped-query attention)"
-        )
-    for name, t, shapes in (
-        ("key_bias", key_bias, "(batch, seqlen_k) or (batch, heads, seqlen_k)"),
-        ("sinks", sinks, "(heads,)"),
-        ("alibi_slopes", alibi_slopes, "(heads,) or (batch, heads)"),
-        ("bound_min", bound_min, "(seqlen_q,) or (batch, seqlen_q)"),
-        ("bound_max", bound_max, "(seqlen_q,) or (batch, seqlen_q)"),
-    ):
-        if t is None:
-            continue
-        _check_cpu(name, t)
-        want = {
-            "key_bias": [(batch, seqlen_k), (batch, heads, seqlen_k)],
-            "sinks": [(heads,)],
-            "alibi_slopes": [(heads,), (batch, heads)],
-            "bound_min": [(seqlen_q,), (batch, seqlen_q)],
-            "bound_max": [(seqlen_q,), (batch, seqlen_q)],
-        }[name]
-        if tuple(t.shape) not in want:
-            raise ValueError(
-                f"{name}: shape {tuple(t.shape)} must be {shapes} = "
-                f"{' or '.join(map(str, want))}"
-            )
-        if name.startswith("bound"):
-            if t.dtype not in _INTS:
-                raise TypeError(f"{name}: dtype must be int32 or int64, got {dtype_name(t.dtype)}")
-        elif not t.dtype.is_floating_point:
-            raise TypeError(f"{name}: dtype must be a float type, got {dtype_name(t.dtype)}")
-    if (bound_min is None) != (bound_max is None):
-        raise ValueError("bound_min, bound_max: pass both or neither")
-    return batch, seqlen_q, heads, seqlen_k, heads_k, dv
 
 
 # ---- the operator -----------------------------------------------------------------------------
@@ -156,7 +73,7 @@ def _flash_attn_op(
     bound_max: Optional[torch.Tensor] = None,
     num_threads: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, seqlen_q, heads, seqlen_k, _, dv = _shapes(
+    batch, seqlen_q, heads, seqlen_k, _, dv = op_shapes(
         q, k, v, key_bias, sinks, alibi_slopes, bound_min, bound_max
     )
     out = torch.empty((batch, seqlen_q, heads, dv), dtype=q.dtype)
@@ -235,7 +152,7 @@ def _flash_attn_fake(
     bound_max=None,
     num_threads=None,
 ):
-    batch, seqlen_q, heads, _, _, dv = _shapes(
+    batch, seqlen_q, heads, _, _, dv = op_shapes(
         q, k, v, key_bias, sinks, alibi_slopes, bound_min, bound_max
     )
     out = q.new_empty((batch, seqlen_q, heads, dv))
@@ -491,7 +408,7 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         if rank == 3 and attn_mask.dim() == 4:
             raise ValueError("attn_mask: rank 4 with rank-3 query, key and value")
-        _check_cpu("attn_mask", attn_mask)
+        check_cpu("attn_mask", attn_mask)
         key_bias, bound_min, bound_max = mask_to_plan(attn_mask, batch, heads, seqlen_q, seqlen_k)
     out, _ = torch.ops.flashcte.flash_attn(
         query.transpose(1, 2),

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 F = torch.nn.functional
 
 import flashcte._attention as _attention  # noqa: E402
+import flashcte._torch_checks as _torch_checks  # noqa: E402
 import flashcte.torch as ft  # noqa: E402
 
 # |a - b| <= 1e-6 + rtol * max|ref| (conftest's OUT_RTOL: the kernel's own arithmetic; 16-bit
@@ -243,7 +244,7 @@ def test_op_errors():
     # A tensor on an accelerator (none here: a stand-in with a device) is refused by name.
     fake = types.SimpleNamespace(device=torch.device("cuda", 0))
     with pytest.raises(ValueError, match=r"^q: flashcte runs on the CPU only.*cuda:0.*\.cpu\(\)"):
-        ft._check_cpu("q", fake)
+        _torch_checks.check_cpu("q", fake)
 
 
 def test_op_edge_sizes():

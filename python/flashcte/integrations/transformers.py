@@ -49,7 +49,8 @@ import torch
 
 from .._flashcte import MAX_HEAD_DIM
 from .._torch_masks import MaskPlan, decompose_mask, equal_along, mask_allowed
-from ..torch import _FLOATS, flash_attn
+from .._torch_checks import FLOATS
+from ..torch import flash_attn
 
 __all__ = ["NAME", "FlashcteFallbackWarning", "attention_cte_forward", "register"]
 
@@ -147,7 +148,7 @@ def _unsupported(module, query, key, value, attention_mask, dropout, kwargs) -> 
         tensors.append(sinks)
     if any(t.device.type != "cpu" for t in tensors):
         return f"tensors on {query.device} (flashcte runs on the CPU)"
-    if query.dtype not in _FLOATS or key.dtype != query.dtype or value.dtype != query.dtype:
+    if query.dtype not in FLOATS or key.dtype != query.dtype or value.dtype != query.dtype:
         return f"dtype {query.dtype} (flashcte takes float32, float16, bfloat16)"
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return "an input requires grad and grad mode is on (flashcte has no backward)"
