@@ -7,9 +7,15 @@ namespace flashcte::tools {
 namespace {
 
 // Cloned for AVX2 so the loop uses 8-wide libmvec expf on machines that have it; the default
-// clone keeps the binary portable.
-__attribute__((target_clones("avx2", "default"))) void SoftmaxRow(float* row, int64_t valid,
-                                                                  int64_t cols) {
+// clone keeps the binary portable. x86 only: elsewhere GCC rejects the "avx2" clone (aarch64's
+// baseline already includes NEON, which the plain build vectorizes for).
+#if defined(__x86_64__) || defined(__i386__)
+#define FLASHCTE_CLONE_AVX2 __attribute__((target_clones("avx2", "default")))
+#else
+#define FLASHCTE_CLONE_AVX2
+#endif
+
+FLASHCTE_CLONE_AVX2 void SoftmaxRow(float* row, int64_t valid, int64_t cols) {
   float max = row[0];
   for (int64_t j = 1; j < valid; ++j) max = row[j] > max ? row[j] : max;
   float sum = 0;
