@@ -5,7 +5,9 @@
 // Compiled: HWY_TARGETS as seen here. This file is built by the same CMake project and compiler
 // with the same flags as src/simd/ops.cc (no per-target -m options anywhere), so it is the set
 // foreach_target.h expanded there. Run: hwy::SupportedAndGeneratedTargets(), the compiled targets
-// whose CPUID bits and OS-enabled register state (XCR0) Highway found. Every test that iterates
+// whose CPUID bits and OS-enabled register state (XCR0) Highway found on x86, or on aarch64 the
+// kernel's hardware capabilities (HWCAP: AES for NEON, SVE, SVE2) and the SVE vector length
+// (SVE_256 and SVE2_128 need exactly 256 and 128 bits). Every test that iterates
 // over targets (tests/simd, simd_targets_test, head_dim_grid_test, determinism_test) runs exactly
 // these; this program also runs one small attention_cte call on each of them and checks that the
 // kernel dispatched to it and returned a convex combination of the values, so "run" is literal.
@@ -16,6 +18,9 @@
 //     AVX3 (AVX-512): compiled, run
 //       AVX3 bfloat16 matmuls: native vdpbf16ps run (automatic choice); widened to float32 run
 //     AVX3 (AVX-512): compiled, NOT run: this CPU lacks AVX-512      (on a CPU without it)
+// On aarch64 each run target also runs a bfloat16 call, which is widened to float32 there (the
+// native kernels, bf16_dot.h, are x86 only):
+//     SVE2 bfloat16 matmuls: widened to float32 run (no native BFDOT/BFMMLA kernels built)
 // Exit status 1 when a runnable target does not dispatch or its call fails.
 //
 // --simulate-no-avx512 (a CTest entry checks the wording with it): Highway is told to treat the
@@ -37,7 +42,8 @@
 
 namespace {
 
-// Every target bit Highway 1.0 defines for x86, widest first, with what it needs from the CPU.
+// Every target bit Highway 1.0 defines for x86 and aarch64, best first (as Highway ranks them),
+// with what it needs from the CPU.
 struct Known {
   int64_t bit;
   const char* what;  // the instruction set, for the log
@@ -53,6 +59,17 @@ std::vector<Known> known_targets() {
   k.push_back({HWY_AVX2, "AVX2 + FMA + F16C", "this CPU lacks AVX2/FMA/F16C/BMI2"});
   k.push_back({HWY_SSE4, "SSE4.2 + CLMUL/AES, 128-bit", "this CPU lacks SSE4.2"});
   k.push_back({HWY_SSSE3, "SSSE3, 128-bit", "this CPU lacks SSSE3"});
+#endif
+#if HWY_ARCH_ARM_A64
+  // SVE2_128 and SVE_256 are SVE2 and SVE compiled for one vector length (Neoverse N2 and V1):
+  // Highway picks them only where the CPU's vectors are exactly that long.
+  k.push_back({HWY_SVE2_128, "SVE2, 128-bit vectors",
+               "this CPU lacks SVE2, or its SVE vectors are not 128 bits"});
+  k.push_back({HWY_SVE_256, "SVE, 256-bit vectors",
+               "this CPU lacks SVE, or its SVE vectors are not 256 bits"});
+  k.push_back({HWY_SVE2, "SVE2, any vector length", "this CPU lacks SVE2"});
+  k.push_back({HWY_SVE, "SVE, any vector length", "this CPU lacks SVE"});
+  k.push_back({HWY_NEON, "NEON + AES, 128-bit", "this CPU lacks NEON or AES"});
 #endif
   k.push_back({HWY_EMU128, "portable 128-bit emulation", "not available"});
   k.push_back({HWY_SCALAR, "no SIMD", "not available"});
@@ -145,6 +162,20 @@ std::string bf16_line(const std::string& target, bool* ok) {
   return line;
 }
 
+// For an aarch64 target: bfloat16 is widened to float32 (no native kernel table may be offered),
+// checked with a call.
+std::string arm_bf16_line(const std::string& target, bool* ok) {
+  std::string line = "    " + target + " bfloat16 matmuls: ";
+  std::string why;
+  if (flashcte::simd::bf16_dot_for(flashcte::simd::ops()) != nullptr) {
+    why = "a native kernel table was offered";
+  } else if (smoke_call(flashcte::DType::kBFloat16, &why)) {
+    return line + "widened to float32 run (no native BFDOT/BFMMLA kernels built)";
+  }
+  *ok = false;
+  return line + "widened to float32 FAILED to run: " + why;
+}
+
 std::string join(const std::vector<std::string>& names) {
   std::string s;
   for (const std::string& n : names) s += (s.empty() ? "" : " ") + n;
@@ -191,6 +222,9 @@ int main(int argc, char** argv) {
         run_names.push_back(name);
         lines.push_back(label + "compiled, run");
         if (name.rfind("AVX3", 0) == 0) lines.push_back(bf16_line(name, &ok));
+#if HWY_ARCH_ARM_A64
+        lines.push_back(arm_bf16_line(name, &ok));
+#endif
       } else {
         ok = false;
         lines.push_back(label + "compiled, FAILED to run: " + why);

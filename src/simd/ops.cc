@@ -63,8 +63,9 @@ namespace {
 
 HWY_EXPORT(GetOps);
 
-// The x86 targets' tables by target bit, for the cap below (other architectures dispatch as
-// Highway chooses).
+// Every compiled target's table by target bit, best first, for the cap below: x86's and
+// aarch64's (there SVE2_128 and SVE_256 are Highway's SVE2 and SVE specialized for one vector
+// length, ranked above the length-agnostic ones, and NEON is the baseline).
 struct TargetTable {
   int64_t bit;
   const Ops* (*get)();
@@ -85,6 +86,21 @@ constexpr TargetTable kTables[] = {
 #if HWY_TARGETS & HWY_SSSE3
     {HWY_SSSE3, &N_SSSE3::GetOps},
 #endif
+#if HWY_TARGETS & HWY_SVE2_128
+    {HWY_SVE2_128, &N_SVE2_128::GetOps},
+#endif
+#if HWY_TARGETS & HWY_SVE_256
+    {HWY_SVE_256, &N_SVE_256::GetOps},
+#endif
+#if HWY_TARGETS & HWY_SVE2
+    {HWY_SVE2, &N_SVE2::GetOps},
+#endif
+#if HWY_TARGETS & HWY_SVE
+    {HWY_SVE, &N_SVE::GetOps},
+#endif
+#if HWY_TARGETS & HWY_NEON
+    {HWY_NEON, &N_NEON::GetOps},
+#endif
 #if HWY_TARGETS & HWY_EMU128
     {HWY_EMU128, &N_EMU128::GetOps},
 #endif
@@ -94,11 +110,11 @@ constexpr TargetTable kTables[] = {
     {0, nullptr},
 };
 
-// FLASHCTE_SIMD_TARGET=NAME (a Highway target name: AVX3, AVX2, SSE4, ...) caps the dispatch at
-// that target, as on a CPU without the better ones: for reproducing another machine's results
-// or timings, and for CI, which runs the suite under FLASHCTE_SIMD_TARGET=AVX2 as well. Returns
-// the bit of the capped target, or 0 for no cap; a name that is not a compiled x86 target is
-// reported and ignored.
+// FLASHCTE_SIMD_TARGET=NAME (a Highway target name: AVX3, AVX2, SSE4, ... on x86; SVE2, SVE,
+// NEON, ... on aarch64) caps the dispatch at that target, as on a CPU without the better ones:
+// for reproducing another machine's results or timings, and for CI, which runs the suite under
+// FLASHCTE_SIMD_TARGET=AVX2 as well. Returns the bit of the capped target, or 0 for no cap; a
+// name that is not a compiled target is reported and ignored.
 int64_t target_cap_from_env() {
   const char* env = std::getenv("FLASHCTE_SIMD_TARGET");
   if (env == nullptr || *env == '\0') return 0;
