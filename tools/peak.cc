@@ -25,6 +25,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
 #include "hwy/highway.h"
+#include "src/simd/tile-inl.h"
 #include "tools/commands.h"
 #include "tools/json.h"
 #include "tools/peak.h"
@@ -48,9 +49,9 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL || HWY_ARCH_ARM
-constexpr int kChains = 16;
+constexpr int64_t kChains = 16;
 #else
-constexpr int kChains = 12;
+constexpr int64_t kChains = 12;
 #endif
 
 float FmaChains(int64_t iters, float mul, float add) {
@@ -58,19 +59,23 @@ float FmaChains(int64_t iters, float mul, float add) {
   const DF df;
   const hn::Vec<DF> m = hn::Set(df, mul);
   const hn::Vec<DF> a = hn::Set(df, add);
-  hn::Vec<DF> acc[kChains];
-  for (int c = 0; c < kChains; ++c) acc[c] = hn::Set(df, static_cast<float>(c));
-  for (int64_t i = 0; i < iters; ++i) {
-    for (int c = 0; c < kChains; ++c) acc[c] = hn::MulAdd(acc[c], m, a);
-  }
-  hn::Vec<DF> sum = acc[0];
-  for (int c = 1; c < kChains; ++c) sum = hn::Add(sum, acc[c]);
-  return hn::GetLane(hn::SumOfLanes(df, sum));
+  float checksum = 0.0f;
+  simd::HWY_NAMESPACE::WithVectors<kChains>(df, [&](auto&... acc) FLASHCTE_TILE_LAMBDA {
+    simd::HWY_NAMESPACE::ForEach(
+        [&](auto c, auto& v) FLASHCTE_TILE_LAMBDA { v = hn::Set(df, static_cast<float>(c)); },
+        acc...);
+    for (int64_t i = 0; i < iters; ++i) ((acc = hn::MulAdd(acc, m, a)), ...);
+    auto sum = hn::Zero(df);
+    ((sum = hn::Add(sum, acc)), ...);
+    checksum = hn::GetLane(hn::SumOfLanes(df, sum));
+  });
+  return checksum;
 }
 
 const FmaKernel* GetFmaKernel() {
   static const FmaKernel kernel = {&FmaChains, HWY_TARGET,
-                                   static_cast<int>(hn::Lanes(hn::ScalableTag<float>())), kChains};
+                                   static_cast<int>(hn::Lanes(hn::ScalableTag<float>())),
+                                   static_cast<int>(kChains)};
   return &kernel;
 }
 

@@ -187,13 +187,15 @@ HWY_INLINE void PairStep(D /* d */, const uint16_t* lo, const uint16_t* hi, uint
   const auto vhi = hi ? hn::PromoteTo(du, hn::LoadU(d16, hi)) : hn::Zero(du);
   hn::StoreU(hn::Or(vlo, hn::ShiftLeft<16>(vhi)), du, dst);
   const auto magnitude = hn::Set(du, 0x7FFFu), one = hn::Set(du, 1u);
-  for (const auto& v : {vlo, vhi}) {
+  const auto flag = [&](const auto& v) HWY_ATTR {
     const auto m = hn::And(v, magnitude);
     // m - 1 wraps to 0xFFFFFFFF for m = 0, so one unsigned compare finds 0 < m < 0x80.
     const auto odd =
         hn::Or(hn::Gt(m, hn::Set(du, 0x7F7Fu)), hn::Lt(hn::Sub(m, one), hn::Set(du, 0x7Fu)));
     unusual = hn::Or(unusual, hn::VecFromMask(du, odd));
-  }
+  };
+  flag(vlo);
+  flag(vhi);
 }
 
 // dst[i] = lo[i] | hi[i] << 16 for i < n: two rows of bfloat16 bits as the native kernels' pairs

@@ -52,7 +52,9 @@
 
 #include "hwy/highway.h"
 #include "src/simd/decode_rows.h"
+#include "src/simd/mm2-inl.h"
 #include "src/simd/shared-inl.h"
+#include "src/simd/tile-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashcte::simd {
@@ -66,46 +68,45 @@ constexpr int64_t kDecodeQkRows = kMaxLanes < 4 ? kMaxLanes : 4;
 constexpr int64_t kDecodePvAcc = kMaxLanes >= 16 ? 16 : 8;
 constexpr int64_t kDecodePvCols = kMaxLanes >= 16 ? 8 : 4;
 
-#if !HWY_HAVE_SCALABLE
-// v[0..M) with M = N: returns the vector whose lane i is the sum of v[i]'s lanes. Each level
-// halves the vectors and the lanes per source: lower half of the result = v[2i]'s lanes summed
-// in pairs, upper half = v[2i + 1]'s. Clobbers v.
-template <int64_t M>
-HWY_INLINE hn::Vec<DF> SumLadder(DF df, hn::Vec<DF>* v) {
-  if constexpr (M == 1) {
-    return v[0];
+// The ladder needs N > 1 fixed lanes (the scalar target has no ConcatEven).
+#define FLASHCTE_DECODE_SUM_LADDER (!HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR)
+
+#if FLASHCTE_DECODE_SUM_LADDER
+// The vector whose lane i is the sum of v_i's lanes, for N vectors v_0..v_{N-1}. Each level
+// halves the vectors and the lanes per source: lower half of a result = v_{2i}'s lanes summed
+// in pairs, upper half = v_{2i + 1}'s.
+template <class... V>
+HWY_INLINE hn::Vec<DF> SumLadder(DF df, const V&... v);
+
+template <size_t... I, class... V>
+HWY_INLINE hn::Vec<DF> SumLadderLevel(DF df, std::index_sequence<I...> /* pairs */, const V&... v) {
+  return SumLadder(df, hn::Add(hn::ConcatEven(df, Nth<2 * I + 1>(v...), Nth<2 * I>(v...)),
+                               hn::ConcatOdd(df, Nth<2 * I + 1>(v...), Nth<2 * I>(v...)))...);
+}
+
+template <class... V>
+HWY_INLINE hn::Vec<DF> SumLadder(DF df, const V&... v) {
+  if constexpr (sizeof...(V) == 1) {
+    return Nth<0>(v...);
   } else {
-#if HWY_TARGET != HWY_SCALAR  // one lane there (M == 1): the scalar target has no ConcatEven
-#pragma GCC unroll 8
-    for (int64_t i = 0; i < M / 2; ++i) {
-      v[i] = hn::Add(hn::ConcatEven(df, v[2 * i + 1], v[2 * i]),
-                     hn::ConcatOdd(df, v[2 * i + 1], v[2 * i]));
-    }
-#endif
-    return SumLadder<M / 2>(df, v);
+    return SumLadderLevel(df, std::make_index_sequence<sizeof...(V) / 2>(), v...);
   }
 }
 #endif
 
-// acc[r] += Q[r] . K-row over [0, d) for R rows, the K row read from start to end.
-template <int64_t R, class T>
+// acc_r += Q[r] . K-row over [0, d) for the R = sizeof...(acc) rows, the K row read from start
+// to end.
+template <class T, class... V>
 HWY_INLINE void DotRow(DF df, const float* const* qr, const T* HWY_RESTRICT krow, int64_t d,
-                       hn::Vec<DF>* acc, int64_t acc_stride) {
+                       V&... acc) {
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(df)), full = d / lanes * lanes;
-  for (int64_t x = 0; x < full; x += lanes) {
-    const auto kv = LoadAsFloat(df, krow + x);
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < R; ++r) {
-      acc[r * acc_stride] = hn::MulAdd(hn::LoadU(df, qr[r] + x), kv, acc[r * acc_stride]);
-    }
-  }
-  if (full < d) {
-    const auto kv = LoadTailAsFloat(df, krow + full, d - full);
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < R; ++r) {
-      acc[r * acc_stride] = hn::MulAdd(hn::LoadU(df, qr[r] + full), kv, acc[r * acc_stride]);
-    }
-  }
+  const auto fma_rows = [&](int64_t x, const hn::Vec<DF>& kv) FLASHCTE_TILE_LAMBDA {
+    ForEach([&](auto r, auto& a)
+                FLASHCTE_TILE_LAMBDA { a = hn::MulAdd(hn::LoadU(df, qr[r] + x), kv, a); },
+            acc...);
+  };
+  for (int64_t x = 0; x < full; x += lanes) fma_rows(x, LoadAsFloat(df, krow + x));
+  if (full < d) fma_rows(full, LoadTailAsFloat(df, krow + full, d - full));
 }
 
 // One QK tile: rows [r0, r0 + R) x keys [j0, j0 + N / R). Rows and keys past the ends are
@@ -119,34 +120,31 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
   static_assert(R * K == N, "the ladder sums exactly N accumulators");
   const float* qr[R];
   for (int64_t r = 0; r < R; ++r) qr[r] = q + std::min(r0 + r, rows - 1) * ldq;
-  // An array of vectors: fixed-width targets only (Highway's dot-inl.h: SVE and RVV vectors are
-  // sizeless and cannot form arrays); the aarch64 issue decides how SVE gets its register tile.
-  hn::Vec<DF> acc[R * K];
-#pragma GCC unroll 16
-  for (int64_t i = 0; i < R * K; ++i) acc[i] = hn::Zero(df);
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
   const int64_t ahead = prefetch_rows(k.prefetch_bytes, row_bytes);
-  // Key by key, each K row read from start to end: sequential lines for the prefetchers.
-#pragma GCC unroll 16
-  for (int64_t c = 0; c < K; ++c) {
-    prefetch_lines<2>(k.prefetch_address(j0 + c + ahead), row_bytes);
-    prefetch_lines<3>(k.prefetch_address(j0 + c + kL1PrefetchRows), row_bytes);
-    DotRow<R>(df, qr, k.template at<T>(std::min(j0 + c, n - 1)), d, acc + c, K);
-  }
-  HWY_ALIGN float sums[N];
-#if HWY_HAVE_SCALABLE
-  for (int64_t i = 0; i < R * K; ++i) sums[i] = hn::GetLane(hn::SumOfLanes(df, acc[i])) * scale;
+  HWY_ALIGN float sums[N];  // sums[c * R + r]: row r0 + r, key j0 + c
+  // The N accumulators key-major: key c's R rows are acc_{cR} .. acc_{cR + R - 1}.
+  WithVectors<N>(df, [&](auto&... acc) FLASHCTE_TILE_LAMBDA {
+    // Key by key, each K row read from start to end: sequential lines for the prefetchers.
+    ForEachRow<R>(
+        [&](auto c, auto&... key) FLASHCTE_TILE_LAMBDA {
+          prefetch_lines<2>(k.prefetch_address(j0 + c + ahead), row_bytes);
+          prefetch_lines<3>(k.prefetch_address(j0 + c + kL1PrefetchRows), row_bytes);
+          DotRow(df, qr, k.template at<T>(std::min<int64_t>(j0 + c, n - 1)), d, key...);
+        },
+        acc...);
+#if !FLASHCTE_DECODE_SUM_LADDER
+    ForEach([&](auto i, auto& a)
+                FLASHCTE_TILE_LAMBDA { sums[i] = hn::GetLane(hn::SumOfLanes(df, a)) * scale; },
+            acc...);
 #else
-  hn::Store(hn::Mul(SumLadder<N>(df, acc), hn::Set(df, scale)), df, sums);
+    hn::Store(hn::Mul(SumLadder(df, acc...), hn::Set(df, scale)), df, sums);
 #endif
+  });
   const int64_t keys = std::min(K, n - j0);
   for (int64_t r = 0; r < R && r0 + r < rows; ++r) {
     float* dst = s + (r0 + r) * lds + j0;
-    if (keys == K) {
-      std::memcpy(dst, sums + r * K, sizeof(float) * K);
-    } else {
-      for (int64_t c = 0; c < keys; ++c) dst[c] = sums[r * K + c];
-    }
+    for (int64_t c = 0; c < keys; ++c) dst[c] = sums[c * R + r];
   }
 }
 
@@ -223,42 +221,20 @@ HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, cons
                        int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  // An array of vectors: fixed-width targets only (Highway's dot-inl.h: SVE and RVV vectors are
-  // sizeless and cannot form arrays); the aarch64 issue decides how SVE gets its register tile.
-  hn::Vec<DF> acc[R][C];
-#pragma GCC unroll 4
-  for (int64_t r = 0; r < R; ++r) {
-    const auto al = hn::Set(df, alpha ? alpha[r] : 1.0f);
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < C; ++c) {
-      acc[r][c] = hn::LoadU(df, o + r * ldo + c * N);
-      if (alpha) acc[r][c] = hn::Mul(acc[r][c], al);
-    }
-  }
-  for (int64_t j = 0; j < n; ++j) {
+  const auto load_v = [&](int64_t j, auto&... b) FLASHCTE_TILE_LAMBDA {
     const T* row = v.template at<T>(j) + col;
     if (prefetch_bytes) {
       prefetch_lines<2>(v.prefetch_address(j + ahead), prefetch_bytes);
       prefetch_lines<3>(v.prefetch_address(j + kL1PrefetchRows), prefetch_bytes);
     }
-    hn::Vec<DF> vv[C];
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < C; ++c) {
-      vv[c] = kTail && c == C - 1 ? LoadTailAsFloat(df, row + c * N, tail)
-                                  : LoadAsFloat(df, row + c * N);
-    }
-#pragma GCC unroll 4
-    for (int64_t r = 0; r < R; ++r) {
-      const auto pr = hn::Set(df, p[r * ldp + j]);
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(pr, vv[c], acc[r][c]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int64_t r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int64_t c = 0; c < C; ++c) hn::StoreU(acc[r][c], df, o + r * ldo + c * N);
-  }
+    ForEach(
+        [&](auto c, auto& x) FLASHCTE_TILE_LAMBDA {
+          const T* at = row + c * N;
+          x = kTail && c == C - 1 ? LoadTailAsFloat(df, at, tail) : LoadAsFloat(df, at);
+        },
+        b...);
+  };
+  RescaledPvTile<R, C>(p, ldp, n, load_v, alpha, o, ldo);
 }
 
 // Rows [0, rows) of one panel of C vectors, in row blocks of the most rows the budget allows.

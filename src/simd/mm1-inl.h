@@ -27,6 +27,7 @@
 
 #include "hwy/highway.h"
 #include "src/simd/shared-inl.h"
+#include "src/simd/tile-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashcte::simd {
@@ -48,45 +49,34 @@ HWY_INLINE void QkPanel(const float* HWY_RESTRICT q, int64_t ldq, const float* H
                         bool accumulate, float* max_vecs) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  // An array of vectors: fixed-width targets only (Highway's dot-inl.h: SVE and RVV vectors are
-  // sizeless and cannot form arrays); the aarch64 issue decides how SVE gets its register tile.
-  hn::Vec<DF> acc[R][kCols];
-#pragma GCC unroll 6
-  for (int64_t r = 0; r < R; ++r) {
-#pragma GCC unroll 2
-    for (int64_t c = 0; c < kCols; ++c) {
-      acc[r][c] = accumulate ? hn::LoadU(df, s + r * lds + c * N) : hn::Zero(df);
-    }
-  }
-  for (int64_t x = 0; x < d; ++x) {
-    hn::Vec<DF> b[kCols];
-#pragma GCC unroll 2
-    for (int64_t c = 0; c < kCols; ++c) b[c] = hn::LoadU(df, k + x * ldk + c * N);
-#pragma GCC unroll 6
-    for (int64_t r = 0; r < R; ++r) {
-      const auto a = hn::Set(df, q[r * ldq + x]);
-#pragma GCC unroll 2
-      for (int64_t c = 0; c < kCols; ++c) acc[r][c] = hn::MulAdd(a, b[c], acc[r][c]);
-    }
-  }
   const auto neg_inf = hn::Set(df, -std::numeric_limits<float>::infinity());
-#pragma GCC unroll 6
-  for (int64_t r = 0; r < R; ++r) {
+  const auto init = [&](int64_t r, int64_t c) FLASHCTE_TILE_LAMBDA {
+    return accumulate ? hn::LoadU(df, s + r * lds + c * N) : hn::Zero(df);
+  };
+  const auto load_k = [&](int64_t x, auto&... b) FLASHCTE_TILE_LAMBDA {
+    ForEach([&](auto c, auto& v) FLASHCTE_TILE_LAMBDA { v = hn::LoadU(df, k + x * ldk + c * N); },
+            b...);
+  };
+  const auto finish = [&](auto r, auto&... row) FLASHCTE_TILE_LAMBDA {
     auto m = neg_inf;
-#pragma GCC unroll 2
-    for (int64_t c = 0; c < kCols; ++c) {
-      hn::StoreU(acc[r][c], df, s + r * lds + c * N);
-      const int64_t lanes = valid - c * N;  // >= 1 for c == 0
-      m = hn::Max(
-          m, lanes >= N ? acc[r][c]
-                        : hn::IfThenElse(hn::FirstN(df, static_cast<size_t>(lanes > 0 ? lanes : 0)),
-                                         acc[r][c], neg_inf));
-    }
+    ForEach(
+        [&](auto c, auto& v) FLASHCTE_TILE_LAMBDA {
+          const int64_t col = c * N;
+          hn::StoreU(v, df, s + r * lds + col);
+          const int64_t lanes = valid - col;  // >= 1 for c == 0
+          m = hn::Max(
+              m, lanes >= N
+                     ? v
+                     : hn::IfThenElse(hn::FirstN(df, static_cast<size_t>(lanes > 0 ? lanes : 0)), v,
+                                      neg_inf));
+        },
+        row...);
     if (max_vecs) {
       float* mv = max_vecs + r * N;
       hn::Store(hn::Max(hn::Load(df, mv), m), df, mv);
     }
-  }
+  };
+  OuterProductTile<R, kCols>(df, q, ldq, d, init, load_k, finish);
 }
 
 void Qk(const float* q, int64_t ldq, int64_t rows, const float* k, int64_t ldk, int64_t cols,

@@ -25,46 +25,44 @@
 
 #include "hwy/highway.h"
 #include "src/simd/shared-inl.h"
+#include "src/simd/tile-inl.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace flashcte::simd {
 namespace HWY_NAMESPACE {
 
-// One panel of kCols vectors for R rows: O[r][panel] = alpha[r] O[r][panel] + P[r] . V[:, panel].
+// O[r][panel] = alpha[r] O[r][panel] + sum_j P[r][j] V_j[panel] for R rows and a panel of C
+// vectors of columns (no rescale with a null alpha), where load_v(j, v_0, ..., v_{C-1}) loads the
+// panel of V's row j: the register tile of MM2 and of decode's PV (decode-inl.h).
+template <int64_t R, int64_t C, class LoadV>
+HWY_INLINE void RescaledPvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n,
+                               const LoadV& load_v, const float* alpha, float* HWY_RESTRICT o,
+                               int64_t ldo) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const auto init = [&](int64_t r, int64_t c) FLASHCTE_TILE_LAMBDA {
+    const auto prior = hn::LoadU(df, o + r * ldo + c * N);
+    return alpha ? hn::Mul(prior, hn::Set(df, alpha[r])) : prior;
+  };
+  const auto store = [&](auto r, auto&... row) FLASHCTE_TILE_LAMBDA {
+    ForEach([&](auto c, auto& x) FLASHCTE_TILE_LAMBDA { hn::StoreU(x, df, o + r * ldo + c * N); },
+            row...);
+  };
+  OuterProductTile<R, C>(df, p, ldp, n, init, load_v, store);
+}
+
+// One panel of kCols vectors of the packed V tile for R rows.
 template <int64_t R, int64_t kCols>
 HWY_INLINE void PvPanel(const float* HWY_RESTRICT p, int64_t ldp, int64_t n,
                         const float* HWY_RESTRICT v, int64_t ldv, const float* alpha,
                         float* HWY_RESTRICT o, int64_t ldo) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  // An array of vectors: fixed-width targets only (Highway's dot-inl.h: SVE and RVV vectors are
-  // sizeless and cannot form arrays); the aarch64 issue decides how SVE gets its register tile.
-  hn::Vec<DF> acc[R][kCols];
-#pragma GCC unroll 6
-  for (int64_t r = 0; r < R; ++r) {
-    const auto al = hn::Set(df, alpha ? alpha[r] : 1.0f);
-#pragma GCC unroll 2
-    for (int64_t c = 0; c < kCols; ++c) {
-      acc[r][c] = hn::LoadU(df, o + r * ldo + c * N);
-      if (alpha) acc[r][c] = hn::Mul(acc[r][c], al);
-    }
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    hn::Vec<DF> b[kCols];
-#pragma GCC unroll 2
-    for (int64_t c = 0; c < kCols; ++c) b[c] = hn::LoadU(df, v + j * ldv + c * N);
-#pragma GCC unroll 6
-    for (int64_t r = 0; r < R; ++r) {
-      const auto a = hn::Set(df, p[r * ldp + j]);
-#pragma GCC unroll 2
-      for (int64_t c = 0; c < kCols; ++c) acc[r][c] = hn::MulAdd(a, b[c], acc[r][c]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int64_t r = 0; r < R; ++r) {
-#pragma GCC unroll 2
-    for (int64_t c = 0; c < kCols; ++c) hn::StoreU(acc[r][c], df, o + r * ldo + c * N);
-  }
+  const auto load_v = [&](int64_t j, auto&... b) FLASHCTE_TILE_LAMBDA {
+    ForEach([&](auto c, auto& x) FLASHCTE_TILE_LAMBDA { x = hn::LoadU(df, v + j * ldv + c * N); },
+            b...);
+  };
+  RescaledPvTile<R, kCols>(p, ldp, n, load_v, alpha, o, ldo);
 }
 
 void Pv(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv,

@@ -51,14 +51,21 @@
 
 namespace flashcte::simd {
 
-// Bytes of the widest vector of any target compiled into this build (HWY_TARGETS is the set
-// foreach_target compiles). Every x86 build compiles AVX3 (AVX-512), so this is 64 there even on
-// a CPU without AVX-512.
+// The longest vector the kernels use, in bytes (shared-inl.h's DF). SVE (and RVV) allow vectors
+// of up to 256 bytes, which would make the column padding unit below 64 floats; no SVE CPU goes
+// past 64 bytes (A64FX 512 bits; Neoverse V1 and Graviton 3 256; Neoverse N2/V2 and Graviton 4
+// 128), so the kernels cap their vectors there and keep x86's padding of 16 floats. What the wider
+// unit would cost, measured with it forced on x86 (FLASHCTE_TEST_PAD_FLOATS=64): see
+// docs/benchmarks.md, "padding unit".
+inline constexpr int64_t kMaxVectorBytes = 64;
+
+// Bytes of the widest vector the kernels use on any target compiled into this build (HWY_TARGETS
+// is the set foreach_target compiles). Every x86 build compiles AVX3 (AVX-512), so this is 64
+// there even on a CPU without AVX-512; so it is on aarch64, whose builds compile SVE.
 inline constexpr int64_t kWidestVectorBytes =
-    (HWY_TARGETS & (HWY_SVE | HWY_SVE2 | HWY_RVV))               ? 256
-    : (HWY_TARGETS & (HWY_AVX3 | HWY_AVX3_DL))                   ? 64
-    : (HWY_TARGETS & (HWY_AVX2 | HWY_SVE_256 | HWY_WASM_EMU256)) ? 32
-                                                                 : 16;
+    (HWY_TARGETS & (HWY_AVX3 | HWY_AVX3_DL | HWY_SVE | HWY_SVE2 | HWY_RVV)) ? kMaxVectorBytes
+    : (HWY_TARGETS & (HWY_AVX2 | HWY_SVE_256 | HWY_WASM_EMU256))            ? 32
+                                                                            : 16;
 inline constexpr int64_t kCacheLineBytes = 64;
 
 // Column padding unit (W1): the widest vector or one cache line, whichever is larger. 16 floats

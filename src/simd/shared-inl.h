@@ -24,10 +24,12 @@ namespace flashcte::simd {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-using DF = hn::ScalableTag<float>;
+// The kernels' float vector: the target's full vector, capped at kMaxVectorBytes (ops.h) for
+// SVE's longest ones. On every x86 target and NEON this is ScalableTag<float> itself.
+using DF = hn::CappedTag<float, static_cast<size_t>(kMaxVectorBytes) / sizeof(float)>;
 
-// The most floats a vector of this target holds. For fixed-width targets (every x86 one) this
-// is the lane count N itself; scalable targets may run narrower.
+// The most floats a vector of this target holds. For fixed-width targets (x86, NEON) this is the
+// lane count N itself; scalable targets may run narrower.
 inline constexpr int64_t kMaxLanes = static_cast<int64_t>(hn::MaxLanes(DF()));
 
 // W1 (ops.h) for this target: whole vectors tile the padding, and the padding holds one.

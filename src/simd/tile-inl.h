@@ -1,0 +1,129 @@
+// Register tiles as named vectors, on every Highway target including the scalable ones.
+//
+// A matmul's register tile is R x C accumulator vectors indexed by compile-time constants. On
+// x86 and NEON it could be an array `Vec acc[R][C]`, which the compiler keeps in registers once
+// the loops over it are unrolled; SVE's (and RVV's) vectors are sizeless types, which cannot be
+// array elements or class members (Highway's dot-inl.h says as much; its kernels and gemma.cpp's
+// name their accumulators). So a tile here is made of local variables: WithVectors declares one
+// per nested call and hands them on as a parameter pack of references, which ForEach, ForEachRow
+// and Nth index by compile-time constants. Every call, lambdas included, is forced inline, so
+// the vectors live in registers as the array elements did (x86 A/B in docs/benchmarks.md, "named
+// accumulators").
+
+// Per-target include guard (Highway's idiom: toggled for every target foreach_target compiles).
+#if defined(FLASHCTE_SRC_SIMD_TILE_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FLASHCTE_SRC_SIMD_TILE_INL_H_
+#undef FLASHCTE_SRC_SIMD_TILE_INL_H_
+#else
+#define FLASHCTE_SRC_SIMD_TILE_INL_H_
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "hwy/highway.h"
+
+// A lambda over tile vectors: compiled for the current target and always inlined (a call left
+// out of line would take the vectors' addresses and keep them in memory). HWY_ATTR expands where
+// this is used, so it names the target being compiled.
+#ifndef FLASHCTE_TILE_LAMBDA
+#define FLASHCTE_TILE_LAMBDA HWY_ATTR __attribute__((always_inline))
+#endif
+
+HWY_BEFORE_NAMESPACE();
+namespace flashcte::simd {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// A compile-time index as a value (what ForEach and ForEachRow pass).
+template <int64_t I>
+using Index = std::integral_constant<int64_t, I>;
+
+// v_I of the pack v_0, v_1, ...
+template <int64_t I, class V0, class... V>
+HWY_INLINE V0& Nth(V0& v0, V&... v) {
+  if constexpr (I == 0) {
+    return v0;
+  } else {
+    return Nth<I - 1>(v...);
+  }
+}
+
+// body(v_0, ..., v_{kCount - 1}): kCount zeroed vectors of d, as lvalues.
+template <int64_t kCount, class D, class Body, class... V>
+HWY_INLINE void WithVectors(D d, const Body& body, V&... v) {
+  if constexpr (static_cast<int64_t>(sizeof...(V)) == kCount) {
+    body(v...);
+  } else {
+    hn::Vec<D> next = hn::Zero(d);
+    WithVectors<kCount>(d, body, v..., next);
+  }
+}
+
+namespace tile_detail {
+template <class F, size_t... I, class... V>
+HWY_INLINE void ForEach(std::index_sequence<I...> /* indices */, const F& f, V&... v) {
+  (f(Index<static_cast<int64_t>(I)>(), v), ...);
+}
+template <int64_t C, int64_t R, class F, size_t... I, class... V>
+HWY_INLINE void Row(std::index_sequence<I...> /* columns */, const F& f, V&... v) {
+  f(Index<R>(), Nth<R * C + static_cast<int64_t>(I)>(v...)...);
+}
+template <int64_t C, class F, size_t... R, class... V>
+HWY_INLINE void ForEachRow(std::index_sequence<R...> /* rows */, const F& f, V&... v) {
+  (Row<C, static_cast<int64_t>(R)>(std::make_index_sequence<static_cast<size_t>(C)>(), f, v...),
+   ...);
+}
+}  // namespace tile_detail
+
+// f(Index<i>(), v_i) for i = 0, 1, ... in order.
+template <class F, class... V>
+HWY_INLINE void ForEach(const F& f, V&... v) {
+  tile_detail::ForEach(std::index_sequence_for<V...>(), f, v...);
+}
+
+// The pack as rows of C vectors, row-major: f(Index<r>(), v_{rC}, ..., v_{rC + C - 1}) for each
+// row r in order.
+template <int64_t C, class F, class... V>
+HWY_INLINE void ForEachRow(const F& f, V&... v) {
+  constexpr int64_t kCount = static_cast<int64_t>(sizeof...(V));
+  static_assert(kCount % C == 0, "whole rows");
+  tile_detail::ForEachRow<C>(std::make_index_sequence<static_cast<size_t>(kCount / C)>(), f, v...);
+}
+
+// The register tile of the outer-product matmuls (MM1, MM2 and decode's PV), R x C accumulators
+// acc[r][c]:
+//   acc[r][c] = init(Index<r>(), Index<c>());
+//   for each step s in [0, steps): load_b(s, b_0, ..., b_{C-1}) fills C vectors, then
+//     acc[r][c] += a[r * lda + s] * b_c  (one broadcast of `a` per row);
+//   finish(Index<r>(), acc[r][0], ..., acc[r][C-1]) for each row r.
+template <int64_t R, int64_t C, class D, class Init, class LoadB, class Finish>
+HWY_INLINE void OuterProductTile(D d, const float* HWY_RESTRICT a, int64_t lda, int64_t steps,
+                                 const Init& init, const LoadB& load_b, const Finish& finish) {
+  WithVectors<R * C>(d, [&](auto&... acc) FLASHCTE_TILE_LAMBDA {
+    ForEach([&](auto i, auto& v) FLASHCTE_TILE_LAMBDA { v = init(Index<i / C>(), Index<i % C>()); },
+            acc...);
+    for (int64_t s = 0; s < steps; ++s) {
+      WithVectors<C>(d, [&](auto&... b) FLASHCTE_TILE_LAMBDA {
+        load_b(s, b...);
+        ForEachRow<C>(
+            [&](auto r, auto&... row) FLASHCTE_TILE_LAMBDA {
+              const auto ar = hn::Set(d, a[r * lda + s]);
+              ForEach([&](auto c, auto& v)
+                          FLASHCTE_TILE_LAMBDA { v = hn::MulAdd(ar, Nth<c>(b...), v); },
+                      row...);
+            },
+            acc...);
+      });
+    }
+    ForEachRow<C>(finish, acc...);
+  });
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace flashcte::simd
+HWY_AFTER_NAMESPACE();
+
+#endif  // FLASHCTE_SRC_SIMD_TILE_INL_H_
