@@ -16,6 +16,15 @@ PACKAGES=(
   libbenchmark-dev    # benchmarks only: bench/micro_kernels (Google Benchmark)
   python3 python3-venv python3-pip
 )
+# The aarch64 cross-build, run under QEMU (scripts/test_aarch64.sh): Debian's cross compiler, the
+# arm64 multiarch packages of the libraries it links (cmake/aarch64-linux-gnu.cmake), qemu-user.
+ARM64_PACKAGES=(
+  g++-aarch64-linux-gnu
+  libhwy-dev:arm64 libgomp1:arm64 libgtest-dev:arm64
+  libopenblas-dev:arm64  # the CLI's bench peer, and the layer's projections at run time
+  qemu-user
+)
+PACKAGES+=("${ARM64_PACKAGES[@]}")
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -28,5 +37,11 @@ SUDO=""
 if [[ $(id -u) -ne 0 ]] && command -v sudo >/dev/null; then SUDO=sudo; fi
 echo "== installing Debian packages: ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
+# The :arm64 packages need dpkg to accept that architecture (before apt-get update fetches its
+# package lists).
+if [[ $(dpkg --print-architecture) != arm64 ]] &&
+  ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  $SUDO dpkg --add-architecture arm64
+fi
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
