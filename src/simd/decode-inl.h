@@ -122,11 +122,11 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
   for (int64_t r = 0; r < R; ++r) qr[r] = q + std::min(r0 + r, rows - 1) * ldq;
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
   const int64_t ahead = prefetch_rows(k.prefetch_bytes, row_bytes);
-  HWY_ALIGN float sums[N];  // sums[c * R + r]: row r0 + r, key j0 + c
-  // The N accumulators key-major: key c's R rows are acc_{cR} .. acc_{cR + R - 1}.
+  HWY_ALIGN float sums[N];  // sums[r * K + c]: row r0 + r, key j0 + c
+  // The N accumulators as R rows of K keys, filled key by key (a column of the tile each), each
+  // K row read from start to end: sequential lines for the prefetchers.
   WithVectors<N>(df, [&](auto&... acc) FLASHCTE_TILE_LAMBDA {
-    // Key by key, each K row read from start to end: sequential lines for the prefetchers.
-    ForEachRow<R>(
+    ForEachColumn<K>(
         [&](auto c, auto&... key) FLASHCTE_TILE_LAMBDA {
           prefetch_lines<2>(k.prefetch_address(j0 + c + ahead), row_bytes);
           prefetch_lines<3>(k.prefetch_address(j0 + c + kL1PrefetchRows), row_bytes);
@@ -144,7 +144,11 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
   const int64_t keys = std::min(K, n - j0);
   for (int64_t r = 0; r < R && r0 + r < rows; ++r) {
     float* dst = s + (r0 + r) * lds + j0;
-    for (int64_t c = 0; c < keys; ++c) dst[c] = sums[c * R + r];
+    if (keys == K) {
+      std::memcpy(dst, sums + r * K, sizeof(float) * K);
+    } else {
+      for (int64_t c = 0; c < keys; ++c) dst[c] = sums[r * K + c];
+    }
   }
 }
 

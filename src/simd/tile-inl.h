@@ -76,6 +76,15 @@ HWY_INLINE void ForEachRow(std::index_sequence<R...> /* rows */, const F& f, V&.
   (Row<C, static_cast<int64_t>(R)>(std::make_index_sequence<static_cast<size_t>(C)>(), f, v...),
    ...);
 }
+template <int64_t C, int64_t Col, class F, size_t... R, class... V>
+HWY_INLINE void Column(std::index_sequence<R...> /* rows */, const F& f, V&... v) {
+  f(Index<Col>(), Nth<static_cast<int64_t>(R) * C + Col>(v...)...);
+}
+template <int64_t C, class F, size_t... Col, class... V>
+HWY_INLINE void ForEachColumn(std::index_sequence<Col...> /* columns */, const F& f, V&... v) {
+  (Column<C, static_cast<int64_t>(Col)>(std::make_index_sequence<sizeof...(V) / C>(), f, v...),
+   ...);
+}
 }  // namespace tile_detail
 
 // f(Index<i>(), v_i) for i = 0, 1, ... in order.
@@ -91,6 +100,14 @@ HWY_INLINE void ForEachRow(const F& f, V&... v) {
   constexpr int64_t kCount = static_cast<int64_t>(sizeof...(V));
   static_assert(kCount % C == 0, "whole rows");
   tile_detail::ForEachRow<C>(std::make_index_sequence<static_cast<size_t>(kCount / C)>(), f, v...);
+}
+
+// The pack as rows of C vectors, column by column: f(Index<c>(), v_c, v_{C + c}, v_{2C + c}, ...)
+// for each column c in order.
+template <int64_t C, class F, class... V>
+HWY_INLINE void ForEachColumn(const F& f, V&... v) {
+  static_assert(static_cast<int64_t>(sizeof...(V)) % C == 0, "whole rows");
+  tile_detail::ForEachColumn<C>(std::make_index_sequence<static_cast<size_t>(C)>(), f, v...);
 }
 
 // The register tile of the outer-product matmuls (MM1, MM2 and decode's PV), R x C accumulators
