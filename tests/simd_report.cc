@@ -185,9 +185,10 @@ std::string join(const std::vector<std::string>& names) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool simulate = argc == 2 && std::string(argv[1]) == "--simulate-no-avx512";
+  // The simulation exists on x86 only (elsewhere it would report a CPU it did not simulate).
+  const bool simulate = HWY_ARCH_X86 && argc == 2 && std::string(argv[1]) == "--simulate-no-avx512";
   if (argc > 1 && !simulate) {
-    std::fprintf(stderr, "usage: %s [--simulate-no-avx512]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s%s\n", argv[0], HWY_ARCH_X86 ? " [--simulate-no-avx512]" : "");
     return 2;
   }
 #if HWY_ARCH_X86
