@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every test: formatting and lint, the Release build with warnings as errors and its CTest suite
-# (GoogleTest grid, CLI tests, the installed-package consumer), the Python package's pytest
-# suite, the manylinux wheel on a machine without the system libraries, and the sanitizer +
-# fuzzing run. This is what CI runs (.ci/run).
+# (GoogleTest grid, CLI tests, the installed-package consumer), the aarch64 cross-build's SIMD
+# tests under QEMU, the Python package's pytest suite, the manylinux wheel on a machine without
+# the system libraries, and the sanitizer + fuzzing run. This is what CI runs (.ci/run).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -39,6 +39,12 @@ if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
   FLASHCTE_SIMD_TARGET=AVX2 ctest --test-dir build/ci -LE long --output-on-failure -j "$JOBS"
   FLASHCTE_SIMD_TARGET=AVX2 build/ci/tests/flashcte_simd_report
 fi
+
+# aarch64 without ARM hardware: the library cross-built with every aarch64 target (NEON, SVE,
+# SVE2, SVE_256, SVE2_128), its SIMD tests run under qemu-aarch64 on a NEON-only CPU and on SVE
+# CPUs with 128- and 512-bit vectors, with the report of what ran on each.
+section "aarch64 (cross-built, run under qemu-aarch64)"
+scripts/test_aarch64.sh
 
 section "python"
 python/run_tests.sh
