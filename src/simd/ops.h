@@ -55,8 +55,9 @@ namespace flashcte::simd {
 // of up to 256 bytes, which would make the column padding unit below 64 floats; no SVE CPU goes
 // past 64 bytes (A64FX 512 bits; Neoverse V1 and Graviton 3 256; Neoverse N2/V2 and Graviton 4
 // 128), so the kernels cap their vectors there and keep x86's padding of 16 floats. What the wider
-// unit would cost, measured with it forced on x86 (FLASHCTE_TEST_PAD_FLOATS=64): see
-// docs/benchmarks.md, "padding unit".
+// unit would cost, measured with it forced on x86 (FLASHCTE_TEST_PAD_FLOATS=64, Intel Xeon,
+// AVX3, fp32 prefill, 1 thread): 1.23x the time at d = 80, which it pads to 128 instead of 80;
+// d = 128 unchanged (docs/benchmarks/README.md, "aarch64").
 inline constexpr int64_t kMaxVectorBytes = 64;
 
 // Bytes of the widest vector the kernels use on any target compiled into this build (HWY_TARGETS

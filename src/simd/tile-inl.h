@@ -7,8 +7,8 @@
 // name their accumulators). So a tile here is made of local variables: WithVectors declares one
 // per nested call and hands them on as a parameter pack of references, which ForEach, ForEachRow
 // and Nth index by compile-time constants. Every call, lambdas included, is forced inline, so
-// the vectors live in registers as the array elements did (x86 A/B in docs/benchmarks.md, "named
-// accumulators").
+// the vectors live in registers as the array elements did (x86 A/B: docs/benchmarks/README.md,
+// "aarch64").
 
 // Per-target include guard (Highway's idiom: toggled for every target foreach_target compiles).
 #if defined(FLASHCTE_SRC_SIMD_TILE_INL_H_) == defined(HWY_TARGET_TOGGLE)
