@@ -162,6 +162,7 @@ std::string bf16_line(const std::string& target, bool* ok) {
   return line;
 }
 
+#if HWY_ARCH_ARM_A64
 // For an aarch64 target: bfloat16 is widened to float32 (no native kernel table may be offered),
 // checked with a call.
 std::string arm_bf16_line(const std::string& target, bool* ok) {
@@ -175,6 +176,7 @@ std::string arm_bf16_line(const std::string& target, bool* ok) {
   *ok = false;
   return line + "widened to float32 FAILED to run: " + why;
 }
+#endif
 
 std::string join(const std::vector<std::string>& names) {
   std::string s;

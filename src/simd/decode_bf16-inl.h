@@ -1,14 +1,14 @@
-// The decode matmuls on AVX512_BF16's vdpbf16ps, for bfloat16 caches (decode-inl.h has the
-// portable ones). Highway 1.0.3 has no bf16 dot product on x86, so these are intrinsics compiled
-// once, outside the per-target code, with their own target attribute; they run only where
-// simd::bf16_dot_for (bf16_dot.h) says the CPU has the instruction and it pays (AMD Zen 4/5: the
-// native dot is twice the fp32 FMA rate; an Intel Xeon widens).
+// The decode matmuls on AVX512_BF16's vdpbf16ps, for bfloat16 caches (decode_qk-inl.h and
+// decode_pv-inl.h have the portable ones). Highway 1.0.3 has no bf16 dot product on x86, so these
+// are intrinsics compiled once, outside the per-target code, with their own target attribute; they
+// run only where simd::bf16_dot_for (bf16_dot.h) says the CPU has the instruction and it pays (AMD
+// Zen 4/5: the native dot is twice the fp32 FMA rate; an Intel Xeon widens).
 //
 // QK (Qk): S[r][j] = scale * sum_x Q2[r][x] K[j][x], Q2 the query rows as bfloat16 (exact: the
 // inputs are bfloat16) and K the cache rows as they are. One vdpbf16ps multiplies 32 bfloat16
 // pairs of a Q row and a K row and adds each pair's two products into one of 16 float32 lanes, so
 // a dot product along d = 128 is 4 instructions where the portable path converts 8 K vectors and
-// issues 8 FMAs. Register tile R x 16/R keys as in decode-inl.h, stepping along d with all the
+// issues 8 FMAs. Register tile R x 16/R keys as in decode_qk-inl.h, stepping along d with all the
 // tile's keys at once (R * K independent chains: key by key, the vdpbf16ps latency showed), and
 // an in-lane ladder for the sums. Column tails are masked loads (fault-suppressing), no copies.
 //
@@ -168,7 +168,7 @@ FLASHCTE_DECODE_BF16 inline __m512 add_lanes(__m512 a, __m512 b) {
 // Lane i of the result = the sum of v[i]'s 16 lanes (clobbers v). Two in-block levels (vshufps:
 // lanes 0 + 1 and 2 + 3 of each 128-bit block of a pair of vectors), then two across blocks
 // (vshuff32x4): 45 three-operand shuffles and adds, no register copies, where the ConcatEven /
-// ConcatOdd ladder of decode-inl.h costs a copy per vpermt2ps (Zen 4, one thread, 4 rows,
+// ConcatOdd ladder of decode_qk-inl.h costs a copy per vpermt2ps (Zen 4, one thread, 4 rows,
 // d = 128, K in L1: QK 12.8 -> 9.3 ns per key).
 template <bool kInt>
 FLASHCTE_DECODE_BF16 inline __m512 sum_ladder(__m512* v) {
@@ -347,7 +347,7 @@ FLASHCTE_DECODE_BF16 inline void Qk(const uint16_t* q, int64_t ldq, int64_t rows
     const int64_t ahead = prefetch_rows(k.prefetch_bytes, row_bytes);
     with_rows(k, [&](const auto& kr) FLASHCTE_DECODE_BF16 {
       for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int64_t left = rows - r0;  // 3 rows take a 4-row tile, as in decode-inl.h
+        const int64_t left = rows - r0;  // 3 rows take a 4-row tile, as in decode_qk-inl.h
         if (left >= 3) {
           qk_rows<4>(q, ldq, rows, r0, kr, load, n, d, scale, s, lds, ahead);
         } else if (left == 2) {

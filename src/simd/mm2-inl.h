@@ -31,26 +31,6 @@ HWY_BEFORE_NAMESPACE();
 namespace flashcte::simd {
 namespace HWY_NAMESPACE {
 
-// O[r][panel] = alpha[r] O[r][panel] + sum_j P[r][j] V_j[panel] for R rows and a panel of C
-// vectors of columns (no rescale with a null alpha), where load_v(j, v_0, ..., v_{C-1}) loads the
-// panel of V's row j: the register tile of MM2 and of decode's PV (decode-inl.h).
-template <int64_t R, int64_t C, class LoadV>
-HWY_INLINE void RescaledPvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n,
-                               const LoadV& load_v, const float* alpha, float* HWY_RESTRICT o,
-                               int64_t ldo) {
-  const DF df;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  const auto init = [&](int64_t r, int64_t c) FLASHCTE_TILE_LAMBDA {
-    const auto prior = hn::LoadU(df, o + r * ldo + c * N);
-    return alpha ? hn::Mul(prior, hn::Set(df, alpha[r])) : prior;
-  };
-  const auto store = [&](auto r, auto&... row) FLASHCTE_TILE_LAMBDA {
-    ForEach([&](auto c, auto& x) FLASHCTE_TILE_LAMBDA { hn::StoreU(x, df, o + r * ldo + c * N); },
-            row...);
-  };
-  OuterProductTile<R, C>(df, p, ldp, n, init, load_v, store);
-}
-
 // One panel of kCols vectors of the packed V tile for R rows.
 template <int64_t R, int64_t kCols>
 HWY_INLINE void PvPanel(const float* HWY_RESTRICT p, int64_t ldp, int64_t n,
@@ -62,7 +42,7 @@ HWY_INLINE void PvPanel(const float* HWY_RESTRICT p, int64_t ldp, int64_t n,
     ForEach([&](auto c, auto& x) FLASHCTE_TILE_LAMBDA { x = hn::LoadU(df, v + j * ldv + c * N); },
             b...);
   };
-  RescaledPvTile<R, kCols>(p, ldp, n, load_v, alpha, o, ldo);
+  RescaledPvTile<R, kCols>(df, p, ldp, n, load_v, alpha, o, ldo);
 }
 
 void Pv(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv,

@@ -1,6 +1,9 @@
 // The per-target table of the kernel's building blocks (ops.h) and its run-time dispatch.
 // foreach_target compiles this file, and with it each kernel family's -inl.h, once per Highway
-// target; HWY_DYNAMIC_DISPATCH picks the best table the CPU runs.
+// target (decode's kernels in decode_qk.cc and decode_pv.cc, for a shorter build);
+// HWY_DYNAMIC_DISPATCH picks the best table the CPU runs.
+
+#include <type_traits>
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "src/simd/ops.cc"
@@ -8,7 +11,6 @@
 // Must come after foreach_target.h.
 #include "hwy/highway.h"
 #include "src/simd/convert-inl.h"
-#include "src/simd/decode-inl.h"
 #include "src/simd/elementwise-inl.h"
 #include "src/simd/mm1-inl.h"
 #include "src/simd/mm2-inl.h"
@@ -19,6 +21,10 @@
 HWY_BEFORE_NAMESPACE();
 namespace flashcte::simd {
 namespace HWY_NAMESPACE {
+
+// Defined in decode_qk.cc and decode_pv.cc for the same targets, with the table's own signatures.
+std::remove_pointer_t<decltype(Ops::decode_qk)> DecodeQk;
+std::remove_pointer_t<decltype(Ops::decode_pv)> DecodePv;
 
 const Ops* GetOps() {
   // Filled by name, so that a field added to Ops cannot take another's place unnoticed.

@@ -161,10 +161,10 @@ struct Ops {
   void (*pv)(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t ldv,
              int64_t dv_pad, const float* alpha, float* o, int64_t ldo);
 
-  // Decode (decode-inl.h): a few query rows against K / V rows read in place from a KV cache
-  // of `dtype` (float32, bfloat16 or float16), unit stride along the head dim, each row where
-  // its DecodeRows entry says (a dense cache and a paged one differ only in that table); nothing
-  // packed, nothing widened outside registers.
+  // Decode (decode_qk-inl.h, decode_pv-inl.h): a few query rows against K / V rows read in place
+  // from a KV cache of `dtype` (float32, bfloat16 or float16), unit stride along the head dim, each
+  // row where its DecodeRows entry says (a dense cache and a paged one differ only in that table);
+  // nothing packed, nothing widened outside registers.
   //   decode_qk  S[r][j] = scale * sum_{x < d} Q[r][x] K[j][x] for r < rows, j < n. Reads K at
   //              columns [0, d) of rows [0, n) only; Q [rows][ldq] float32 over
   //              [0, round_up(d, N)), which must be finite past d; writes S at rows [0, rows) x

@@ -139,6 +139,25 @@ HWY_INLINE void OuterProductTile(D d, const float* HWY_RESTRICT a, int64_t lda, 
   });
 }
 
+// O[r][panel] = alpha[r] O[r][panel] + sum_j P[r][j] V_j[panel] for R rows and a panel of C
+// vectors of columns (no rescale with a null alpha), where load_v(j, v_0, ..., v_{C-1}) loads the
+// panel of V's row j: the register tile of MM2 and of decode's PV (decode_pv-inl.h).
+template <int64_t R, int64_t C, class D, class LoadV>
+HWY_INLINE void RescaledPvTile(D d, const float* HWY_RESTRICT p, int64_t ldp, int64_t n,
+                               const LoadV& load_v, const float* alpha, float* HWY_RESTRICT o,
+                               int64_t ldo) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const auto init = [&](int64_t r, int64_t c) FLASHCTE_TILE_LAMBDA {
+    const auto prior = hn::LoadU(d, o + r * ldo + c * N);
+    return alpha ? hn::Mul(prior, hn::Set(d, alpha[r])) : prior;
+  };
+  const auto store = [&](auto r, auto&... row) FLASHCTE_TILE_LAMBDA {
+    ForEach([&](auto c, auto& x) FLASHCTE_TILE_LAMBDA { hn::StoreU(x, d, o + r * ldo + c * N); },
+            row...);
+  };
+  OuterProductTile<R, C>(d, p, ldp, n, init, load_v, store);
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace flashcte::simd
 HWY_AFTER_NAMESPACE();

@@ -1,7 +1,7 @@
-// Decode: the two matmuls of a few query rows against K and V rows read in place from a KV cache
-// of float32, bfloat16 or float16 (src/kernel/decode.h). Nothing is packed: cache rows are
-// converted to float32 in registers as they are loaded. decode_bf16-inl.h has the native
-// AVX512_BF16 versions for bfloat16 caches.
+// Decode's first matmul, QK (decode_pv-inl.h has the second, PV): a few query rows against K and
+// V rows read in place from a KV cache of float32, bfloat16, float16 or an 8-bit format
+// (src/kernel/decode.h). Nothing is packed: cache rows are converted to float32 in registers as
+// they are loaded. decode_bf16-inl.h has the native AVX512_BF16 versions for bfloat16 caches.
 //
 // QK (DecodeQk): S[r][j] = scale * Q[r] . K[j]. The cache is (key, d) row-major, so each score is
 // a dot product along d. Register tile: R rows x K keys of N-lane accumulators with R * K = N
@@ -12,12 +12,6 @@
 // done: its N accumulators go through one transposing ladder (SumLadder: log2 N levels of
 // ConcatEven + ConcatOdd + Add, N - 1 steps) that leaves the sum of accumulator i in lane i, about
 // 3 vector ops per score against d / N FMAs per score (8 at d = 128 on AVX-512).
-//
-// PV (DecodePv): O[r] = alpha[r] O[r] + sum_j P[r][j] V[j]: per key, C vectors of the V row
-// (converted) and one broadcast of P per row. Register tile R x C (AVX-512: R * C <= 16, AVX2
-// R * C <= 8) with all the rows in one block where possible (4 x 4 on AVX-512 for 4 rows), so a
-// 16-bit V value is converted once per 4 rows; keys innermost, column panels outer (the second
-// panel finds the rows in L2).
 //
 // Prefetch: both kernels request each K / V row the rows' prefetch_bytes ahead into L2
 // (prefetcht1). A core's demand misses and L1 prefetches are capped by its L1 miss buffers (~15
@@ -36,11 +30,11 @@
 // vector first). Q is read over [0, round_up(d, N)) and must be finite past d. S is written at
 // rows [0, rows) x columns [0, n) exactly. O is read and written over [0, round_up(dv, N)).
 
-#if defined(FLASHCTE_SRC_SIMD_DECODE_INL_H_) == defined(HWY_TARGET_TOGGLE)
-#ifdef FLASHCTE_SRC_SIMD_DECODE_INL_H_
-#undef FLASHCTE_SRC_SIMD_DECODE_INL_H_
+#if defined(FLASHCTE_SRC_SIMD_DECODE_QK_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef FLASHCTE_SRC_SIMD_DECODE_QK_INL_H_
+#undef FLASHCTE_SRC_SIMD_DECODE_QK_INL_H_
 #else
-#define FLASHCTE_SRC_SIMD_DECODE_INL_H_
+#define FLASHCTE_SRC_SIMD_DECODE_QK_INL_H_
 #endif
 
 #include <algorithm>
@@ -52,7 +46,6 @@
 
 #include "hwy/highway.h"
 #include "src/simd/decode_rows.h"
-#include "src/simd/mm2-inl.h"
 #include "src/simd/shared-inl.h"
 #include "src/simd/tile-inl.h"
 
@@ -63,10 +56,6 @@ namespace HWY_NAMESPACE {
 // Rows of a QK tile: 4 at most (Q loads stay at one per K keys' FMAs), never more than N, since
 // the tile holds R * K = N accumulators.
 constexpr int64_t kDecodeQkRows = kMaxLanes < 4 ? kMaxLanes : 4;
-// PV's accumulator budget and widest panel: 16 of AVX-512's 32 registers (8 of 16 elsewhere),
-// leaving room for the C converted V vectors and the P broadcast.
-constexpr int64_t kDecodePvAcc = kMaxLanes >= 16 ? 16 : 8;
-constexpr int64_t kDecodePvCols = kMaxLanes >= 16 ? 8 : 4;
 
 // The ladder needs N > 1 fixed lanes (the scalar target has no ConcatEven).
 #define FLASHCTE_DECODE_SUM_LADDER (!HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR)
@@ -216,132 +205,8 @@ void DecodeQk(const float* q, int64_t ldq, int64_t rows, DecodeRows k, DType dty
   }
 }
 
-// One PV tile: R rows x C vectors of columns starting at V column `col`; with kTail the last
-// vector holds only `tail` (< N) columns of V. With prefetch_bytes, each step also requests that
-// many bytes of the V row `ahead` rows on into L2.
-template <int64_t R, int64_t C, bool kTail, class T, class Rows>
-HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, const Rows& v,
-                       int64_t col, int64_t tail, const float* alpha, float* HWY_RESTRICT o,
-                       int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
-  const DF df;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  const auto load_v = [&](int64_t j, auto&... b) FLASHCTE_TILE_LAMBDA {
-    const T* row = v.template at<T>(j) + col;
-    if (prefetch_bytes) {
-      prefetch_lines<2>(v.prefetch_address(j + ahead), prefetch_bytes);
-      prefetch_lines<3>(v.prefetch_address(j + kL1PrefetchRows), prefetch_bytes);
-    }
-    ForEach(
-        [&](auto c, auto& x) FLASHCTE_TILE_LAMBDA {
-          const T* at = row + c * N;
-          x = kTail && c == C - 1 ? LoadTailAsFloat(df, at, tail) : LoadAsFloat(df, at);
-        },
-        b...);
-  };
-  RescaledPvTile<R, C>(p, ldp, n, load_v, alpha, o, ldo);
-}
-
-// Rows [0, rows) of one panel of C vectors, in row blocks of the most rows the budget allows.
-// Only the first row block reads V from memory, and prefetches ahead; the others find it in L1.
-template <int64_t C, bool kTail, class T, class Rows>
-HWY_INLINE void PvPanel(const float* p, int64_t ldp, int64_t rows, int64_t n, const Rows& v,
-                        int64_t col, int64_t tail, const float* alpha, float* o, int64_t ldo,
-                        int64_t prefetch_bytes, int64_t ahead) {
-  constexpr int64_t R = std::min<int64_t>(4, std::max<int64_t>(1, kDecodePvAcc / C));
-  int64_t r = 0;
-  for (; r + R <= rows; r += R) {
-    PvTile<R, C, kTail, T, Rows>(p + r * ldp, ldp, n, v, col, tail, alpha ? alpha + r : nullptr,
-                                 o + r * ldo, ldo, r == 0 ? prefetch_bytes : 0, ahead);
-  }
-  RemainderBlock<R - 1>(rows - r, r, [&](auto block_rows, int64_t r1) HWY_ATTR {
-    constexpr int64_t R1 = decltype(block_rows)::value;
-    PvTile<R1, C, kTail, T, Rows>(p + r1 * ldp, ldp, n, v, col, tail, alpha ? alpha + r1 : nullptr,
-                                  o + r1 * ldo, ldo, r1 == 0 ? prefetch_bytes : 0, ahead);
-  });
-}
-
-// A panel of `vectors` (1..kDecodePvCols) vectors, the last one partial with kTail.
-template <int64_t C, bool kTail, class T, class Rows>
-HWY_INLINE void PvPanelOf(int64_t vectors, const float* p, int64_t ldp, int64_t rows, int64_t n,
-                          const Rows& v, int64_t col, int64_t tail, const float* alpha, float* o,
-                          int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
-  if constexpr (C >= 1) {
-    if (vectors == C) {
-      PvPanel<C, kTail, T, Rows>(p, ldp, rows, n, v, col, tail, alpha, o, ldo, prefetch_bytes,
-                                 ahead);
-    } else {
-      PvPanelOf<C - 1, kTail, T, Rows>(vectors, p, ldp, rows, n, v, col, tail, alpha, o, ldo,
-                                       prefetch_bytes, ahead);
-    }
-  }
-}
-
-template <class T, class Rows>
-void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const Rows& v, int64_t dv,
-             const float* alpha, float* o, int64_t ldo) {
-  const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
-  const int64_t full = dv / N, tail = dv % N;
-  const int64_t vectors = full + (tail ? 1 : 0);
-  // Panels as wide as the budget allows with every row block at 4 rows (or all the rows): a
-  // bfloat16 / float16 V value is converted once per 4 rows (AVX-512, 4 rows: 4 x 4 tiles, not
-  // 2 x 8 tiles that convert each V row twice).
-  const int64_t panel =
-      std::min(kDecodePvCols, std::max<int64_t>(1, kDecodePvAcc / std::min<int64_t>(rows, 4)));
-  const int64_t ahead = prefetch_rows(v.prefetch_bytes, dv * static_cast<int64_t>(sizeof(T)));
-  for (int64_t c0 = 0; c0 < vectors; c0 += panel) {
-    const int64_t width = std::min(panel, vectors - c0);
-    const bool partial = tail != 0 && c0 + width == vectors;
-    float* oc = o + c0 * N;
-    // The first panel prefetches whole rows ahead; the later ones find them in L2.
-    const int64_t prefetch = c0 == 0 ? dv * static_cast<int64_t>(sizeof(T)) : 0;
-    if (partial) {
-      PvPanelOf<kDecodePvCols, true, T, Rows>(width, p, ldp, rows, n, v, c0 * N, tail, alpha, oc,
-                                              ldo, prefetch, ahead);
-    } else {
-      PvPanelOf<kDecodePvCols, false, T, Rows>(width, p, ldp, rows, n, v, c0 * N, 0, alpha, oc, ldo,
-                                               prefetch, ahead);
-    }
-  }
-}
-
-void DecodePv(const float* p, int64_t ldp, int64_t rows, int64_t n, DecodeRows v, DType dtype,
-              int64_t dv, const float* alpha, float* o, int64_t ldo) {
-  if (rows <= 0) return;
-  switch (dtype) {
-    case DType::kBFloat16:
-      with_rows(v, [&](const auto& vr) HWY_ATTR {
-        PvTyped<hwy::bfloat16_t>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
-      });
-      break;
-    case DType::kFloat16:
-      with_rows(v, [&](const auto& vr) HWY_ATTR {
-        PvTyped<hwy::float16_t>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
-      });
-      break;
-    case DType::kFloat32:
-      with_rows(v, [&](const auto& vr)
-                       HWY_ATTR { PvTyped<float>(p, ldp, rows, n, vr, dv, alpha, o, ldo); });
-      break;
-    case DType::kInt8:
-      with_rows(v, [&](const auto& vr)
-                       HWY_ATTR { PvTyped<int8_t>(p, ldp, rows, n, vr, dv, alpha, o, ldo); });
-      break;
-    case DType::kFloat8E4M3:
-      with_rows(v, [&](const auto& vr)
-                       HWY_ATTR { PvTyped<Fp8E4M3>(p, ldp, rows, n, vr, dv, alpha, o, ldo); });
-      break;
-    case DType::kFloat8E5M2:
-      with_rows(v, [&](const auto& vr)
-                       HWY_ATTR { PvTyped<Fp8E5M2>(p, ldp, rows, n, vr, dv, alpha, o, ldo); });
-      break;
-    case DType::kInt32:
-    case DType::kInt64:
-      HWY_ABORT("decode_pv: %s is not a cache dtype", dtype_name(dtype));
-  }
-}
-
 }  // namespace HWY_NAMESPACE
 }  // namespace flashcte::simd
 HWY_AFTER_NAMESPACE();
 
-#endif  // FLASHCTE_SRC_SIMD_DECODE_INL_H_
+#endif  // FLASHCTE_SRC_SIMD_DECODE_QK_INL_H_
