@@ -37,7 +37,7 @@ namespace flashcte::simd {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// A compile-time index as a value (what ForEach and ForEachRow pass).
+// A compile-time index as a value (what ForEach, ForEachRow and ForEachColumn pass).
 template <int64_t I>
 using Index = std::integral_constant<int64_t, I>;
 
