@@ -5,10 +5,10 @@
 // the loops over it are unrolled; SVE's (and RVV's) vectors are sizeless types, which cannot be
 // array elements or class members (Highway's dot-inl.h says as much; its kernels and gemma.cpp's
 // name their accumulators). So a tile here is made of local variables: WithVectors declares one
-// per nested call and hands them on as a parameter pack of references, which ForEach, ForEachRow
-// and Nth index by compile-time constants. Every call, lambdas included, is forced inline, so
-// the vectors live in registers as the array elements did (x86 A/B: docs/benchmarks/README.md,
-// "aarch64").
+// per nested call and hands them on as a parameter pack of references, which ForEach, ForEachRow,
+// ForEachColumn and Nth index (pack expansions over index sequences, unrolled by construction).
+// Every call, lambdas included, is forced inline, so the vectors live in registers as the array
+// elements did (x86 A/B: docs/benchmarks/README.md, "aarch64").
 
 // Per-target include guard (Highway's idiom: toggled for every target foreach_target compiles).
 #if defined(FLASHCTE_SRC_SIMD_TILE_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -37,10 +37,6 @@ namespace flashcte::simd {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// A compile-time index as a value (what ForEach, ForEachRow and ForEachColumn pass).
-template <int64_t I>
-using Index = std::integral_constant<int64_t, I>;
-
 // v_I of the pack v_0, v_1, ...
 template <int64_t I, class V0, class... V>
 HWY_INLINE V0& Nth(V0& v0, V&... v) {
@@ -62,48 +58,80 @@ HWY_INLINE void WithVectors(D d, const Body& body, V&... v) {
   }
 }
 
+// The helpers below pass indices to their callbacks as plain int64_t values: once inlined they
+// are constants, and a callback is instantiated once, not once per index (with an index per type,
+// the decode kernels' hundreds of tile shapes doubled the SIMD layer's compile time).
+
+// f(i, v_i) for i = 0, 1, ... in order.
+template <class F, class... V>
+HWY_INLINE void ForEach(const F& f, V&... v) {
+  int64_t i = 0;
+  (f(i++, v), ...);
+}
+
 namespace tile_detail {
-template <class F, size_t... I, class... V>
-HWY_INLINE void ForEach(std::index_sequence<I...> /* indices */, const F& f, V&... v) {
-  (f(Index<static_cast<int64_t>(I)>(), v), ...);
+// f(r, v_{first + rC + J}...) for the row's columns J.
+template <int64_t First, int64_t C, int64_t R, class F, size_t... J, class... V>
+HWY_INLINE void Row(std::index_sequence<J...> /* columns */, const F& f, V&... v) {
+  f(R, Nth<First + R * C + static_cast<int64_t>(J)>(v...)...);
 }
-template <int64_t C, int64_t R, class F, size_t... I, class... V>
-HWY_INLINE void Row(std::index_sequence<I...> /* columns */, const F& f, V&... v) {
-  f(Index<R>(), Nth<R * C + static_cast<int64_t>(I)>(v...)...);
-}
-template <int64_t C, class F, size_t... R, class... V>
+template <int64_t First, int64_t C, class F, size_t... R, class... V>
 HWY_INLINE void ForEachRow(std::index_sequence<R...> /* rows */, const F& f, V&... v) {
-  (Row<C, static_cast<int64_t>(R)>(std::make_index_sequence<static_cast<size_t>(C)>(), f, v...),
+  (Row<First, C, static_cast<int64_t>(R)>(std::make_index_sequence<static_cast<size_t>(C)>(), f,
+                                          v...),
    ...);
 }
 template <int64_t C, int64_t Col, class F, size_t... R, class... V>
 HWY_INLINE void Column(std::index_sequence<R...> /* rows */, const F& f, V&... v) {
-  f(Index<Col>(), Nth<static_cast<int64_t>(R) * C + Col>(v...)...);
+  f(Col, Nth<static_cast<int64_t>(R) * C + Col>(v...)...);
 }
 template <int64_t C, class F, size_t... Col, class... V>
 HWY_INLINE void ForEachColumn(std::index_sequence<Col...> /* columns */, const F& f, V&... v) {
   (Column<C, static_cast<int64_t>(Col)>(std::make_index_sequence<sizeof...(V) / C>(), f, v...),
    ...);
 }
-}  // namespace tile_detail
 
-// f(Index<i>(), v_i) for i = 0, 1, ... in order.
-template <class F, class... V>
-HWY_INLINE void ForEach(const F& f, V&... v) {
-  tile_detail::ForEach(std::index_sequence_for<V...>(), f, v...);
+// acc[r][c] += ar * b_c for one row r, where the pack is b_0..b_{C-1} and then the accumulators.
+template <int64_t C, int64_t R, class A, size_t... J, class... V>
+HWY_INLINE void MulAddRow(std::index_sequence<J...> /* columns */, const A& ar, V&... v) {
+  ((Nth<C + R * C + static_cast<int64_t>(J)>(v...) = hn::MulAdd(
+        ar, Nth<static_cast<int64_t>(J)>(v...), Nth<C + R * C + static_cast<int64_t>(J)>(v...))),
+   ...);
 }
 
-// The pack as rows of C vectors, row-major: f(Index<r>(), v_{rC}, ..., v_{rC + C - 1}) for each
-// row r in order.
+// OuterProductTile's body over the pack b_0..b_{C-1}, acc[0][0], ..., acc[R-1][C-1].
+template <int64_t R, int64_t C, class D, class Init, class LoadB, class Finish, size_t... I,
+          size_t... Rows, size_t... J, class... V>
+HWY_INLINE void OuterProduct(D d, const float* HWY_RESTRICT a, int64_t lda, int64_t steps,
+                             const Init& init, const LoadB& load_b, const Finish& finish,
+                             std::index_sequence<I...> /* accumulators */,
+                             std::index_sequence<Rows...> /* rows */,
+                             std::index_sequence<J...> /* columns */, V&... v) {
+  ((Nth<C + static_cast<int64_t>(I)>(v...) =
+        init(static_cast<int64_t>(I) / C, static_cast<int64_t>(I) % C)),
+   ...);
+  for (int64_t s = 0; s < steps; ++s) {
+    load_b(s, Nth<static_cast<int64_t>(J)>(v...)...);
+    (MulAddRow<C, static_cast<int64_t>(Rows)>(
+         std::index_sequence<J...>(), hn::Set(d, a[static_cast<int64_t>(Rows) * lda + s]), v...),
+     ...);
+  }
+  ForEachRow<C, C>(std::index_sequence<Rows...>(), finish, v...);
+}
+}  // namespace tile_detail
+
+// The pack as rows of C vectors, row-major: f(r, v_{rC}, ..., v_{rC + C - 1}) for each row r in
+// order.
 template <int64_t C, class F, class... V>
 HWY_INLINE void ForEachRow(const F& f, V&... v) {
   constexpr int64_t kCount = static_cast<int64_t>(sizeof...(V));
   static_assert(kCount % C == 0, "whole rows");
-  tile_detail::ForEachRow<C>(std::make_index_sequence<static_cast<size_t>(kCount / C)>(), f, v...);
+  tile_detail::ForEachRow<0, C>(std::make_index_sequence<static_cast<size_t>(kCount / C)>(), f,
+                                v...);
 }
 
-// The pack as rows of C vectors, column by column: f(Index<c>(), v_c, v_{C + c}, v_{2C + c}, ...)
-// for each column c in order.
+// The pack as rows of C vectors, column by column: f(c, v_c, v_{C + c}, v_{2C + c}, ...) for each
+// column c in order.
 template <int64_t C, class F, class... V>
 HWY_INLINE void ForEachColumn(const F& f, V&... v) {
   static_assert(static_cast<int64_t>(sizeof...(V)) % C == 0, "whole rows");
@@ -112,30 +140,18 @@ HWY_INLINE void ForEachColumn(const F& f, V&... v) {
 
 // The register tile of the outer-product matmuls (MM1, MM2 and decode's PV), R x C accumulators
 // acc[r][c]:
-//   acc[r][c] = init(Index<r>(), Index<c>());
+//   acc[r][c] = init(r, c);
 //   for each step s in [0, steps): load_b(s, b_0, ..., b_{C-1}) fills C vectors, then
 //     acc[r][c] += a[r * lda + s] * b_c  (one broadcast of `a` per row);
-//   finish(Index<r>(), acc[r][0], ..., acc[r][C-1]) for each row r.
+//   finish(r, acc[r][0], ..., acc[r][C-1]) for each row r.
 template <int64_t R, int64_t C, class D, class Init, class LoadB, class Finish>
 HWY_INLINE void OuterProductTile(D d, const float* HWY_RESTRICT a, int64_t lda, int64_t steps,
                                  const Init& init, const LoadB& load_b, const Finish& finish) {
-  WithVectors<R * C>(d, [&](auto&... acc) FLASHCTE_TILE_LAMBDA {
-    ForEach([&](auto i, auto& v) FLASHCTE_TILE_LAMBDA { v = init(Index<i / C>(), Index<i % C>()); },
-            acc...);
-    for (int64_t s = 0; s < steps; ++s) {
-      WithVectors<C>(d, [&](auto&... b) FLASHCTE_TILE_LAMBDA {
-        load_b(s, b...);
-        ForEachRow<C>(
-            [&](auto r, auto&... row) FLASHCTE_TILE_LAMBDA {
-              const auto ar = hn::Set(d, a[r * lda + s]);
-              ForEach([&](auto c, auto& v)
-                          FLASHCTE_TILE_LAMBDA { v = hn::MulAdd(ar, Nth<c>(b...), v); },
-                      row...);
-            },
-            acc...);
-      });
-    }
-    ForEachRow<C>(finish, acc...);
+  WithVectors<C + R * C>(d, [&](auto&... v) FLASHCTE_TILE_LAMBDA {
+    tile_detail::OuterProduct<R, C>(d, a, lda, steps, init, load_b, finish,
+                                    std::make_index_sequence<static_cast<size_t>(R * C)>(),
+                                    std::make_index_sequence<static_cast<size_t>(R)>(),
+                                    std::make_index_sequence<static_cast<size_t>(C)>(), v...);
   });
 }
 
