@@ -60,13 +60,14 @@ HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, cons
   RescaledPvTile<R, C>(df, p, ldp, n, load_v, alpha, o, ldo);
 }
 
-// Rows [0, rows) of one panel of C vectors, in row blocks of the most rows the budget allows.
-// Only the first row block reads V from memory, and prefetches ahead; the others find it in L1.
-template <int64_t C, bool kTail, class T, class Rows>
+// Rows [0, rows) of one panel of C vectors, in row blocks of the most rows the budget allows (at
+// most kMaxRows). Only the first row block reads V from memory, and prefetches ahead; the others
+// find it in L1.
+template <int64_t C, bool kTail, class T, class Rows, int64_t kMaxRows = 4>
 HWY_INLINE void PvPanel(const float* p, int64_t ldp, int64_t rows, int64_t n, const Rows& v,
                         int64_t col, int64_t tail, const float* alpha, float* o, int64_t ldo,
                         int64_t prefetch_bytes, int64_t ahead) {
-  constexpr int64_t R = std::min<int64_t>(4, std::max<int64_t>(1, kDecodePvAcc / C));
+  constexpr int64_t R = std::min<int64_t>(kMaxRows, std::max<int64_t>(1, kDecodePvAcc / C));
   int64_t r = 0;
   for (; r + R <= rows; r += R) {
     PvTile<R, C, kTail, T, Rows>(p + r * ldp, ldp, n, v, col, tail, alpha ? alpha + r : nullptr,
@@ -79,18 +80,40 @@ HWY_INLINE void PvPanel(const float* p, int64_t ldp, int64_t rows, int64_t n, co
   });
 }
 
-// A panel of `vectors` (1..kDecodePvCols) vectors, the last one partial with kTail.
-template <int64_t C, bool kTail, class T, class Rows>
+// The column tail, when dv is not a whole number of vectors, is compiled into few tile shapes: the
+// decode tiles are most of the SIMD layer's compile time (each shape once per cache dtype, row
+// form and target), and a tail form of every panel shape made decode_pv.cc take ~175 s instead of
+// ~80 s (x86 Release, Xeon, one compile at a time). At one row per KV head (MHA) the tail joins the
+// last panel (one-row tiles); with more rows it is a 1-vector panel of its own.
+
+// A panel of `vectors` (1..kDecodePvCols) whole vectors.
+template <int64_t C, class T, class Rows>
 HWY_INLINE void PvPanelOf(int64_t vectors, const float* p, int64_t ldp, int64_t rows, int64_t n,
-                          const Rows& v, int64_t col, int64_t tail, const float* alpha, float* o,
-                          int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
+                          const Rows& v, int64_t col, const float* alpha, float* o, int64_t ldo,
+                          int64_t prefetch_bytes, int64_t ahead) {
   if constexpr (C >= 1) {
     if (vectors == C) {
-      PvPanel<C, kTail, T, Rows>(p, ldp, rows, n, v, col, tail, alpha, o, ldo, prefetch_bytes,
-                                 ahead);
+      PvPanel<C, false, T, Rows>(p, ldp, rows, n, v, col, 0, alpha, o, ldo, prefetch_bytes, ahead);
     } else {
-      PvPanelOf<C - 1, kTail, T, Rows>(vectors, p, ldp, rows, n, v, col, tail, alpha, o, ldo,
-                                       prefetch_bytes, ahead);
+      PvPanelOf<C - 1, T, Rows>(vectors, p, ldp, rows, n, v, col, alpha, o, ldo, prefetch_bytes,
+                                ahead);
+    }
+  }
+}
+
+// A panel of `vectors` (2..kDecodePvCols) vectors, the last one the tail's `tail` columns, for
+// one row.
+template <int64_t C, class T, class Rows>
+HWY_INLINE void PvTailPanelOf(int64_t vectors, const float* p, int64_t ldp, int64_t rows, int64_t n,
+                              const Rows& v, int64_t col, int64_t tail, const float* alpha,
+                              float* o, int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
+  if constexpr (C >= 2) {
+    if (vectors == C) {
+      PvPanel<C, true, T, Rows, 1>(p, ldp, rows, n, v, col, tail, alpha, o, ldo, prefetch_bytes,
+                                   ahead);
+    } else {
+      PvTailPanelOf<C - 1, T, Rows>(vectors, p, ldp, rows, n, v, col, tail, alpha, o, ldo,
+                                    prefetch_bytes, ahead);
     }
   }
 }
@@ -100,26 +123,30 @@ void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const Rows& v
              const float* alpha, float* o, int64_t ldo) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
   const int64_t full = dv / N, tail = dv % N;
-  const int64_t vectors = full + (tail ? 1 : 0);
   // Panels as wide as the budget allows with every row block at 4 rows (or all the rows): a
   // bfloat16 / float16 V value is converted once per 4 rows (AVX-512, 4 rows: 4 x 4 tiles, not
   // 2 x 8 tiles that convert each V row twice).
   const int64_t panel =
       std::min(kDecodePvCols, std::max<int64_t>(1, kDecodePvAcc / std::min<int64_t>(rows, 4)));
-  const int64_t ahead = prefetch_rows(v.prefetch_bytes, dv * static_cast<int64_t>(sizeof(T)));
-  for (int64_t c0 = 0; c0 < vectors; c0 += panel) {
-    const int64_t width = std::min(panel, vectors - c0);
-    const bool partial = tail != 0 && c0 + width == vectors;
-    float* oc = o + c0 * N;
-    // The first panel prefetches whole rows ahead; the later ones find them in L2.
-    const int64_t prefetch = c0 == 0 ? dv * static_cast<int64_t>(sizeof(T)) : 0;
-    if (partial) {
-      PvPanelOf<kDecodePvCols, true, T, Rows>(width, p, ldp, rows, n, v, c0 * N, tail, alpha, oc,
-                                              ldo, prefetch, ahead);
+  const int64_t row_bytes = dv * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = prefetch_rows(v.prefetch_bytes, row_bytes);
+  bool tail_done = tail == 0;
+  // The first panel prefetches whole rows ahead; the later ones find them in L2.
+  for (int64_t c0 = 0; c0 < full; c0 += panel) {
+    const int64_t width = std::min(panel, full - c0);
+    const int64_t prefetch = c0 == 0 ? row_bytes : 0;
+    if (!tail_done && rows == 1 && c0 + width == full && width < panel) {
+      PvTailPanelOf<kDecodePvCols, T, Rows>(width + 1, p, ldp, rows, n, v, c0 * N, tail, alpha,
+                                            o + c0 * N, ldo, prefetch, ahead);
+      tail_done = true;
     } else {
-      PvPanelOf<kDecodePvCols, false, T, Rows>(width, p, ldp, rows, n, v, c0 * N, 0, alpha, oc, ldo,
-                                               prefetch, ahead);
+      PvPanelOf<kDecodePvCols, T, Rows>(width, p, ldp, rows, n, v, c0 * N, alpha, o + c0 * N, ldo,
+                                        prefetch, ahead);
     }
+  }
+  if (!tail_done) {
+    PvPanel<1, true, T, Rows>(p, ldp, rows, n, v, full * N, tail, alpha, o + full * N, ldo,
+                              full == 0 ? row_bytes : 0, ahead);
   }
 }
 

@@ -299,6 +299,26 @@ TEST(SimdDecodePv, EveryValueDimKeyEdgeAndDtype) {
   });
 }
 
+// Every panel shape decode_pv-inl.h compiles: k whole vectors for k up to two panels, alone and
+// with a column tail, at one row per KV head (where the tail joins the last panel) and at 2 and 4
+// rows (where it is a panel of its own).
+TEST(SimdDecodePv, EveryPanelWidthWithAndWithoutATail) {
+  std::mt19937 rng(16);
+  for_each_target([&](const simd::Ops& ops) {
+    for (DType dtype : kDtypes) {
+      for (int64_t rows : {1, 2, 4}) {
+        for (int64_t k = 0; k <= 16; ++k) {
+          for (int64_t tail : {int64_t{0}, ops.lanes / 2 + 1}) {
+            if (k * ops.lanes + tail == 0) continue;
+            PvCase{dtype, rows, 2 * ops.lanes + 1, k * ops.lanes + tail, 0, rows != 2}.run(ops,
+                                                                                           rng);
+          }
+        }
+      }
+    }
+  });
+}
+
 TEST(SimdDecodePv, EveryRowCountStrideAndAlphaMode) {
   std::mt19937 rng(14);
   for_each_target([&](const simd::Ops& ops) {
