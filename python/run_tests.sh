@@ -7,6 +7,7 @@
 #   FLASHCTE_PIP_ISOLATED=1 python/run_tests.sh   # exactly `pip install .` (isolated, clean build)
 #   PYTHON=python3.12 python/run_tests.sh         # another interpreter for the venv
 #   FLASHCTE_TORCH=0 python/run_tests.sh          # without torch/transformers (their tests skip)
+#   FLASHCTE_WHEEL=dist/flashcte-...whl python/run_tests.sh   # tests that wheel, builds nothing
 #
 # Needs: python3 with venv and pip, PyPI, a C++17 compiler with OpenMP, CMake >= 3.22 (or PyPI's),
 # libhwy-dev.
@@ -117,11 +118,15 @@ if [[ ! -f "$STAMP" ]] || [[ "$(cat "$STAMP")" != "$WANT" ]]; then
   printf '%s' "$WANT" > "$STAMP"
 fi
 
-echo "== building and installing flashcte from $ROOT"
 cd "$ROOT"
-if [[ "${FLASHCTE_PIP_ISOLATED:-0}" == "1" ]]; then
+if [[ -n "${FLASHCTE_WHEEL:-}" ]]; then
+  echo "== installing $(basename "$FLASHCTE_WHEEL")"
+  "$PY" -m pip install --quiet --force-reinstall --no-deps "$FLASHCTE_WHEEL"
+elif [[ "${FLASHCTE_PIP_ISOLATED:-0}" == "1" ]]; then
+  echo "== building and installing flashcte from $ROOT (isolated)"
   "$PY" -m pip install --quiet --force-reinstall --no-deps .
 else
+  echo "== building and installing flashcte from $ROOT"
   # No build isolation, so the persistent build dir sees the same nanobind every time and
   # rebuilds only what changed.
   "$PY" -m pip install --quiet --no-deps --no-build-isolation -C "build-dir=$BUILD_DIR" .

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every test: formatting and lint, the Release build with warnings as errors and its CTest suite
 # (GoogleTest grid, CLI tests, the installed-package consumer), the aarch64 cross-build's SIMD
-# tests under QEMU, the Python package's pytest suite, the manylinux wheel on a machine without
-# the system libraries, and the sanitizer + fuzzing run. This is what CI runs (.ci/run).
+# tests under QEMU, the manylinux wheel on a machine without the system libraries, the Python
+# package's pytest suite on that wheel, and the sanitizer + fuzzing run. This is what CI runs
+# (.ci/run).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -46,15 +47,18 @@ fi
 section "aarch64 (cross-built, run under qemu-aarch64)"
 scripts/test_aarch64.sh
 
-section "python"
-python/run_tests.sh
-
 # The release wheel as a user installs it: built from the sdist (scripts/wheel.sh, auditwheel's
 # manylinux tag), installed into a fresh venv and run with the system's libhwy, libgomp and
-# libopenblas hidden (unshare -m). 4.3 minutes measured with one compile job on a busy 2-core
-# machine, 3.3 of them compiling (two jobs here).
+# libopenblas hidden (unshare -m).
 section "wheel"
 scripts/test_wheel.sh
+
+# The Python package's whole pytest suite (torch, transformers and FlashAttention's interface
+# included) on that same wheel: the wheel is what users install, and building the package a second
+# time for this stage cost CI ~12 minutes (issue 27's clean-clone run, Xeon).
+section "python (pytest on the wheel)"
+wheels=(dist/flashcte-*.whl)
+FLASHCTE_WHEEL="${wheels[0]}" python/run_tests.sh
 
 section "sanitizers and fuzzing"
 scripts/ci_sanitizers.sh
