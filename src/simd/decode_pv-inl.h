@@ -153,37 +153,11 @@ void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const Rows& v
 void DecodePv(const float* p, int64_t ldp, int64_t rows, int64_t n, DecodeRows v, DType dtype,
               int64_t dv, const float* alpha, float* o, int64_t ldo) {
   if (rows <= 0) return;
-  switch (dtype) {
-    case DType::kBFloat16:
-      with_rows(v, [&](const auto& vr) HWY_ATTR {
-        PvTyped<hwy::bfloat16_t>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
-      });
-      break;
-    case DType::kFloat16:
-      with_rows(v, [&](const auto& vr) HWY_ATTR {
-        PvTyped<hwy::float16_t>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
-      });
-      break;
-    case DType::kFloat32:
-      with_rows(v, [&](const auto& vr)
-                       HWY_ATTR { PvTyped<float>(p, ldp, rows, n, vr, dv, alpha, o, ldo); });
-      break;
-    case DType::kInt8:
-      with_rows(v, [&](const auto& vr)
-                       HWY_ATTR { PvTyped<int8_t>(p, ldp, rows, n, vr, dv, alpha, o, ldo); });
-      break;
-    case DType::kFloat8E4M3:
-      with_rows(v, [&](const auto& vr)
-                       HWY_ATTR { PvTyped<Fp8E4M3>(p, ldp, rows, n, vr, dv, alpha, o, ldo); });
-      break;
-    case DType::kFloat8E5M2:
-      with_rows(v, [&](const auto& vr)
-                       HWY_ATTR { PvTyped<Fp8E5M2>(p, ldp, rows, n, vr, dv, alpha, o, ldo); });
-      break;
-    case DType::kInt32:
-    case DType::kInt64:
-      HWY_ABORT("decode_pv: %s is not a cache dtype", dtype_name(dtype));
-  }
+  WithCacheType(dtype, "decode_pv", [&](auto type) HWY_ATTR {
+    with_rows(v, [&](const auto& vr) HWY_ATTR {
+      PvTyped<typename decltype(type)::type>(p, ldp, rows, n, vr, dv, alpha, o, ldo);
+    });
+  });
 }
 
 }  // namespace HWY_NAMESPACE

@@ -172,37 +172,11 @@ void QkTyped(const float* q, int64_t ldq, int64_t rows, const Rows& k, int64_t n
 void DecodeQk(const float* q, int64_t ldq, int64_t rows, DecodeRows k, DType dtype, int64_t n,
               int64_t d, float scale, float* s, int64_t lds) {
   if (rows <= 0 || n <= 0) return;
-  switch (dtype) {
-    case DType::kBFloat16:
-      with_rows(k, [&](const auto& kr) HWY_ATTR {
-        QkTyped<hwy::bfloat16_t>(q, ldq, rows, kr, n, d, scale, s, lds);
-      });
-      break;
-    case DType::kFloat16:
-      with_rows(k, [&](const auto& kr) HWY_ATTR {
-        QkTyped<hwy::float16_t>(q, ldq, rows, kr, n, d, scale, s, lds);
-      });
-      break;
-    case DType::kFloat32:
-      with_rows(k, [&](const auto& kr)
-                       HWY_ATTR { QkTyped<float>(q, ldq, rows, kr, n, d, scale, s, lds); });
-      break;
-    case DType::kInt8:
-      with_rows(k, [&](const auto& kr)
-                       HWY_ATTR { QkTyped<int8_t>(q, ldq, rows, kr, n, d, scale, s, lds); });
-      break;
-    case DType::kFloat8E4M3:
-      with_rows(k, [&](const auto& kr)
-                       HWY_ATTR { QkTyped<Fp8E4M3>(q, ldq, rows, kr, n, d, scale, s, lds); });
-      break;
-    case DType::kFloat8E5M2:
-      with_rows(k, [&](const auto& kr)
-                       HWY_ATTR { QkTyped<Fp8E5M2>(q, ldq, rows, kr, n, d, scale, s, lds); });
-      break;
-    case DType::kInt32:
-    case DType::kInt64:
-      HWY_ABORT("decode_qk: %s is not a cache dtype", dtype_name(dtype));
-  }
+  WithCacheType(dtype, "decode_qk", [&](auto type) HWY_ATTR {
+    with_rows(k, [&](const auto& kr) HWY_ATTR {
+      QkTyped<typename decltype(type)::type>(q, ldq, rows, kr, n, d, scale, s, lds);
+    });
+  });
 }
 
 }  // namespace HWY_NAMESPACE

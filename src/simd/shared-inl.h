@@ -67,6 +67,37 @@ struct Fp8E5M2 {
   uint8_t bits;
 };
 
+// A type as a value, for generic lambdas: typename decltype(tag)::type.
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+
+// f(TypeTag<T>()) with T the element type of a K/V cache of `dtype`: the decode kernels' one
+// dispatch from dtype to the code compiled for it. `kernel` names the caller in the abort for a
+// dtype no cache holds (the dispatch layer validates first).
+template <class F>
+HWY_INLINE void WithCacheType(DType dtype, const char* kernel, const F& f) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return f(TypeTag<hwy::bfloat16_t>());
+    case DType::kFloat16:
+      return f(TypeTag<hwy::float16_t>());
+    case DType::kFloat32:
+      return f(TypeTag<float>());
+    case DType::kInt8:
+      return f(TypeTag<int8_t>());
+    case DType::kFloat8E4M3:
+      return f(TypeTag<Fp8E4M3>());
+    case DType::kFloat8E5M2:
+      return f(TypeTag<Fp8E5M2>());
+    case DType::kInt32:
+    case DType::kInt64:
+      break;
+  }
+  HWY_ABORT("%s: %s is not a cache dtype", kernel, dtype_name(dtype));
+}
+
 // N values of a cache row from p, as float32 (8-bit formats: their codes' values, unscaled).
 template <class T>
 HWY_INLINE hn::Vec<DF> LoadAsFloat(DF df, const T* HWY_RESTRICT p) {
