@@ -16,12 +16,11 @@
 # and on the two 128-bit CPUs only, the head-dim grid's design check and two of its 14 shards
 # (HeadDimGridSmall.causal: every d, dv up to 160; HeadDimGridLarge.noncausal: 176..576), each
 # case on every target the CPU has.
-# Measured on a shared 2-core Xeon, wall, with x86 tests running beside it: the build 584 s,
-# bounded by src/simd/decode_pv.cc (550 s: GCC 12 spends minutes per SVE target on the PV tile's
-# instantiations; decode_qk.cc 176 s and ops.cc 32 s on the other core); the runs (ctest -j 2)
-# 14 s on cortex-a72, 32 s at 128 bits, 95 s at 512 bits. At 512 bits QEMU emulates SVE several
-# times slower (16 float lanes a vector): two grid shards took 237 s and 209 s there, with
-# another build sharing the cores, so that CPU runs no grid shard.
+# Measured in a clean-clone CI run on the 2-core Xeon: the build 159 s, bounded by
+# src/simd/decode_pv.cc (148 s; decode_qk.cc 57 s on the other core); the runs (ctest -j 2) 11 s
+# on cortex-a72, 26 s at 128 bits, 89 s at 512 bits. At 512 bits QEMU emulates SVE several times
+# slower (16 float lanes a vector): two grid shards took 237 s and 209 s there (with another build
+# sharing the cores), so that CPU runs no grid shard.
 # Left out, with the reason:
 #   - the rest of flashcte_tests and the reliability suite: each of their tests runs only the
 #     CPU's best target, and they cost minutes under emulation (flashcte_tests ran 249 of its
