@@ -86,34 +86,19 @@ HWY_INLINE void PvPanel(const float* p, int64_t ldp, int64_t rows, int64_t n, co
 // ~80 s (x86 Release, Xeon, one compile at a time). At one row per KV head (MHA) the tail joins the
 // last panel (one-row tiles); with more rows it is a 1-vector panel of its own.
 
-// A panel of `vectors` (1..kDecodePvCols) whole vectors.
-template <int64_t C, class T, class Rows>
+// A panel of `vectors` vectors (1..kDecodePvCols; with kTail 2..kDecodePvCols, the last one the
+// tail's `tail` columns), in row blocks of at most kMaxRows rows.
+template <int64_t C, bool kTail, int64_t kMaxRows, class T, class Rows>
 HWY_INLINE void PvPanelOf(int64_t vectors, const float* p, int64_t ldp, int64_t rows, int64_t n,
-                          const Rows& v, int64_t col, const float* alpha, float* o, int64_t ldo,
-                          int64_t prefetch_bytes, int64_t ahead) {
-  if constexpr (C >= 1) {
+                          const Rows& v, int64_t col, int64_t tail, const float* alpha, float* o,
+                          int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
+  if constexpr (C >= (kTail ? 2 : 1)) {
     if (vectors == C) {
-      PvPanel<C, false, T, Rows>(p, ldp, rows, n, v, col, 0, alpha, o, ldo, prefetch_bytes, ahead);
+      PvPanel<C, kTail, T, Rows, kMaxRows>(p, ldp, rows, n, v, col, tail, alpha, o, ldo,
+                                           prefetch_bytes, ahead);
     } else {
-      PvPanelOf<C - 1, T, Rows>(vectors, p, ldp, rows, n, v, col, alpha, o, ldo, prefetch_bytes,
-                                ahead);
-    }
-  }
-}
-
-// A panel of `vectors` (2..kDecodePvCols) vectors, the last one the tail's `tail` columns, for
-// one row.
-template <int64_t C, class T, class Rows>
-HWY_INLINE void PvTailPanelOf(int64_t vectors, const float* p, int64_t ldp, int64_t rows, int64_t n,
-                              const Rows& v, int64_t col, int64_t tail, const float* alpha,
-                              float* o, int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
-  if constexpr (C >= 2) {
-    if (vectors == C) {
-      PvPanel<C, true, T, Rows, 1>(p, ldp, rows, n, v, col, tail, alpha, o, ldo, prefetch_bytes,
-                                   ahead);
-    } else {
-      PvTailPanelOf<C - 1, T, Rows>(vectors, p, ldp, rows, n, v, col, tail, alpha, o, ldo,
-                                    prefetch_bytes, ahead);
+      PvPanelOf<C - 1, kTail, kMaxRows, T, Rows>(vectors, p, ldp, rows, n, v, col, tail, alpha, o,
+                                                 ldo, prefetch_bytes, ahead);
     }
   }
 }
@@ -136,12 +121,12 @@ void PvTyped(const float* p, int64_t ldp, int64_t rows, int64_t n, const Rows& v
     const int64_t width = std::min(panel, full - c0);
     const int64_t prefetch = c0 == 0 ? row_bytes : 0;
     if (!tail_done && rows == 1 && c0 + width == full && width < panel) {
-      PvTailPanelOf<kDecodePvCols, T, Rows>(width + 1, p, ldp, rows, n, v, c0 * N, tail, alpha,
-                                            o + c0 * N, ldo, prefetch, ahead);
+      PvPanelOf<kDecodePvCols, true, 1, T, Rows>(width + 1, p, ldp, rows, n, v, c0 * N, tail, alpha,
+                                                 o + c0 * N, ldo, prefetch, ahead);
       tail_done = true;
     } else {
-      PvPanelOf<kDecodePvCols, T, Rows>(width, p, ldp, rows, n, v, c0 * N, alpha, o + c0 * N, ldo,
-                                        prefetch, ahead);
+      PvPanelOf<kDecodePvCols, false, 4, T, Rows>(width, p, ldp, rows, n, v, c0 * N, 0, alpha,
+                                                  o + c0 * N, ldo, prefetch, ahead);
     }
   }
   if (!tail_done) {
