@@ -98,15 +98,15 @@ HWY_INLINE void WithCacheType(DType dtype, const char* kernel, const F& f) {
   HWY_ABORT("%s: %s is not a cache dtype", kernel, dtype_name(dtype));
 }
 
-// N values of a cache row from p, as float32 (8-bit formats: their codes' values, unscaled).
-template <class T>
-HWY_INLINE hn::Vec<DF> LoadAsFloat(DF df, const T* HWY_RESTRICT p) {
+// The lanes of d at p, through load(d, p) (every load of a cache row goes through here).
+template <class T, class Load>
+HWY_INLINE hn::Vec<DF> LoadAsFloatWith(DF df, const T* HWY_RESTRICT p, const Load& load) {
   if constexpr (std::is_same_v<T, float>) {
-    return hn::LoadU(df, p);
+    return load(df, p);
   } else if constexpr (std::is_same_v<T, int8_t>) {
     const hn::RebindToSigned<DF> di;
     const hn::Rebind<int8_t, DF> d8;
-    return hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, p)));
+    return hn::ConvertTo(df, hn::PromoteTo(di, load(d8, p)));
   } else if constexpr (std::is_same_v<T, Fp8E4M3> || std::is_same_v<T, Fp8E5M2>) {
     // Through binary16, exactly: e5m2 is binary16's upper byte; e4m3fn's 7 magnitude bits placed
     // at binary16's bits 7..13 (exponent bias 15 against 7) are its value times 2^-8, subnormals
@@ -116,7 +116,7 @@ HWY_INLINE hn::Vec<DF> LoadAsFloat(DF df, const T* HWY_RESTRICT p) {
     const hn::Rebind<uint8_t, DF> d8;
     const hn::Rebind<uint16_t, DF> d16;
     const hn::Rebind<hwy::float16_t, DF> dh;
-    const auto bytes = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const uint8_t*>(p)));
+    const auto bytes = hn::PromoteTo(d16, load(d8, reinterpret_cast<const uint8_t*>(p)));
     if constexpr (std::is_same_v<T, Fp8E5M2>) {
       return hn::PromoteTo(df, hn::BitCast(dh, hn::ShiftLeft<8>(bytes)));
     } else {
@@ -129,18 +129,34 @@ HWY_INLINE hn::Vec<DF> LoadAsFloat(DF df, const T* HWY_RESTRICT p) {
     }
   } else {
     const hn::Rebind<T, DF> dh;
-    return hn::PromoteTo(df, hn::LoadU(dh, p));
+    return hn::PromoteTo(df, load(dh, p));
   }
 }
 
+// N values of a cache row from p, as float32 (8-bit formats: their codes' values, unscaled).
+template <class T>
+HWY_INLINE hn::Vec<DF> LoadAsFloat(DF df, const T* HWY_RESTRICT p) {
+  return LoadAsFloatWith(df, p, [](auto d, const auto* q) HWY_ATTR { return hn::LoadU(d, q); });
+}
+
 // The `count` (< N) values at p, zero-extended to N, as float32: the tail of a row that may end
-// a mapping.
+// a mapping. Where the target's masked loads never touch the lanes they leave out (AVX-512, SVE),
+// one masked load of the lanes' bits; elsewhere through a zeroed copy.
 template <class T>
 HWY_INLINE hn::Vec<DF> LoadTailAsFloat(DF df, const T* HWY_RESTRICT p, int64_t count) {
+#if !HWY_MEM_OPS_MIGHT_FAULT
+  return LoadAsFloatWith(df, p, [count](auto d, const auto* q) HWY_ATTR {
+    const hn::RebindToUnsigned<decltype(d)> du;
+    using U = hn::TFromD<decltype(du)>;
+    return hn::BitCast(d, hn::MaskedLoad(hn::FirstN(du, static_cast<size_t>(count)), du,
+                                         reinterpret_cast<const U*>(q)));
+  });
+#else
   HWY_ALIGN T buf[kMaxLanes];
   std::memset(static_cast<void*>(buf), 0, sizeof buf);
   std::memcpy(static_cast<void*>(buf), p, static_cast<size_t>(count) * sizeof(T));
   return LoadAsFloat(df, buf);
+#endif
 }
 
 }  // namespace HWY_NAMESPACE

@@ -5,6 +5,8 @@
 // buffer and in the cache rows' padding (a value read past the contract turns a result into NaN),
 // and a float64 reference.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -84,6 +86,11 @@ class CacheRows {
     return 0;
   }
   std::vector<unsigned char> snapshot() const { return bytes_; }
+  // The rows' bytes from the first row's start to the last row's end (not reversed).
+  std::vector<unsigned char> span(int64_t cols) const {
+    const int64_t elements = rows_ > 0 ? (rows_ - 1) * ld_ + cols : 0;
+    return {bytes_.begin(), bytes_.begin() + elements * elem_};
+  }
 
  private:
   uint32_t canary_bits() const {
@@ -335,6 +342,109 @@ TEST(SimdDecodePv, EveryRowCountStrideAndAlphaMode) {
       }
     }
   });
+}
+
+// A copy of cache rows whose last byte is the last before a page the process may not read, as
+// the last row of a cache may end its mapping: a kernel that loads past a row's end faults.
+class RowsBeforeAnUnreadablePage {
+ public:
+  RowsBeforeAnUnreadablePage(const std::vector<unsigned char>& bytes, int64_t row_bytes,
+                             int64_t rows)
+      : row_bytes_(row_bytes), rows_(rows) {
+    const auto page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    const size_t readable = (bytes.size() + page - 1) / page * page;
+    size_ = readable + page;
+    void* map = mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED) {
+      ADD_FAILURE() << "mmap of " << size_ << " bytes failed";
+      return;
+    }
+    map_ = static_cast<unsigned char*>(map);
+    if (mprotect(map_ + readable, page, PROT_NONE) != 0) ADD_FAILURE() << "mprotect failed";
+    start_ = map_ + readable - bytes.size();
+    std::memcpy(start_, bytes.data(), bytes.size());
+  }
+  RowsBeforeAnUnreadablePage(const RowsBeforeAnUnreadablePage&) = delete;
+  RowsBeforeAnUnreadablePage& operator=(const RowsBeforeAnUnreadablePage&) = delete;
+  ~RowsBeforeAnUnreadablePage() {
+    if (map_ != nullptr) munmap(map_, size_);
+  }
+  bool ok() const { return map_ != nullptr; }
+  simd::DecodeRows rows() const { return simd::DecodeRows::strided(start_, row_bytes_, rows_); }
+
+ private:
+  unsigned char* map_ = nullptr;
+  unsigned char* start_ = nullptr;
+  size_t size_ = 0;
+  int64_t row_bytes_, rows_;
+};
+
+// Every decode kernel (portable, and native where this CPU runs it) on K / V rows whose last one
+// ends at an unreadable page, at every head dim edge (column tails of every size): no fault, and
+// bit for bit the results of the same call on the rows in an ordinary buffer, which the testers
+// above hold to the float64 reference.
+TEST(SimdDecode, NoLoadPastTheLastRow) {
+  std::mt19937 rng(18);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f), u01(0.0f, 1.0f);
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
+  for_each_target([&](const simd::Ops& ops) {
+    for (DType dtype : kDtypes) {
+      const simd::Bf16DotOps* native = simd::bf16_dot_for(ops);
+      const bool has_native =
+          native != nullptr && std::find(std::begin(kNativeDtypes), std::end(kNativeDtypes),
+                                         dtype) != std::end(kNativeDtypes);
+      for (int64_t d : dims(ops.lanes)) {
+        SCOPED_TRACE(std::string(ops.target) + ", " + dtype_name(dtype) + ", d " +
+                     std::to_string(d));
+        constexpr int64_t n = 3;
+        CacheRows kv(dtype, n, d, d);
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t x = 0; x < d; ++x) kv.set(j, x, u(rng));
+        }
+        const RowsBeforeAnUnreadablePage edge(kv.span(d), d * dtype_size(dtype), n);
+        ASSERT_TRUE(edge.ok());
+        const int64_t ldq = round_up(d, 32), ldo = round_up(d, std::max<int64_t>(16, ops.lanes));
+        for (int64_t rows : {1, 2, 4}) {
+          std::vector<float> q(static_cast<size_t>(rows * ldq), 0.0f), p(rows * n), alpha(rows);
+          std::vector<uint16_t> q2(q.size(), 0);
+          std::vector<float> o(static_cast<size_t>(rows * ldo), 0.0f);
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t x = 0; x < d; ++x) {
+              q2[r * ldq + x] = half::float_to_bf16(u(rng));
+              q[r * ldq + x] = half::bf16_to_float(q2[r * ldq + x]);
+              o[r * ldo + x] = u(rng);
+            }
+            for (int64_t j = 0; j < n; ++j) {
+              p[r * n + j] = half::bf16_to_float(half::float_to_bf16(u01(rng)));
+            }
+            alpha[r] = u01(rng);
+          }
+          // S and O from the rows in `cache`, portable or native kernels.
+          const auto run = [&](const simd::DecodeRows& cache, bool use_native) {
+            std::vector<float> s(rows * n), out = o;
+            if (use_native) {
+              native->decode_qk(q2.data(), ldq, rows, cache, dtype, n, d, 0.5f, s.data(), n);
+              native->decode_pv(p.data(), n, rows, n, cache, dtype, d, alpha.data(), out.data(),
+                                ldo);
+            } else {
+              ops.decode_qk(q.data(), ldq, rows, cache, dtype, n, d, 0.5f, s.data(), n);
+              ops.decode_pv(p.data(), n, rows, n, cache, dtype, d, alpha.data(), out.data(), ldo);
+            }
+            s.insert(s.end(), out.begin(), out.end());
+            return s;
+          };
+          for (bool use_native : {false, true}) {
+            if (use_native && !has_native) continue;
+            const std::vector<float> want = run(kv.rows(), use_native),
+                                     got = run(edge.rows(), use_native);
+            EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
+                << "rows " << rows << (use_native ? ", native" : "");
+          }
+        }
+      }
+    }
+  });
+  simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
 }
 
 // The native bfloat16 kernels (decode_bf16-inl.h) where this CPU runs them: the AVX-512 targets
