@@ -13,6 +13,11 @@
 #   EveryTarget          the core suite's tests that run each target the CPU has (SimdTargets,
 #                        DecodeTargets, DecodePaged, DecodeKv8, Kv8Prior)
 #   ^simd_report$        the report as a CTest entry: fails if a runnable target does not run
+#   -L layer             the attention layer's suite (tests/layer: its projections through
+#                        OpenBLAS, loaded from libopenblas0:arm64; RoPE, the KV cache and its
+#                        pages, GQA weights and tensor-parallel ranks), in a ctest call of its own
+#                        since CTest intersects -R and -L: 76 tests, 5 s, 5 s and 9 s on the
+#                        three CPUs (this Xeon)
 # and on the two 128-bit CPUs only, the head-dim grid's design check and two of its 14 shards
 # (HeadDimGridSmall.causal: every d, dv up to 160; HeadDimGridLarge.noncausal: 176..576), each
 # case on every target the CPU has.
@@ -25,8 +30,6 @@
 #   - the rest of flashcte_tests and the reliability suite: each of their tests runs only the
 #     CPU's best target, and they cost minutes under emulation (flashcte_tests ran 249 of its
 #     1,147 tests in under 4 minutes on cortex-a72); the x86 run covers their logic.
-#   - the layer suite (ctest -L layer, OpenBLAS loaded from libopenblas0:arm64): 76 tests, all
-#     passing, 10 s, 10 s and 21 s on the three CPUs, but the build leaves no room for them.
 #   - the other 12 grid shards: 7-15 s each on the 128-bit CPUs (up to 27 s under load), 200 s
 #     and more at 512 bits.
 #   - the CLI's GoogleTest suites (flashcte_cli_tests, flashcte_reliability_cli_tests): they
@@ -49,18 +52,19 @@ SECONDS=0
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCTE_WERROR=ON \
   -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake --no-warn-unused-cli >/dev/null
 cmake --build "$BUILD" -j "$JOBS" --target flashcte_simd_tests flashcte_tests \
-  flashcte_head_dim_grid_tests flashcte_simd_report
+  flashcte_head_dim_grid_tests flashcte_layer_tests flashcte_simd_report
 printf -- '-- (%ds) built\n' "$SECONDS"
 
 TESTS='^Simd|EveryTarget|^simd_report$'
 GRID='^HeadDimGridDesign\.Covers$|^HeadDimGridSmall\.causal$|^HeadDimGridLarge\.noncausal$'
 run_on() {  # QEMU_CPU value, what it emulates, the ctest regex
-  printf '\n-- (%ds) emulated CPU QEMU_CPU=%s (%s): simd_report, then ctest -R "%s"\n' \
+  printf '\n-- (%ds) emulated CPU QEMU_CPU=%s (%s): simd_report, ctest -R "%s", the layer suite\n' \
     "$SECONDS" "$1" "$2" "$3"
   # QEMU_CPU is read by qemu-aarch64, which CTest runs every test under (the toolchain file's
   # CMAKE_CROSSCOMPILING_EMULATOR).
   QEMU_CPU="$1" qemu-aarch64 "$BUILD/tests/flashcte_simd_report"
   QEMU_CPU="$1" ctest --test-dir "$BUILD" -LE long -R "$3" --output-on-failure -j "$JOBS"
+  QEMU_CPU="$1" ctest --test-dir "$BUILD" -L layer --output-on-failure -j "$JOBS"
 }
 run_on cortex-a72 "NEON only" "$TESTS|$GRID"
 run_on max,sve-default-vector-length=16 "SVE and SVE2 at 128 bits" "$TESTS|$GRID"
