@@ -64,14 +64,14 @@ double Median(std::vector<double> v) {
 // shuffled-runs read rate (ReadBandwidth::MeasureRuns).
 void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<double>& ms,
               double bandwidth, double speed_ratio, double runs_bandwidth, bool header) {
+  const bool paged = block_size > 0;
   const double median_ms = Median(ms);
   const double gbps = c.kv_bytes() / (median_ms * 1e-3) * 1e-9;
   // A call cannot read faster than memory: a ratio above 1 says the measurement is the one wrong
   // (a guest whose bandwidth moved between the passes, or a read pattern the pass does not
   // reach), and is printed with a warning, never alone.
-  const bool above = gbps > bandwidth || (block_size > 0 && gbps > runs_bandwidth);
+  const bool above = gbps > bandwidth || (paged && gbps > runs_bandwidth);
   if (c.json) {
-    const bool paged = block_size > 0;
     PrintJsonLine({{"impl", "flashcte-decode"},
                    {"dtype", dtype_name(c.dtype)},
                    {"kv_dtype", dtype_name(c.cache_dtype)},
@@ -103,7 +103,6 @@ void PrintRow(const DecodeConfig& c, int64_t block_size, const std::vector<doubl
                 "batch", "heads/kv", "d", "cached", "new", "cache", "thr", "cold", "median_ms",
                 "KV_MB", "KV_GB/s", "read_GB/s", "ratio", "vs_dense", "runs_GB/s", "vs_runs");
   }
-  const bool paged = block_size > 0;
   const std::string cache = paged ? "page" + std::to_string(block_size) : "dense";
   const auto fixed = [paged](double x, int decimals) {
     if (!paged) return std::string("-");
