@@ -129,8 +129,9 @@ DecodeResult decode(const Tensor4& q, const TensorView& k, const TensorView& v,
                     const TensorView& k_scale, const TensorView& v_scale,
                     const std::vector<int64_t>& positions, const TensorView& table) {
   Tensor4 out(q.view().dtype, {kBatch, kQHeads, kTokens, kDv});
+  out.fill_nan();
   DecodeResult r;
-  r.lse.assign(kBatch * kQHeads * kTokens, 0.0f);
+  r.lse = nan_floats(kBatch * kQHeads * kTokens);
   DecodeOptions o;
   o.scale = static_cast<float>(1.0 / std::sqrt(double{kD}));
   o.k_scale = k_scale;

@@ -226,7 +226,8 @@ DecodeRun run_decode_case(const DecodeCase& c, bool with_reference = true) {
   Tensor4 k(c.dtype, {c.batch, c.kv_heads, c.max_len, c.d}, c.strided);
   Tensor4 v(c.dtype, {c.batch, c.kv_heads, c.max_len, dv}, c.strided);
   Tensor4 out(c.dtype, {c.batch, c.q_heads, T, dv}, c.strided);
-  std::vector<float> lse(static_cast<size_t>(c.batch * c.q_heads * T));
+  out.fill_nan();
+  std::vector<float> lse = nan_floats(c.batch * c.q_heads * T);
   std::vector<float> sink(static_cast<size_t>(c.q_heads));
   std::vector<int64_t> positions;
   for (int64_t b = 0; b < c.batch; ++b) {
@@ -291,12 +292,9 @@ DecodeRun run_decode_case(const DecodeCase& c, bool with_reference = true) {
 
 double max_abs(const std::vector<double>& xs) {
   double m = 0;
-  for (double x : xs) m = std::max(m, std::fabs(x));
-  return m;
-}
-double max_err(const std::vector<double>& a, const std::vector<double>& b) {
-  double m = 0;
-  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  for (double x : xs) {
+    if (std::isfinite(x)) m = std::max(m, std::fabs(x));
+  }
   return m;
 }
 
@@ -308,18 +306,20 @@ Tolerance tolerance(const DecodeCase& c, const DecodeRun& r) {
   const double m = max_abs(r.exact_out), logits = std::max(1.0, max_abs(r.exact_lse));
   if (c.dtype == DType::kFloat32) return {1e-5 * m, 1e-5 * logits + 1e-5};
   const double u = c.dtype == DType::kBFloat16 ? std::ldexp(1.0, -8) : std::ldexp(1.0, -11);
-  return {std::min(2 * max_err(r.plain_out, r.exact_out) + u * m, 1e-5 + 2e-2 * m),
-          2 * max_err(r.plain_lse, r.exact_lse) + u * logits + 1e-5};
+  return {std::min(2 * max_abs_diff(r.plain_out, r.exact_out) + u * m, 1e-5 + 2e-2 * m),
+          2 * max_abs_diff(r.plain_lse, r.exact_lse) + u * logits + 1e-5};
 }
 
 ::testing::AssertionResult within(const char* what, const std::vector<double>& got,
                                   const std::vector<double>& want, double tol) {
   if (got.size() != want.size()) return ::testing::AssertionFailure() << what << ": sizes differ";
+  // A plain implementation whose error is not finite gives no bound.
+  if (!std::isfinite(tol)) return ::testing::AssertionFailure() << what << ": tolerance " << tol;
   for (size_t i = 0; i < got.size(); ++i) {
-    if (!(std::fabs(got[i] - want[i]) <= tol)) {
+    if (!(abs_error(got[i], want[i]) <= tol)) {
       return ::testing::AssertionFailure()
              << what << "[" << i << "] = " << got[i] << ", want " << want[i] << " within " << tol
-             << " (worst error " << max_err(got, want) << ")";
+             << " (worst error " << max_abs_diff(got, want) << ")";
     }
   }
   return ::testing::AssertionSuccess();

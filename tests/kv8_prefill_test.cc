@@ -172,7 +172,7 @@ struct Prefill {
           for (int64_t x = 0; x < kDv; ++x) {
             const double y = reference::load_element(out.data(), dtype, (b * kSq + i) * kDv + x);
             top = std::max(top, std::fabs(exact.out_at(b, i, x)));
-            err = std::max(err, std::fabs(y - exact.out_at(b, i, x)));
+            err = std::max(err, abs_error(y, exact.out_at(b, i, x)));
           }
         }
       }
@@ -182,7 +182,7 @@ struct Prefill {
   Result run(const Options& o) const {
     HostTensor out(q.dtype(), {kKvHeads * kGroup, kSq, kDv});
     Result r;
-    r.lse.assign(static_cast<size_t>(kKvHeads * kGroup * kSq), 0.0f);
+    r.lse = nan_floats(kKvHeads * kGroup * kSq);
     Outputs outputs;
     outputs.out = out.mutable_view();
     outputs.lse =

@@ -428,7 +428,7 @@ TEST(Reference, PlainErrorIsOfTheDtypesOrder) {
         reference::attention_plain(t.q.view(), t.k.view(), t.v.view(), t.options, &plain).ok);
     double err = 0, m = 0;
     for (size_t i = 0; i < exact.out.size(); ++i) {
-      err = std::max(err, std::fabs(plain.out[i] - exact.out[i]));
+      err = std::max(err, abs_error(plain.out[i], exact.out[i]));
       m = std::max(m, std::fabs(exact.out[i]));
     }
     if (dt == DType::kFloat32) {

@@ -21,22 +21,29 @@
 // On aarch64 each run target also runs a bfloat16 call, which is widened to float32 there (the
 // native kernels, bf16_dot.h, are x86 only):
 //     SVE2 bfloat16 matmuls: widened to float32 run (no native BFDOT/BFMMLA kernels built)
-// Exit status 1 when a runnable target does not dispatch or its call fails.
+// Then the fast paths this CPU requires a test run to exercise (tests/cpu_requirements.h: AVX3
+// where /proc/cpuinfo lists AVX-512, the native kernels where it also lists avx512_bf16 and
+// avx512_vnni), each with whether it ran and why it is or is not required.
+// Exit status 1 when a runnable target does not dispatch or its call fails, or a required fast
+// path did not run.
 //
 // --simulate-no-avx512 (a CTest entry checks the wording with it): Highway is told to treat the
 // AVX-512 targets as unsupported (hwy::DisableTargets), which is what it concludes on a CPU or OS
 // without AVX-512, and the summary line says that it is a simulation.
 #include <hwy/targets.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flashcte/flashcte.h"
+#include "tests/cpu_requirements.h"
 #include "src/simd/bf16_dot.h"
 #include "src/simd/ops.h"
 
@@ -132,7 +139,7 @@ bool smoke_call(flashcte::DType dtype, std::string* why) {
 
 // For an AVX-512 target: which of the two bfloat16 matmul paths ran (src/simd/bf16_dot.h), as a
 // line of the report. Native needs AVX512_BF16; the automatic policy picks it on AMD only.
-std::string bf16_line(const std::string& target, bool* ok) {
+std::string bf16_line(const std::string& target, bool* ok, bool* native_ran) {
   namespace simd = flashcte::simd;
   std::string line = "    " + target + " bfloat16 matmuls: ";
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
@@ -142,6 +149,7 @@ std::string bf16_line(const std::string& target, bool* ok) {
   std::string why;
   if (native) {
     if (smoke_call(flashcte::DType::kBFloat16, &why)) {
+      *native_ran = true;
       line += std::string("native vdpbf16ps run") + (auto_native ? " (automatic choice)" : "");
     } else {
       *ok = false;
@@ -211,7 +219,7 @@ int main(int argc, char** argv) {
   for (int64_t t : hwy::SupportedAndGeneratedTargets()) runnable |= t;
 
   std::vector<std::string> compiled_names, run_names, lines;
-  bool ok = true;
+  bool ok = true, native_ran = false;
   for (const Known& t : known_targets()) {
     const std::string name = hwy::TargetName(t.bit);
     const std::string label = "  " + name + " (" + t.what + "): ";
@@ -227,7 +235,7 @@ int main(int argc, char** argv) {
       if (why.empty()) {
         run_names.push_back(name);
         lines.push_back(label + "compiled, run");
-        if (name.rfind("AVX3", 0) == 0) lines.push_back(bf16_line(name, &ok));
+        if (name.rfind("AVX3", 0) == 0) lines.push_back(bf16_line(name, &ok, &native_ran));
 #if HWY_ARCH_ARM_A64
         lines.push_back(arm_bf16_line(name, &ok));
 #endif
@@ -252,5 +260,23 @@ int main(int argc, char** argv) {
               simulate ? " (SIMULATED CPU without AVX-512)" : "", join(compiled_names).c_str(),
               join(run_names).c_str(), chosen.c_str());
   for (const std::string& line : lines) std::printf("%s\n", line.c_str());
+
+  // What this CPU requires a run to exercise (tests/cpu_requirements.h), and whether it ran.
+  // A simulated CPU without AVX-512 requires nothing of it.
+  using flashcte::test::FastPath;
+  std::printf("Required fast paths:\n");
+  const bool avx3_ran = std::find(run_names.begin(), run_names.end(), "AVX3") != run_names.end();
+  for (const auto& [path, ran] : {std::pair{FastPath::kAvx3, avx3_ran},
+                                  std::pair{FastPath::kNativeKernels, native_ran}}) {
+    std::string reason;
+    const bool required = !simulate && flashcte::test::must_run(path, &reason);
+    if (simulate) reason = "not required: simulated CPU without AVX-512";
+    const char* status = ran ? "run" : required ? "REQUIRED but NOT run" : "not run";
+    std::printf("  %s: %s; %s\n", flashcte::test::fast_path_name(path), status, reason.c_str());
+    if (required && !ran) ok = false;
+  }
+  if (flashcte::test::cpu_has_flag("amx_bf16")) {
+    std::printf("  amx: not run; the CPU lists amx_bf16, the library has no AMX kernels yet\n");
+  }
   return ok ? 0 : 1;
 }

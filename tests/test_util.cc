@@ -637,13 +637,31 @@ bool long_tests_enabled() {
 TileConfig neuron_tiles() { return TileConfig{128, 512, 8192, 10240}; }
 TileConfig odd_tiles() { return TileConfig{5, 24, 48, 0}; }
 
-double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b) {
+double abs_error(double got, double want) {
+  if (std::isfinite(got) && std::isfinite(want)) return std::fabs(got - want);
+  const bool same = got == want || (std::isnan(got) && std::isnan(want));
+  return same ? 0.0 : std::numeric_limits<double>::infinity();
+}
+
+double max_abs_diff(const std::vector<double>& got, const std::vector<double>& want) {
+  if (got.size() != want.size()) return std::numeric_limits<double>::infinity();
   double m = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::isinf(a[i]) && a[i] == b[i]) continue;
-    m = std::max(m, std::fabs(a[i] - b[i]));
-  }
+  for (size_t i = 0; i < got.size(); ++i) m = std::max(m, abs_error(got[i], want[i]));
   return m;
+}
+
+::testing::AssertionResult within_plain_error(const std::vector<double>& got,
+                                              const std::vector<double>& plain,
+                                              const std::vector<double>& exact, double factor,
+                                              double floor) {
+  const double err = max_abs_diff(got, exact), plain_err = max_abs_diff(plain, exact);
+  if (!std::isfinite(plain_err)) {
+    return ::testing::AssertionFailure() << "the plain implementation's error is " << plain_err;
+  }
+  const double bound = factor * plain_err + floor;
+  if (err <= bound) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "error " << err << " > " << factor << " x plain error "
+                                       << plain_err << " + " << floor;
 }
 
 ::testing::AssertionResult refused_for(const Status& s, const std::string& argument) {

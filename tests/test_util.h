@@ -10,6 +10,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -156,8 +157,28 @@ TileConfig odd_tiles();
 // point's errors do.
 ::testing::AssertionResult refused_for(const Status& s, const std::string& argument);
 
-// The largest |a[i] - b[i]|, equal infinities (an empty row's lse) counting as no error.
-double max_abs_diff(const std::vector<double>& a, const std::vector<double>& b);
+// The error of one value against its reference: |got - want| where both are finite, 0 where both
+// are NaN or the same infinity (an empty row's lse), and +inf where only one side is finite or the
+// infinities differ. So a `<= tolerance` check on it, or on a maximum of it, never passes a NaN,
+// an Inf or an element left at the NaN sentinel where the reference is finite, nor the reverse;
+// `std::max(m, |a - b|)` would drop a NaN.
+double abs_error(double got, double want);
+
+// The largest abs_error(got[i], want[i]); +inf when the lengths differ.
+double max_abs_diff(const std::vector<double>& got, const std::vector<double>& want);
+
+// got's largest error against `exact` is at most `factor` times that of a plain same-precision
+// implementation (`plain`) plus `floor` (FlashAttention's rule). Fails on a NaN/Inf mismatch in
+// `got`, and when the plain implementation's own error is not finite (no bound to hold it to).
+::testing::AssertionResult within_plain_error(const std::vector<double>& got,
+                                              const std::vector<double>& plain,
+                                              const std::vector<double>& exact, double factor,
+                                              double floor);
+
+// n float32 NaNs: an lse output that the kernel must overwrite everywhere.
+inline std::vector<float> nan_floats(int64_t n) {
+  return std::vector<float>(static_cast<size_t>(n), std::numeric_limits<float>::quiet_NaN());
+}
 
 // Each case of `shapes` once per attention dtype (float32, bfloat16, float16), its name suffixed
 // with the dtype's ("<name>_bfloat16"); Case has `name` and `dtype`.
@@ -211,6 +232,12 @@ class Tensor4 {
     return t;
   }
   MutableTensorView mutable_view() { return {bytes_.data(), dtype_, 4, shape_, strides_}; }
+  // Every byte 0xFF: a NaN in float32, bfloat16 and float16, so an output element the kernel
+  // never writes fails the NaN-aware comparisons (abs_error).
+  Tensor4& fill_nan() {
+    std::fill(bytes_.begin(), bytes_.end(), static_cast<unsigned char>(0xFF));
+    return *this;
+  }
   const std::vector<unsigned char>& bytes() const { return bytes_; }
   std::vector<unsigned char>& bytes() { return bytes_; }
 

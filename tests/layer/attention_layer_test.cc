@@ -127,7 +127,7 @@ class SideBySide {
     for (size_t i = 0; i < expected.size(); ++i)
       largest = std::max(largest, std::fabs(expected[i]));
     for (size_t i = 0; i < expected.size(); ++i) {
-      worst = std::max(worst, std::fabs(read(out_h, out_f, t, i) - expected[i]));
+      worst = std::max(worst, flashcte::test::abs_error(read(out_h, out_f, t, i), expected[i]));
     }
     const double bound = 12 * ulp_of(t) * std::max(largest, 1e-3);
     EXPECT_LE(worst, bound) << what << " (" << dtype_name(t) << "): largest output " << largest;

@@ -13,6 +13,7 @@
 
 #include "flashcte/layer.h"
 #include "tests/layer/layer_test_util.h"
+#include "tests/test_util.h"
 
 namespace flashcte::reference::test {
 namespace {
@@ -72,7 +73,7 @@ void expect_ranks_sum_to_layer(
       double sum = w.o_bias[i % static_cast<size_t>(c.hidden_size)];
       for (const Outputs& rank : ranks) sum += rank.steps[step][i];
       largest = std::max(largest, std::fabs(static_cast<double>(expected[i])));
-      worst = std::max(worst, std::fabs(sum - expected[i]));
+      worst = std::max(worst, flashcte::test::abs_error(sum, expected[i]));
     }
     EXPECT_LE(worst, 1e-5 * largest)
         << heads << "/" << kv_heads << " heads at tp " << tp << ", call " << step;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "src/reference/layer_reference.h"
+#include "tests/test_util.h"
 
 namespace flashcte::layer {
 namespace {
@@ -469,7 +470,7 @@ TEST(GqaLayer, RankPartialsSumToTheUnshardedLayer) {
     double max_error = 0, max_abs = 0;
     for (size_t i = 0; i < sum.size(); ++i) {
       const double with_bias = sum[i] + w.o_bias[i % hidden];
-      max_error = std::max(max_error, std::abs(with_bias - full[i]));
+      max_error = std::max(max_error, flashcte::test::abs_error(with_bias, full[i]));
       max_abs = std::max(max_abs, std::abs(full[i]));
     }
     EXPECT_GT(max_abs, 0.1);

@@ -20,6 +20,7 @@
 
 #include "src/reference/reference.h"
 #include "src/simd/ops.h"
+#include "tests/cpu_requirements.h"
 #include "tests/simd/tester.h"
 
 namespace flashcte::test {
@@ -164,10 +165,10 @@ void run_pv(const simd::Bf16DotOps& dot, int64_t rows, int64_t n, int64_t dv, bo
   EXPECT_EQ(alpha.unchanged(), "") << "alpha written";
 }
 
-#define SKIP_WITHOUT_NATIVE(dot)                                                                \
-  if (!(dot)) {                                                                                 \
-    GTEST_SKIP() << "this CPU lacks AVX512_BF16 (or AVX-512): the native bf16 kernels did not " \
-                    "run";                                                                      \
+#define SKIP_WITHOUT_NATIVE(dot)                                                   \
+  if (!(dot)) {                                                                    \
+    FLASHCTE_SKIP_UNLESS_REQUIRED(FastPath::kNativeKernels,                        \
+                                  "the native bf16 kernels are not offered here"); \
   }
 
 TEST(SimdBf16DotQk, EveryHeadDimAndColumnEdge) {

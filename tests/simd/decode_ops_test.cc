@@ -22,6 +22,7 @@
 #include "src/core/kv8.h"
 #include "src/simd/bf16_dot.h"
 #include "src/simd/ops.h"
+#include "tests/cpu_requirements.h"
 #include "tests/simd/tester.h"
 
 namespace flashcte::test {
@@ -483,7 +484,9 @@ TEST(SimdDecodeBf16Native, QkAndPvAtEveryEdge) {
     }
   });
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
-  if (ran.empty()) GTEST_SKIP() << "this CPU has no AVX512_BF16: the native kernels cannot run";
+  if (ran.empty()) {
+    FLASHCTE_SKIP_UNLESS_REQUIRED(FastPath::kNativeKernels, "the native kernels ran on no target");
+  }
 }
 
 // The native int8 kernels' int16 steps at their limits (decode_bf16-inl.h): QK at d = 1024 with
@@ -542,8 +545,9 @@ TEST(SimdDecodeInt8Native, StepsAtTheirLimits) {
     }
   });
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
-  if (ran.empty())
-    GTEST_SKIP() << "this CPU has no AVX512_BF16 and VNNI: the native kernels cannot run";
+  if (ran.empty()) {
+    FLASHCTE_SKIP_UNLESS_REQUIRED(FastPath::kNativeKernels, "the native kernels ran on no target");
+  }
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "src/simd/ops.h"
+#include "tests/cpu_requirements.h"
 
 namespace flashcte::test {
 
@@ -99,11 +100,18 @@ class GuardedBuffer {
 
 // Calls body(ops) with the table of every SIMD target this CPU runs (the kernel's dispatch
 // follows hwy::SetSupportedTargetsForTest), under a trace that names the target; returns the
-// names of the targets that ran.
+// names of the targets that ran. Fails where AVX3 is required here (cpu_requirements.h) and
+// is not among them.
 template <class Body>
 std::vector<std::string> for_each_target(const Body& body) {
   std::vector<std::string> ran;
-  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  std::string reason;
+  if (must_run(FastPath::kAvx3, &reason)) {
+    EXPECT_NE(std::find(targets.begin(), targets.end(), HWY_AVX3), targets.end())
+        << "AVX3 does not run, " << reason;
+  }
+  for (int64_t target : targets) {
     hwy::SetSupportedTargetsForTest(target);
     const simd::Ops& ops = simd::ops();
     ran.emplace_back(ops.target);
