@@ -68,7 +68,7 @@ for stage in "${STAGES[@]}"; do
       # FLASHCTE_ASAN_CTEST_ARGS="-LE long|head_dim_grid_large" (ctest keeps only the last -LE).
       ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:detect_stack_use_after_return=1:check_initialization_order=1 \
       UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-        ctest --test-dir build-asan -LE long \
+        ctest --test-dir build-asan -LE long --no-tests=error \
         -E '^install_consumer$|PairTest.*_(bfloat16|float16)$|^LargeD/' \
         -j "$JOBS" --output-on-failure \
         --timeout 1200 ${FLASHCTE_ASAN_CTEST_ARGS:-}
@@ -100,7 +100,7 @@ for stage in "${STAGES[@]}"; do
       log=build-tsan/tsan.log
       OMP_TOOL_LIBRARIES="$archer" ARCHER_OPTIONS="verbose=1" \
       TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1" \
-        ctest --test-dir build-tsan -L threads --output-on-failure -V --timeout 1800 >"$log" 2>&1 ||
+        ctest --test-dir build-tsan -L threads --no-tests=error --output-on-failure -V --timeout 1800 >"$log" 2>&1 ||
         { tail -n 200 "$log"; exit 1; }
       grep -E "tests passed|Total Test time" "$log"
       # Without Archer the run would be meaningless (or full of libgomp-style false positives).

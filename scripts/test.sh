@@ -25,7 +25,7 @@ section "clang-tidy"
 scripts/lint.sh build/ci
 
 section "ctest"
-ctest --test-dir build/ci -LE long --output-on-failure -j "$JOBS"
+ctest --test-dir build/ci -LE long --no-tests=error --output-on-failure -j "$JOBS"
 # What that run exercised: the SIMD targets compiled into the library and the ones this CPU ran
 # (every target-iterating test runs exactly those); on a CPU without AVX-512 it says the AVX-512
 # code did not run. Also a CTest entry (simd_report), which fails if a runnable target does not.
@@ -37,7 +37,7 @@ build/ci/tests/flashcte_simd_report
 # the library's dispatch capped, not another CPU (the CPU's other code still sees AVX-512).
 if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
   section "ctest, dispatch capped at AVX2"
-  FLASHCTE_SIMD_TARGET=AVX2 ctest --test-dir build/ci -LE long --output-on-failure -j "$JOBS"
+  FLASHCTE_SIMD_TARGET=AVX2 ctest --test-dir build/ci -LE long --no-tests=error --output-on-failure -j "$JOBS"
   FLASHCTE_SIMD_TARGET=AVX2 build/ci/tests/flashcte_simd_report
 fi
 
