@@ -15,7 +15,6 @@
 #include <string>
 #include <vector>
 
-#include "src/core/half.h"
 #include "src/reference/reference.h"
 #include "src/simd/ops.h"
 #include "tests/simd/tester.h"
@@ -246,6 +245,41 @@ TEST(SimdClassify, SeesEveryPositionAndNothingPastN) {
   });
 }
 
+// The bits Ops::from_float must write for src in `dtype` (bfloat16 or float16), from the float64
+// oracle rather than the library's own half:: conversions: a number rounds as
+// reference::round_to_dtype does (to nearest, ties to even, subnormals kept, overflow to
+// infinity), and the test encodes that value by hand (bfloat16: the high half of its float32 bits,
+// exact since every bfloat16 value is a float32 one; float16: sign, biased exponent and fraction
+// read off the value). A NaN is quieted keeping its sign and the top of its payload (ops.h:
+// half::float_to_bf16's and float_to_f16's bits): bfloat16 the high half with the quiet bit
+// 0x0040 set, float16 0x7E00 with payload bits 22..13.
+uint16_t reference_half(float src, DType dtype) {
+  uint32_t bits;
+  std::memcpy(&bits, &src, sizeof bits);
+  const auto sign = static_cast<uint16_t>(bits >> 16 & 0x8000u);
+  if (std::isnan(src)) {
+    return dtype == DType::kBFloat16
+               ? static_cast<uint16_t>(bits >> 16 | 0x0040u)
+               : static_cast<uint16_t>(sign | 0x7E00u | (bits >> 13 & 0x3FFu));
+  }
+  const double r = reference::round_to_dtype(src, dtype);
+  if (dtype == DType::kBFloat16) {
+    const auto f = static_cast<float>(r);  // exact: a bfloat16 value
+    std::memcpy(&bits, &f, sizeof bits);
+    EXPECT_EQ(bits & 0xFFFFu, 0u) << r << " is no bfloat16 value";
+    return static_cast<uint16_t>(bits >> 16);
+  }
+  const double a = std::fabs(r);
+  if (std::isinf(a)) return static_cast<uint16_t>(sign | 0x7C00u);
+  if (a < 0x1p-14) {  // subnormal or zero: a multiple of 2^-24
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(a * 0x1p24));
+  }
+  int e;
+  std::frexp(a, &e);  // a = m 2^e, m in [0.5, 1): the leading bit is 2^(e - 1)
+  const auto fraction = static_cast<uint32_t>(std::ldexp(a, 1 - e) * 1024.0 - 1024.0);
+  return static_cast<uint16_t>(sign | static_cast<uint32_t>(e - 1 + 15) << 10 | fraction);
+}
+
 // Every dtype, exact (the conversions are exact), with source elements past n that decode to
 // NaN, and the float32 destination guarded.
 TEST(SimdToFloat, ExactEveryDtype) {
@@ -268,8 +302,7 @@ TEST(SimdToFloat, ExactEveryDtype) {
             const float f = static_cast<float>(x);
             std::memcpy(&src[i * size], &f, sizeof f);
           } else {
-            const uint16_t bits =
-                dt == DType::kBFloat16 ? half::double_to_bf16(x) : half::double_to_f16(x);
+            const uint16_t bits = reference_half(static_cast<float>(x), dt);  // x is exact
             std::memcpy(&src[i * size], &bits, sizeof bits);
           }
           if (i < n) want[i] = reference::load_element(src.data(), dt, i);
@@ -356,12 +389,11 @@ TEST(SimdNarrowBf16, ExactHighHalves) {
   });
 }
 
-// Ops::from_float to `dtype` (bfloat16 or float16) against its scalar rounding, bit for bit, on
-// every target and every edge length (plus a long row): the planted bit patterns first, then
-// draw() for the rest. An odd n must leave the half after the last element alone.
+// Ops::from_float to `dtype` (bfloat16 or float16) against reference_half, bit for bit, on every
+// target and every edge length (plus a long row): the planted bit patterns first, then draw() for
+// the rest. An odd n must leave the half after the last element alone.
 template <class Draw>
-void ExpectRoundsAsScalar(DType dtype, uint16_t (*scalar)(float),
-                          const std::vector<uint32_t>& planted, Draw draw) {
+void ExpectRoundsAsTheReference(DType dtype, const std::vector<uint32_t>& planted, Draw draw) {
   for_each_target([&](const simd::Ops& ops) {
     std::vector<int64_t> lengths = edge_lengths(ops.lanes);
     lengths.push_back(4099);
@@ -376,7 +408,7 @@ void ExpectRoundsAsScalar(DType dtype, uint16_t (*scalar)(float),
       auto* dst = reinterpret_cast<uint16_t*>(out.data());
       ops.from_float(src.data(), dtype, n, dst);
       for (int64_t i = 0; i < n; ++i) {
-        EXPECT_EQ(dst[i], scalar(src[i])) << "element " << i << ", " << src[i];
+        EXPECT_EQ(dst[i], reference_half(src[i], dtype)) << "element " << i << ", " << src[i];
       }
       if (n % 2) {
         EXPECT_EQ(dst[n], static_cast<uint16_t>(kCanaryBits >> 16)) << "element n";
@@ -386,30 +418,29 @@ void ExpectRoundsAsScalar(DType dtype, uint16_t (*scalar)(float),
   });
 }
 
-// from_float to bfloat16 rounds to nearest even and quiets NaNs exactly as half::float_to_bf16,
-// over random bit patterns (every class: zeros, subnormals, normals, the ties, overflow to inf,
-// inf, NaN).
-TEST(SimdRoundBf16, AsTheScalarRoundingBitForBit) {
+// from_float to bfloat16 rounds to nearest even and quiets NaNs as the reference does, over random
+// bit patterns (every class: zeros, subnormals, normals, the ties, overflow to inf, inf, NaN).
+TEST(SimdRoundBf16, AsTheReferenceRoundingBitForBit) {
   std::mt19937 rng(8);
   std::uniform_int_distribution<uint32_t> any_bits;
-  ExpectRoundsAsScalar(
-      DType::kBFloat16, &half::float_to_bf16,
+  ExpectRoundsAsTheReference(
+      DType::kBFloat16,
       {0x00000000u, 0x80000000u, 0x00000001u, 0x007FFFFFu, 0x3F808000u, 0x3F818000u, 0x3F80FFFFu,
        0x7F7FFFFFu, 0xFF7F8000u, 0x7F800000u, 0xFF800000u, 0x7F800001u, 0xFFC00000u, 0x7FFFFFFFu},
       [&](int64_t) { return any_bits(rng); });
 }
 
-// from_float to float16 rounds exactly as half::float_to_f16: random bit patterns, random values
-// across float16's range (where most random bits overflow or vanish), and planted edges: signed
-// zeros, the ties at 2^-25 (to zero) and between subnormals, the smallest normal and the largest
+// from_float to float16 rounds as the reference does: random bit patterns, random values across
+// float16's range (where most random bits overflow or vanish), and planted edges: signed zeros,
+// the ties at 2^-25 (to zero) and between subnormals, the smallest normal and the largest
 // subnormal, 1 + half an ulp (even) and 1 + 3 half ulps (odd), 65504, 65520 (a tie that reaches
 // infinity), infinities and NaNs, signalling ones included.
-TEST(SimdRoundF16, AsTheScalarRoundingBitForBit) {
+TEST(SimdRoundF16, AsTheReferenceRoundingBitForBit) {
   std::mt19937 rng(9);
   std::uniform_int_distribution<uint32_t> any_bits;
   std::uniform_int_distribution<uint32_t> exponent(100, 145), mantissa(0, 0x7FFFFFu);
-  ExpectRoundsAsScalar(
-      DType::kFloat16, &half::float_to_f16,
+  ExpectRoundsAsTheReference(
+      DType::kFloat16,
       {0x00000000u, 0x80000000u, 0x00000001u, 0x33000000u, 0x33000001u, 0xB3000000u, 0x33800000u,
        0x33C00000u, 0x34200000u, 0x387FC000u, 0x387FE000u, 0x38800000u, 0x3F801000u, 0x3F803000u,
        0x3F801001u, 0x477FE000u, 0x477FEFFFu, 0x477FF000u, 0xC77FF000u, 0x7F800000u, 0xFF800000u,
