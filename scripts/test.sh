@@ -41,6 +41,12 @@ if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
   FLASHCTE_SIMD_TARGET=AVX2 build/ci/tests/flashcte_simd_report
 fi
 
+# The `long` tests (full-size Neuron shapes, the 10,000 random configurations): a sample drawn
+# from the commit hash, printed with the number that reproduces it; scripts/test_long.sh --all
+# runs them all.
+section "long tests (a sample)"
+scripts/test_long.sh build/ci
+
 # aarch64 without ARM hardware: the library cross-built with every aarch64 target (NEON, SVE,
 # SVE2, SVE_256, SVE2_128), its SIMD tests run under qemu-aarch64 on a NEON-only CPU and on SVE
 # CPUs with 128- and 512-bit vectors, with the report of what ran on each.
