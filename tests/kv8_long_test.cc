@@ -27,7 +27,8 @@
 // reference::round_to_dtype and its codes come from a table of all 256 codes decoded by
 // reference::load_element; nothing of the library's encoder (quantize_kv, src/core/kv8.h) is used.
 //
-// Cost (Release, the shared 2-core AMD EPYC, idle): the whole file 5-6 s CPU; see each test.
+// Cost (Release, the shared 2-core AMD EPYC Zen 4): the whole file 5-6 s CPU idle (see each test),
+// 17-23 s with two other builds running.
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 
@@ -493,6 +494,32 @@ void decode_reference(const std::vector<double>& q, const LongCache& kc, const L
   }
 }
 
+// The checks every format x granularity pair gets in one q dtype: `run(pages, threads)` (pages
+// null for the dense caches) on 1 thread against the oracle, on 3 threads bitwise that, and on
+// every page layout and thread count bitwise the dense result.
+template <class Run>
+void expect_dense_and_paged(const Run& run, const std::vector<LongPages>& pages, DType dtype,
+                            const std::vector<double>& want_out,
+                            const std::vector<double>& want_lse, double top, double top_v) {
+  const Outcome dense = run(nullptr, 1);
+  ASSERT_TRUE(dense.status.ok) << dense.status.message;
+  EXPECT_TRUE(within("out", decoded(dense.out, dtype), want_out, out_tolerance(dtype, top, top_v)));
+  EXPECT_TRUE(within("lse", widened(dense.lse), want_lse, lse_tolerance(want_lse)));
+  const Outcome threads = run(nullptr, 3);
+  ASSERT_TRUE(threads.status.ok) << threads.status.message;
+  EXPECT_TRUE(same_bits(threads.out, dense.out)) << "3 threads";
+  EXPECT_TRUE(same_bits(threads.lse, dense.lse)) << "3 threads";
+  for (const LongPages& p : pages) {
+    for (int n : kThreadCounts) {
+      SCOPED_TRACE(p.describe() + ", " + std::to_string(n) + " threads");
+      const Outcome paged = run(&p, n);
+      ASSERT_TRUE(paged.status.ok) << paged.status.message;
+      EXPECT_TRUE(same_bits(paged.out, dense.out));
+      EXPECT_TRUE(same_bits(paged.lse, dense.lse));
+    }
+  }
+}
+
 // One format x granularity pair: the oracle once, then q in each dtype on the dense caches (1
 // thread against the oracle, 3 threads bitwise it) and in six page layouts x 2 thread counts
 // (bitwise the dense result). Measured: 1.3 s for the nine pairs.
@@ -516,28 +543,13 @@ TEST(Kv8LongDecode, EveryFormatGranularityLayoutBlockSizeAndThreadCount) {
       for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
         SCOPED_TRACE(std::string("q ") + dtype_name(dtype));
         const Tensor4 qt = decode_queries(dtype, q);
-        const Outcome dense = decode(qt, kc.decode_view(), vc.decode_view(), kc.decode_scale(),
-                                     vc.decode_scale(), {}, 1);
-        ASSERT_TRUE(dense.status.ok) << dense.status.message;
-        EXPECT_TRUE(
-            within("out", decoded(dense.out, dtype), want_out, out_tolerance(dtype, top, top_v)));
-        EXPECT_TRUE(within("lse", widened(dense.lse), want_lse, lse_tolerance(want_lse)));
-        const Outcome threads = decode(qt, kc.decode_view(), vc.decode_view(), kc.decode_scale(),
-                                       vc.decode_scale(), {}, 3);
-        ASSERT_TRUE(threads.status.ok) << threads.status.message;
-        EXPECT_TRUE(same_bits(threads.out, dense.out)) << "3 threads";
-        EXPECT_TRUE(same_bits(threads.lse, dense.lse)) << "3 threads";
-        for (const LongPages& p : pages) {
-          for (int n : kThreadCounts) {
-            SCOPED_TRACE(p.describe() + ", " + std::to_string(n) + " threads");
-            const Outcome paged =
-                decode(qt, p.decode_view(p.k), p.decode_view(p.v), p.decode_scale(p.k),
-                       p.decode_scale(p.v), p.table_view(), n);
-            ASSERT_TRUE(paged.status.ok) << paged.status.message;
-            EXPECT_TRUE(same_bits(paged.out, dense.out));
-            EXPECT_TRUE(same_bits(paged.lse, dense.lse));
-          }
-        }
+        const auto run = [&](const LongPages* p, int threads) {
+          return p ? decode(qt, p->decode_view(p->k), p->decode_view(p->v), p->decode_scale(p->k),
+                            p->decode_scale(p->v), p->table_view(), threads)
+                   : decode(qt, kc.decode_view(), vc.decode_view(), kc.decode_scale(),
+                            vc.decode_scale(), {}, threads);
+        };
+        expect_dense_and_paged(run, pages, dtype, want_out, want_lse, top, top_v);
       }
     }
   }
@@ -678,28 +690,14 @@ TEST(Kv8LongVarlen, EveryFormatGranularityLayoutBlockSizeAndThreadCount) {
             }
           }
         }
-        const Outcome dense = varlen(qt, kc.kvcache_view(), vc.kvcache_view(), kc.kvcache_scale(),
-                                     vc.kvcache_scale(), {}, 1);
-        ASSERT_TRUE(dense.status.ok) << dense.status.message;
-        EXPECT_TRUE(
-            within("out", decoded(dense.out, dtype), want_out, out_tolerance(dtype, top, top_v)));
-        EXPECT_TRUE(within("lse", widened(dense.lse), want_lse, lse_tolerance(want_lse)));
-        const Outcome threads = varlen(qt, kc.kvcache_view(), vc.kvcache_view(), kc.kvcache_scale(),
-                                       vc.kvcache_scale(), {}, 3);
-        ASSERT_TRUE(threads.status.ok) << threads.status.message;
-        EXPECT_TRUE(same_bits(threads.out, dense.out)) << "3 threads";
-        EXPECT_TRUE(same_bits(threads.lse, dense.lse)) << "3 threads";
-        for (const LongPages& p : pages) {
-          for (int n : kThreadCounts) {
-            SCOPED_TRACE(p.describe() + ", " + std::to_string(n) + " threads");
-            const Outcome paged =
-                varlen(qt, p.kvcache_view(p.k), p.kvcache_view(p.v), p.kvcache_scale(p.k),
-                       p.kvcache_scale(p.v), p.table_view(), n);
-            ASSERT_TRUE(paged.status.ok) << paged.status.message;
-            EXPECT_TRUE(same_bits(paged.out, dense.out));
-            EXPECT_TRUE(same_bits(paged.lse, dense.lse));
-          }
-        }
+        const auto run = [&](const LongPages* p, int threads) {
+          return p ? varlen(qt, p->kvcache_view(p->k), p->kvcache_view(p->v),
+                            p->kvcache_scale(p->k), p->kvcache_scale(p->v), p->table_view(),
+                            threads)
+                   : varlen(qt, kc.kvcache_view(), vc.kvcache_view(), kc.kvcache_scale(),
+                            vc.kvcache_scale(), {}, threads);
+        };
+        expect_dense_and_paged(run, pages, dtype, want_out, want_lse, top, top_v);
       }
     }
   }
