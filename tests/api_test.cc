@@ -29,9 +29,17 @@ struct ValidCall {
           for (int64_t c = 0; c < t->shape()[2]; ++c) t->set(a, b, c, 0.25 * ((a + b + c) % 5));
     outputs.out = out.mutable_view();
   }
+  HostTensor* out_tensor = &out;  // the storage behind outputs.out, unless a test aliases it
+  // Runs the call; a refused one must leave q, k, v and the output (NaN beforehand) as they were.
   Status run(const TensorView& qv, const TensorView& kv) {
+    BufferSnapshot snap;
+    snap.add("q", q.bytes()).add("k", k.bytes()).add("v", v.bytes());
+    snap.add_output("out", out_tensor->mutable_view().data, out_tensor->bytes().size());
     Status s;
     EXPECT_NO_THROW(s = attention_cte(qv, kv, v.view(), outputs, options));
+    if (!s.ok) {
+      EXPECT_TRUE(snap.unchanged()) << s.message;
+    }
     return s;
   }
   Status run() { return run(q.view(), k.view()); }
@@ -60,6 +68,7 @@ TEST(Validation, BatchNotAMultipleOfKvBatchIsAnError) {
   HostTensor q3(DType::kFloat32, {3, 16, 8});
   HostTensor out3(DType::kFloat32, {3, 16, 8});
   call.outputs.out = out3.mutable_view();
+  call.out_tensor = &out3;
   EXPECT_TRUE(refused_for(call.run(q3.view(), call.k.view()), "q"));
 }
 

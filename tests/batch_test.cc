@@ -265,37 +265,72 @@ TEST(RankFourBatch, RefusedCallsNameTheArgumentAndWriteNothing) {
   Batch t(DType::kFloat32);
   const TensorView q = t.q.view_swapping_axes_1_2(), k = t.k.view_swapping_axes_1_2();
   const TensorView v = t.v.view_swapping_axes_1_2();
-  const std::vector<unsigned char> before = t.out.bytes();
-  const std::vector<float> lse_before = t.lse;
-  const auto unchanged = [&] { return t.out.bytes() == before && t.lse == lse_before; };
+  // A paged prior from one pool for the last case.
+  const int64_t prior = 19, block = 4, pages_per = (prior + block - 1) / block;
+  const int64_t pool_pages = kBatch * pages_per + 2;
+  Tensor4 kpool(DType::kFloat32, {pool_pages, kKvHeads, block, kD});
+  Tensor4 vpool(DType::kFloat32, {pool_pages, kKvHeads, block, kDv});
+  std::vector<int32_t> table(static_cast<size_t>(kBatch * pages_per));
+  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(i);
+  // Refused for `argument` with every buffer of the call as it was, out and lse included (filled
+  // with NaN first).
+  const auto refuses = [&](const TensorView& keys, const Outputs& outputs, const Options& o,
+                           const std::string& argument, const char* what) {
+    BufferSnapshot snap;
+    snap.add("q", t.q.bytes()).add("k", t.k.bytes()).add("v", t.v.bytes());
+    snap.add("alibi_slopes", t.slopes).add("key_bias", t.bias).add("sink", t.sink);
+    snap.add("bound_min", t.lo).add("bound_max", t.hi);
+    snap.add("k_prior pool", kpool.bytes()).add("v_prior pool", vpool.bytes());
+    snap.add("prior_block_table", table);
+    snap.add_output("out", t.out.bytes()).add_output("lse", t.lse);
+    const Status s = attention_cte(q, keys, v, outputs, o);
+    EXPECT_TRUE(refused_for(s, argument)) << what;
+    EXPECT_TRUE(snap.unchanged()) << what;
+    return s.message;
+  };
 
-  EXPECT_TRUE(refused_for(attention_cte(q, entry(k, 0), v, t.outputs, t.options), "k"));
+  refuses(entry(k, 0), t.outputs, t.options, "k", "k without its batch axis");
   Options o = t.options;
   o.key_bias.shape[0] = 2;
-  EXPECT_TRUE(refused_for(attention_cte(q, k, v, t.outputs, o), "key_bias"));
+  refuses(k, t.outputs, o, "key_bias", "key_bias of 2 entries");
   o = t.options;
   o.alibi_slopes = entry(t.options.alibi_slopes, 0);  // (heads,): no batch axis
-  EXPECT_TRUE(refused_for(attention_cte(q, k, v, t.outputs, o), "alibi_slopes"));
+  refuses(k, t.outputs, o, "alibi_slopes", "alibi_slopes without the batch axis");
   // Entry 2 only: a bound past the keys.
   t.hi[static_cast<size_t>(2 * kSq + 5)] = static_cast<int32_t>(kSkv + 1);
-  const Status s = attention_cte(q, k, v, t.outputs, t.options);
-  EXPECT_TRUE(refused_for(s, "bound_max"));
-  EXPECT_NE(s.message.find("(batch entry 2)"), std::string::npos) << s.message;
+  std::string message =
+      refuses(k, t.outputs, t.options, "bound_max", "entry 2's bound past the keys");
+  EXPECT_NE(message.find("(batch entry 2)"), std::string::npos) << message;
   t.hi[static_cast<size_t>(2 * kSq + 5)] = static_cast<int32_t>(kSkv - 10);
-  // An output over an input.
+  // An output over an input, its entries and heads on one row (so also overlapping itself).
   Outputs over = t.outputs;
   over.lse = {const_cast<float*>(t.bias.data()),  // NOLINT(cppcoreguidelines-pro-type-const-cast)
               DType::kFloat32,
               3,
               {kBatch, kHeads, kSq},
               {0, 0, 1}};
-  EXPECT_TRUE(refused_for(attention_cte(q, k, v, over, t.options), "lse"));
-  EXPECT_TRUE(unchanged());
+  refuses(k, over, t.options, "lse", "lse on one row over key_bias");
   // Two entries writing the same output rows.
   Outputs shared = t.outputs;
   shared.out.strides[0] = 0;
-  EXPECT_TRUE(refused_for(attention_cte(q, k, v, shared, t.options), "out"));
-  EXPECT_TRUE(unchanged());
+  refuses(k, shared, t.options, "out", "entries sharing out");
+  // A paged prior whose table names a page past the pool for entry 2 only.
+  o = t.options;
+  o.key_bias = {};  // sized for Skv without a prior
+  o.bound_min = {};
+  o.bound_max = {};
+  o.k_prior = kpool.view();
+  o.v_prior = vpool.view();
+  o.prior_block_table =
+      TensorView{table.data(), DType::kInt32, 3, {kBatch, 1, pages_per}, {pages_per, 0, 1}};
+  o.prior_used_len = {prior - 3};
+  {
+    const Status ok = attention_cte(q, k, v, t.outputs, o);
+    ASSERT_TRUE(ok.ok) << ok.message;
+  }
+  table[static_cast<size_t>(2 * pages_per + 1)] = static_cast<int32_t>(pool_pages);
+  message = refuses(k, t.outputs, o, "prior_block_table", "entry 2's page past the pool");
+  EXPECT_NE(message.find("(batch entry 2)"), std::string::npos) << message;
 }
 
 }  // namespace

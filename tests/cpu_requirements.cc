@@ -58,9 +58,7 @@ bool capped_below_avx3(std::string* cap) {
 
 }  // namespace
 
-const char* fast_path_name(FastPath path) {
-  return path == FastPath::kAvx3 ? "avx3" : "native";
-}
+const char* fast_path_name(FastPath path) { return path == FastPath::kAvx3 ? "avx3" : "native"; }
 
 bool cpu_has_flag(const std::string& flag) { return cpu_flags().count(flag) != 0; }
 
@@ -84,8 +82,8 @@ bool must_run(FastPath path, std::string* reason) {
               std::getenv("FLASHCTE_ALLOW_SKIP") + " although /proc/cpuinfo lists " + what;
     return false;
   }
-  *reason = "required: /proc/cpuinfo lists " + what + " (FLASHCTE_ALLOW_SKIP=" +
-            fast_path_name(path) + " would allow the skip)";
+  *reason = "required: /proc/cpuinfo lists " + what +
+            " (FLASHCTE_ALLOW_SKIP=" + fast_path_name(path) + " would allow the skip)";
   return true;
 #else
   // Both paths are x86's (and under qemu-user, /proc/cpuinfo is the x86 host's).

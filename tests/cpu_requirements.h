@@ -40,13 +40,13 @@ bool cpu_has_flag(const std::string& flag);
 
 // Skips the current GoogleTest test with `message` where `path` is not required here, and fails it
 // where it is (must_run): a required fast path that did not run is a failure, not a skip.
-#define FLASHCTE_SKIP_UNLESS_REQUIRED(path, message)                 \
-  do {                                                               \
-    std::string flashcte_reason;                                     \
-    if (::flashcte::test::must_run(path, &flashcte_reason)) {        \
-      FAIL() << message << ", but " << flashcte_reason;              \
-    }                                                                \
-    GTEST_SKIP() << message << " (" << flashcte_reason << ")";       \
+#define FLASHCTE_SKIP_UNLESS_REQUIRED(path, message)           \
+  do {                                                         \
+    std::string flashcte_reason;                               \
+    if (::flashcte::test::must_run(path, &flashcte_reason)) {  \
+      FAIL() << message << ", but " << flashcte_reason;        \
+    }                                                          \
+    GTEST_SKIP() << message << " (" << flashcte_reason << ")"; \
   } while (false)
 
 #endif  // FLASHCTE_TESTS_CPU_REQUIREMENTS_H_

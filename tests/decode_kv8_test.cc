@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -251,39 +252,143 @@ TEST(DecodeKv8, ScalesAreCheckedByName) {
   Tensor4 q(DType::kFloat32, {kBatch, kQHeads, kTokens, kD});
   const std::vector<int64_t> positions = {1, 2, 3, 4};
   Tensor4 out(DType::kFloat32, {kBatch, kQHeads, kTokens, kDv});
-  const std::vector<unsigned char> before = out.bytes();
+  std::vector<float> lse(static_cast<size_t>(kBatch * kQHeads * kTokens));
   DecodeOutputs outputs;
   outputs.out = out.mutable_view();
+  outputs.lse =
+      MutableTensorView::contiguous(lse.data(), DType::kFloat32, {kBatch, kQHeads, kTokens});
   const TensorView pos = TensorView::contiguous(positions.data(), DType::kInt64, {kBatch, kTokens});
+  std::vector<float> bad;
+  std::vector<float> tokens(static_cast<size_t>(kBatch * kKvHeads * (kMaxLen - 1)), 1.0f);
+  Tensor4 vf(DType::kFloat32, {kBatch, kKvHeads, kMaxLen, kDv});
+  Tensor4 vh(DType::kFloat16, {kBatch, kKvHeads, kMaxLen, kDv});
+  // Refused for `argument` with every buffer of the call as it was, out and lse included.
+  const auto refuses = [&](const TensorView& v, const DecodeOptions& o, const std::string& argument,
+                           const std::string& what) {
+    BufferSnapshot snap;
+    snap.add("q", q.bytes()).add("positions", positions);
+    snap.add("k_cache", kc.codes).add("k_scale", kc.scale);
+    snap.add("v_cache", vc.codes).add("v_scale", vc.scale);
+    snap.add("bad scale", bad).add("per-token scale", tokens);
+    snap.add("float32 v_cache", vf.bytes()).add("float16 v_cache", vh.bytes());
+    snap.add_output("out", out.bytes()).add_output("lse", lse);
+    EXPECT_TRUE(refused_for(decode_attention(q.view(), kc.view(), v, pos, outputs, o), argument))
+        << what;
+    EXPECT_TRUE(snap.unchanged()) << what;
+  };
   DecodeOptions o;
   o.v_scale = vc.scale_view();
-  EXPECT_TRUE(refused_for(decode_attention(q.view(), kc.view(), vc.view(), pos, outputs, o),
-                          "k_scale"));  // missing
-  std::vector<float> bad = {0.5f, 0.0f};
+  refuses(vc.view(), o, "k_scale", "missing");
+  bad = {0.5f, 0.0f};
   o.k_scale = TensorView::contiguous(bad.data(), DType::kFloat32, {2});
-  EXPECT_TRUE(
-      refused_for(decode_attention(q.view(), kc.view(), vc.view(), pos, outputs, o), "k_scale"));
+  refuses(vc.view(), o, "k_scale", "an entry 0");
   bad = {0.5f, 0.5f, 0.5f};
   o.k_scale = TensorView::contiguous(bad.data(), DType::kFloat32, {3});
-  EXPECT_TRUE(
-      refused_for(decode_attention(q.view(), kc.view(), vc.view(), pos, outputs, o), "k_scale"));
+  refuses(vc.view(), o, "k_scale", "neither (1,) nor (kv_heads,)");
   // Per token, but not the cache's shape without its last axis.
-  std::vector<float> tokens(static_cast<size_t>(kBatch * kKvHeads * (kMaxLen - 1)), 1.0f);
   o.k_scale =
       TensorView::contiguous(tokens.data(), DType::kFloat32, {kBatch, kKvHeads, kMaxLen - 1});
-  EXPECT_TRUE(
-      refused_for(decode_attention(q.view(), kc.view(), vc.view(), pos, outputs, o), "k_scale"));
+  refuses(vc.view(), o, "k_scale", "per token, one slot short");
   // A scale for a float cache.
-  Tensor4 vf(DType::kFloat32, {kBatch, kKvHeads, kMaxLen, kDv});
   o.k_scale = kc.scale_view();
-  EXPECT_TRUE(
-      refused_for(decode_attention(q.view(), kc.view(), vf.view(), pos, outputs, o), "v_scale"));
+  refuses(vf.view(), o, "v_scale", "a scale beside a float32 cache");
   // A float cache in another dtype than q's is still refused.
-  Tensor4 vh(DType::kFloat16, {kBatch, kKvHeads, kMaxLen, kDv});
   o.v_scale = {};
-  EXPECT_TRUE(
-      refused_for(decode_attention(q.view(), kc.view(), vh.view(), pos, outputs, o), "v_cache"));
-  EXPECT_EQ(out.bytes(), before);
+  refuses(vh.view(), o, "v_cache", "a float16 cache beside float32 q");
+}
+
+// Paged 8-bit caches (K int8 with per-token scales in the pages, V e5m2 with per-head scales):
+// bad pages, scales, block sizes, positions and outputs over a cache's memory are refused by
+// name, with every buffer of the call (codes, scales, the table, positions, q, out, lse) byte for
+// byte as it was.
+struct PagedDecode8 {
+  Cache8 kc{DType::kInt8, kD, 2, 1}, vc{DType::kFloat8E5M2, kDv, 1, 2};
+  Pages8 kp{kc, 4}, vp{vc, 4};  // the same shuffle: one table for both
+  Tensor4 q{DType::kFloat32, {kBatch, kQHeads, kTokens, kD}};
+  Tensor4 out{DType::kFloat32, {kBatch, kQHeads, kTokens, kDv}};
+  std::vector<float> lse = std::vector<float>(static_cast<size_t>(kBatch * kQHeads * kTokens));
+  // Sequence 0 reads all its pages, sequence 1 its pages 0 to 5.
+  std::vector<int64_t> positions = {kMaxLen - 2, kMaxLen - 1, 19, 20};
+  std::vector<float> three = {0.5f, 0.5f, 0.5f};
+  TensorView k, v, pos;
+  DecodeOptions options;
+  DecodeOutputs outputs;
+
+  PagedDecode8()
+      : k(kp.view(kc)),
+        v(vp.view(vc)),
+        pos(TensorView::contiguous(positions.data(), DType::kInt64, {kBatch, kTokens})) {
+    options.k_scale = kp.scale_view(kc);
+    options.v_scale = vp.scale_view(vc);
+    options.block_table = kp.table_view();
+    outputs.out = out.mutable_view();
+    outputs.lse =
+        MutableTensorView::contiguous(lse.data(), DType::kFloat32, {kBatch, kQHeads, kTokens});
+  }
+  Status run() const { return decode_attention(q.view(), k, v, pos, outputs, options); }
+  BufferSnapshot snapshot() {
+    BufferSnapshot snap;
+    snap.add("q", q.bytes()).add("positions", positions).add("block_table", kp.table);
+    snap.add("k_cache pages", kp.codes).add("k_scale pages", kp.scale);
+    snap.add("v_cache pages", vp.codes).add("v_scale", vc.scale);
+    snap.add("dense k_cache", kc.codes).add("dense k_scale", kc.scale);
+    snap.add("dense v_cache", vc.codes).add("three scales", three);
+    snap.add_output("out", out.bytes()).add_output("lse", lse);
+    return snap;
+  }
+};
+
+struct BadPaged8 {
+  const char* what;
+  const char* argument;
+  void (*breaks)(PagedDecode8&);
+};
+
+const BadPaged8 kBadPaged8[] = {
+    {"a page past num_blocks that sequence 1 reads", "block_table",
+     [](PagedDecode8& c) {
+       c.kp.table[static_cast<size_t>(c.kp.pages + 5)] = static_cast<int32_t>(kBatch * c.kp.pages);
+     }},
+    {"a negative page that sequence 1 reads", "block_table",
+     [](PagedDecode8& c) { c.kp.table[static_cast<size_t>(c.kp.pages)] = -1; }},
+    {"block_table int64", "block_table",
+     [](PagedDecode8& c) { c.options.block_table.dtype = DType::kInt64; }},
+    {"a position past sequence 1's pages", "positions",
+     [](PagedDecode8& c) { c.positions[3] = 40; }},
+    {"v_cache of another block size", "v_cache", [](PagedDecode8& c) { c.v.shape[2] = 2; }},
+    {"block_size 0", "k_cache", [](PagedDecode8& c) { c.k.shape[2] = c.v.shape[2] = 0; }},
+    {"per-token k_scale in the dense cache's shape", "k_scale",
+     [](PagedDecode8& c) { c.options.k_scale = c.kc.scale_view(); }},
+    {"per-token k_scale of another block size", "k_scale",
+     [](PagedDecode8& c) { c.options.k_scale.shape[2] = 3; }},
+    {"k_scale float16", "k_scale",
+     [](PagedDecode8& c) { c.options.k_scale.dtype = DType::kFloat16; }},
+    {"v_scale missing", "v_scale", [](PagedDecode8& c) { c.options.v_scale = {}; }},
+    {"v_scale with a NaN entry", "v_scale",
+     [](PagedDecode8& c) { c.vc.scale[1] = std::numeric_limits<float>::quiet_NaN(); }},
+    {"v_scale with an entry 0", "v_scale", [](PagedDecode8& c) { c.vc.scale[0] = 0.0f; }},
+    {"v_scale of 3 entries for 2 KV heads", "v_scale",
+     [](PagedDecode8& c) {
+       c.options.v_scale = TensorView::contiguous(c.three.data(), DType::kFloat32, {3});
+     }},
+    {"out over a K page", "out", [](PagedDecode8& c) { c.outputs.out.data = c.kp.codes.data(); }},
+    {"lse over the per-token k_scale", "lse",
+     [](PagedDecode8& c) { c.outputs.lse.data = c.kp.scale.data(); }},
+};
+
+TEST(DecodeKv8, PagedRefusalsWriteNothing) {
+  {
+    PagedDecode8 valid;
+    const Status s = valid.run();
+    ASSERT_TRUE(s.ok) << s.message;
+  }
+  for (const BadPaged8& bad : kBadPaged8) {
+    PagedDecode8 call;
+    bad.breaks(call);
+    const BufferSnapshot snap = call.snapshot();
+    EXPECT_TRUE(refused_for(call.run(), bad.argument)) << bad.what;
+    EXPECT_TRUE(snap.unchanged()) << bad.what;
+  }
 }
 
 }  // namespace

@@ -638,6 +638,13 @@ struct ValidDecode {
     EXPECT_NO_THROW(s = decode_attention(qv, kv, vv, pos, outputs, options));
     return s;
   }
+  // Every buffer of the call, out and lse filled with NaN first.
+  BufferSnapshot snapshot() {
+    BufferSnapshot snap;
+    snap.add("q", q).add("k_cache", k).add("v_cache", v).add("positions", positions);
+    snap.add("sink", sink).add_output("out", out).add_output("lse", lse);
+    return snap;
+  }
 };
 
 TEST(DecodeValidation, TheValidCallSucceeds) {
@@ -710,7 +717,9 @@ TEST(DecodeValidation, EveryBadInputIsRefusedWithItsArgumentNamed) {
   for (const BadInput& bad : kBadInputs) {
     ValidDecode call;
     bad.breaks(call);
+    const BufferSnapshot snap = call.snapshot();
     EXPECT_TRUE(refused_for(call.run(), bad.argument)) << bad.what;
+    EXPECT_TRUE(snap.unchanged()) << bad.what;
   }
 }
 
@@ -722,6 +731,11 @@ struct ValidPagedDecode : ValidDecode {
     kv = TensorView::contiguous(k.data(), DType::kFloat32, {5, 2, 4, 8});
     vv = TensorView::contiguous(v.data(), DType::kFloat32, {5, 2, 4, 8});
     options.block_table = TensorView::contiguous(table.data(), DType::kInt32, {2, 4});
+  }
+  BufferSnapshot snapshot() {
+    BufferSnapshot snap = ValidDecode::snapshot();
+    snap.add("block_table", table);
+    return snap;
   }
 };
 
@@ -757,7 +771,9 @@ TEST(DecodeValidation, EveryBadPagedInputIsRefusedWithItsArgumentNamed) {
   for (const BadPagedInput& bad : kBadPagedInputs) {
     ValidPagedDecode call;
     bad.breaks(call);
+    const BufferSnapshot snap = call.snapshot();
     EXPECT_TRUE(refused_for(call.run(), bad.argument)) << bad.what;
+    EXPECT_TRUE(snap.unchanged()) << bad.what;
   }
 }
 

@@ -482,6 +482,8 @@ struct ValidKv {
   Tensor4 out{DType::kFloat32, {2, 2, 4, 8}};
   std::vector<float> lse = std::vector<float>(2 * 4 * 2);
   MutableTensorView lse_view;
+  std::vector<int32_t> pad;   // cache_leftpad, when a case gives one
+  std::vector<float> slopes;  // alibi_slopes, likewise
   ValidKv() {
     c = kv_case("valid", DType::kFloat32);
     c.batch = 2, c.heads = 4, c.kv_heads = 2, c.d = 8, c.seqlen_q = 2, c.seqlen_new = 2;
@@ -494,6 +496,17 @@ struct ValidKv {
   Status run() {
     return flash_attn_with_kvcache(in->q.view(), in->k_cache.mutable_view(),
                                    in->v_cache.mutable_view(), out.mutable_view(), lse_view, o);
+  }
+  // Every buffer of the call, out and lse filled with NaN first.
+  BufferSnapshot snapshot() {
+    BufferSnapshot snap;
+    snap.add("k_cache", in->k_cache.bytes()).add("v_cache", in->v_cache.bytes());
+    snap.add("q", in->q.bytes()).add("k", in->k.bytes()).add("v", in->v.bytes());
+    snap.add("rotary_cos", in->cos.bytes()).add("rotary_sin", in->sin.bytes());
+    snap.add("cache_seqlens", in->seqlens).add("block_table", in->table);
+    snap.add("cache_leftpad", pad).add("alibi_slopes", slopes);
+    snap.add_output("out", out.bytes()).add_output("lse", lse);
+    return snap;
   }
 };
 
@@ -533,8 +546,8 @@ const BadKv kBadKv[] = {
      [](ValidKv& v) { v.o.cache_seqlens = {}; }},
     {"cache_leftpad past cache_seqlens", "cache_leftpad",
      [](ValidKv& v) {
-       static std::vector<int32_t> pad = {4, 0};
-       v.o.cache_leftpad = TensorView::contiguous(pad.data(), DType::kInt32, {2});
+       v.pad = {4, 0};
+       v.o.cache_leftpad = TensorView::contiguous(v.pad.data(), DType::kInt32, {2});
      }},
     {"cache_batch_idx with a paged cache", "cache_batch_idx",
      [](ValidKv& v) { v.o.cache_batch_idx = v.o.cache_seqlens; }},
@@ -566,13 +579,13 @@ const BadKv kBadKv[] = {
      }},
     {"alibi of kv_heads", "alibi_slopes",
      [](ValidKv& v) {
-       static std::vector<float> slopes = {0.5f, 0.25f};
-       v.o.alibi_slopes = TensorView::contiguous(slopes.data(), DType::kFloat32, {2});
+       v.slopes = {0.5f, 0.25f};
+       v.o.alibi_slopes = TensorView::contiguous(v.slopes.data(), DType::kFloat32, {2});
      }},
     {"alibi NaN", "alibi_slopes",
      [](ValidKv& v) {
-       static std::vector<float> slopes = {0.5f, NAN, 0.5f, 0.5f};
-       v.o.alibi_slopes = TensorView::contiguous(slopes.data(), DType::kFloat32, {4});
+       v.slopes = {0.5f, NAN, 0.5f, 0.5f};
+       v.o.alibi_slopes = TensorView::contiguous(v.slopes.data(), DType::kFloat32, {4});
      }},
     {"window below -1", "window_size", [](ValidKv& v) { v.o.window_left = -2; }},
     {"softcap negative", "softcap", [](ValidKv& v) { v.o.softcap = -1.0f; }},
@@ -598,14 +611,12 @@ TEST(KvCacheValidation, EveryBadInputIsRefusedByNameWithTheCachesUntouched) {
     if (std::string(bad.what) == "out aliasing k_cache") {
       out_view.data = call.in->k_cache.bytes().data();
     }
-    const std::vector<unsigned char> k_before = call.in->k_cache.bytes();
-    const std::vector<unsigned char> v_before = call.in->v_cache.bytes();
+    const BufferSnapshot snap = call.snapshot();
     const Status s =
         flash_attn_with_kvcache(call.in->q.view(), call.in->k_cache.mutable_view(),
                                 call.in->v_cache.mutable_view(), out_view, call.lse_view, call.o);
     EXPECT_TRUE(refused_for(s, bad.argument)) << bad.what;
-    EXPECT_TRUE(call.in->k_cache.bytes() == k_before) << bad.what << ": k_cache written";
-    EXPECT_TRUE(call.in->v_cache.bytes() == v_before) << bad.what << ": v_cache written";
+    EXPECT_TRUE(snap.unchanged()) << bad.what;
   }
 }
 
@@ -721,20 +732,31 @@ TEST(PagedPrior, BitwiseTheDensePriorAndTheReference) {
 
 TEST(PagedPrior, BadTablesAreRefusedByName) {
   PriorCall call(DType::kFloat32, 16);
+  // Refused for `argument` with every buffer of the call as it was, out and lse included.
+  const auto refuses = [&](const Options& o, const std::string& argument, const char* what) {
+    BufferSnapshot snap;
+    snap.add("q", call.q.bytes()).add("k", call.k.bytes()).add("v", call.v.bytes());
+    snap.add("k_prior pages", call.pool_k.bytes()).add("v_prior pages", call.pool_v.bytes());
+    snap.add("prior_block_table", call.table);
+    snap.add_output("out", call.out.mutable_view().data, call.out.bytes().size());
+    snap.add_output("lse", call.lse.mutable_view().data, call.lse.bytes().size());
+    EXPECT_TRUE(refused_for(call.run(o), argument)) << what;
+    EXPECT_TRUE(snap.unchanged()) << what;
+  };
   Options o = call.options();
   call.table[3] = static_cast<int32_t>(call.batch * call.pages + 1);  // past num_blocks
-  EXPECT_TRUE(refused_for(call.run(o), "prior_block_table")) << "a page past num_blocks";
+  refuses(o, "prior_block_table", "a page past num_blocks");
   call.table[3] = -1;
-  EXPECT_TRUE(refused_for(call.run(o), "prior_block_table")) << "a negative page";
+  refuses(o, "prior_block_table", "a negative page");
   call.table[3] = 0;
   o.prior_block_table.dtype = DType::kInt64;
-  EXPECT_TRUE(refused_for(call.run(o), "prior_block_table")) << "int64";
+  refuses(o, "prior_block_table", "int64");
   o = call.options();
   o.prior_block_table.shape[0] = 3;
-  EXPECT_TRUE(refused_for(call.run(o), "prior_block_table")) << "3 sequences";
+  refuses(o, "prior_block_table", "3 sequences");
   o = call.options();
   o.k_prior.rank = 3;
-  EXPECT_TRUE(refused_for(call.run(o), "k_prior")) << "rank 3 pages";
+  refuses(o, "k_prior", "rank 3 pages");
 }
 
 }  // namespace

@@ -230,29 +230,37 @@ INSTANTIATE_TEST_SUITE_P(LargeD, LargeHeadDimTest,
 // ---- modifier arguments are validated like the others --------------------------------------
 
 TEST(Modifiers, BadArgumentsAreRefused) {
-  std::vector<float> q(16), k(16), v(16), out(16), slopes(3), bias(8);
+  std::vector<float> q(16), k(16), v(16), out(16), lse(4), slopes(3), bias(8);
   Outputs outputs;
   outputs.out = MutableTensorView::contiguous(out.data(), DType::kFloat32, {1, 4, 4});
-  const auto run = [&](const Options& o) {
-    return attention_cte(TensorView::contiguous(q.data(), DType::kFloat32, {1, 4, 4}),
-                         TensorView::contiguous(k.data(), DType::kFloat32, {1, 4, 4}),
-                         TensorView::contiguous(v.data(), DType::kFloat32, {1, 4, 4}), outputs, o);
+  outputs.lse = MutableTensorView::contiguous(lse.data(), DType::kFloat32, {1, 4});
+  // Refused for `argument` with every buffer of the call as it was, out and lse included.
+  const auto refuses = [&](const Options& o, const std::string& argument) {
+    BufferSnapshot snap;
+    snap.add("q", q).add("k", k).add("v", v).add("alibi_slopes", slopes).add("key_bias", bias);
+    snap.add_output("out", out).add_output("lse", lse);
+    EXPECT_TRUE(refused_for(
+        attention_cte(TensorView::contiguous(q.data(), DType::kFloat32, {1, 4, 4}),
+                      TensorView::contiguous(k.data(), DType::kFloat32, {1, 4, 4}),
+                      TensorView::contiguous(v.data(), DType::kFloat32, {1, 4, 4}), outputs, o),
+        argument));
+    EXPECT_TRUE(snap.unchanged()) << argument;
   };
   Options o;
   o.softcap = -1.0f;
-  EXPECT_EQ(run(o).message.rfind("softcap:", 0), 0u) << run(o).message;
+  refuses(o, "softcap");
   o = {};
   o.alibi_slopes = TensorView::contiguous(slopes.data(), DType::kFloat32, {3});
-  EXPECT_EQ(run(o).message.rfind("alibi_slopes:", 0), 0u) << run(o).message;
+  refuses(o, "alibi_slopes");
   o = {};
   o.key_bias = TensorView::contiguous(bias.data(), DType::kFloat32, {1, 8});
-  EXPECT_EQ(run(o).message.rfind("key_bias:", 0), 0u) << run(o).message;
+  refuses(o, "key_bias");
   o = {};
   o.window_left = -2;
-  EXPECT_EQ(run(o).message.rfind("window_left:", 0), 0u) << run(o).message;
+  refuses(o, "window_left");
   o = {};
   o.window_right = -5;
-  EXPECT_EQ(run(o).message.rfind("window_right:", 0), 0u) << run(o).message;
+  refuses(o, "window_right");
 }
 
 }  // namespace

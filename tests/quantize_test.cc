@@ -158,34 +158,57 @@ TEST(QuantizeKv, SaturatesAndKeepsTheSpecialValuesAsTheFormatCan) {
   }
 }
 
+// Every refusal leaves src, dst and scale byte for byte as they were (dst holds its 0xA5 sentinel,
+// per-token scales NaN), the NaN into int8 included: it sits in the last row, so a call that wrote
+// rows (or their per-token scales) before looking would show.
 TEST(QuantizeKv, RefusesBadArgumentsByNameAndWritesNothing) {
   std::vector<float> values = random_values(9, 1.0f);
   Buffers b(DType::kFloat32, values);
-  const std::vector<uint8_t> before = b.dst;
+  const auto refuses = [&](Buffers& on, const MutableTensorView& dst,
+                           const MutableTensorView& scale, const std::string& argument,
+                           const char* what) {
+    BufferSnapshot snap;
+    snap.add("src", on.src.bytes()).add("dst", on.dst).add("scale", on.scale);
+    const Status s = quantize_kv(on.src.view(), dst, scale);
+    EXPECT_TRUE(refused_for(s, argument)) << what;
+    EXPECT_TRUE(snap.unchanged()) << what;
+    return s.message;
+  };
   for (float bad : {0.0f, -1.0f, std::numeric_limits<float>::quiet_NaN(),
                     std::numeric_limits<float>::infinity()}) {
     b.scale = {0.5f, bad, 0.25f};
-    EXPECT_TRUE(
-        refused_for(quantize_kv(b.src.view(), b.dst_view(DType::kInt8), b.scale_view(1)), "scale"));
+    refuses(b, b.dst_view(DType::kInt8), b.scale_view(1), "scale", "a bad per-head scale");
   }
   b.scale = {0.5f, 0.5f};  // neither (1,) nor (kv_heads,)
-  EXPECT_TRUE(
-      refused_for(quantize_kv(b.src.view(), b.dst_view(DType::kInt8), b.scale_view(1)), "scale"));
+  refuses(b, b.dst_view(DType::kInt8), b.scale_view(1), "scale", "2 scales for 3 heads");
   b.scale = {0.5f};
-  EXPECT_TRUE(
-      refused_for(quantize_kv(b.src.view(), b.dst_view(DType::kBFloat16), b.scale_view(1)), "dst"));
+  refuses(b, b.dst_view(DType::kBFloat16), b.scale_view(1), "dst", "a bfloat16 dst");
   MutableTensorView short_dst = b.dst_view(DType::kInt8);
   short_dst.shape[2] = kD - 1;
-  EXPECT_TRUE(refused_for(quantize_kv(b.src.view(), short_dst, b.scale_view(1)), "dst"));
-  // NaN into int8, found before any row is written (the NaN sits in the last row).
+  refuses(b, short_dst, b.scale_view(1), "dst", "dst one channel short");
+  MutableTensorView float_scale = b.scale_view(1);
+  float_scale.dtype = DType::kFloat16;
+  refuses(b, b.dst_view(DType::kInt8), float_scale, "scale", "a float16 scale");
+  // Per-token scales over dst, which the call writes.
+  MutableTensorView scale_over_dst = b.scale_view(2);
+  scale_over_dst.data = b.dst.data();
+  b.scale.assign(kTokens * kHeads, std::numeric_limits<float>::quiet_NaN());
+  refuses(b, b.dst_view(DType::kFloat8E4M3), scale_over_dst, "dst", "per-token scales over dst");
+  // Per-token scales whose rows overlap each other.
+  MutableTensorView overlapping = b.scale_view(2);
+  overlapping.strides[0] = 1;
+  refuses(b, b.dst_view(DType::kFloat8E5M2), overlapping, "scale", "overlapping per-token scales");
+  // NaN into int8, found before any row is written (the NaN sits in the last row), with the
+  // scale per tensor and per token (which the call writes).
   values.back() = std::numeric_limits<float>::quiet_NaN();
   Buffers nan(DType::kFloat32, values);
   nan.scale = {0.5f};
-  const Status s = quantize_kv(nan.src.view(), nan.dst_view(DType::kInt8), nan.scale_view(1));
-  EXPECT_TRUE(refused_for(s, "src"));
-  EXPECT_NE(s.message.find("(6, 2, 18)"), std::string::npos) << s.message;
-  EXPECT_EQ(nan.dst, before);
-  EXPECT_EQ(b.dst, before);
+  const std::string message =
+      refuses(nan, nan.dst_view(DType::kInt8), nan.scale_view(1), "src", "a NaN into int8");
+  EXPECT_NE(message.find("(6, 2, 18)"), std::string::npos) << message;
+  nan.scale.assign(kTokens * kHeads, std::numeric_limits<float>::quiet_NaN());
+  refuses(nan, nan.dst_view(DType::kInt8), nan.scale_view(2), "src",
+          "a NaN into int8 with per-token scales");
 }
 
 }  // namespace

@@ -43,9 +43,9 @@
 #include <vector>
 
 #include "flashcte/flashcte.h"
-#include "tests/cpu_requirements.h"
 #include "src/simd/bf16_dot.h"
 #include "src/simd/ops.h"
+#include "tests/cpu_requirements.h"
 
 namespace {
 
@@ -266,8 +266,8 @@ int main(int argc, char** argv) {
   using flashcte::test::FastPath;
   std::printf("Required fast paths:\n");
   const bool avx3_ran = std::find(run_names.begin(), run_names.end(), "AVX3") != run_names.end();
-  for (const auto& [path, ran] : {std::pair{FastPath::kAvx3, avx3_ran},
-                                  std::pair{FastPath::kNativeKernels, native_ran}}) {
+  for (const auto& [path, ran] :
+       {std::pair{FastPath::kAvx3, avx3_ran}, std::pair{FastPath::kNativeKernels, native_ran}}) {
     std::string reason;
     const bool required = !simulate && flashcte::test::must_run(path, &reason);
     if (simulate) reason = "not required: simulated CPU without AVX-512";

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <iomanip>
 #include <limits>
 #include <random>
 #include <set>
@@ -660,8 +661,37 @@ double max_abs_diff(const std::vector<double>& got, const std::vector<double>& w
   }
   const double bound = factor * plain_err + floor;
   if (err <= bound) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "error " << err << " > " << factor << " x plain error "
-                                       << plain_err << " + " << floor;
+  return ::testing::AssertionFailure()
+         << "error " << err << " > " << factor << " x plain error " << plain_err << " + " << floor;
+}
+
+BufferSnapshot& BufferSnapshot::add(std::string name, const void* data, size_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  buffers_.push_back({std::move(name), p, std::vector<unsigned char>(p, p + bytes)});
+  return *this;
+}
+
+BufferSnapshot& BufferSnapshot::add_output(std::string name, void* data, size_t bytes) {
+  if (bytes > 0) std::memset(data, 0xFF, bytes);
+  return add(std::move(name), data, bytes);
+}
+
+::testing::AssertionResult BufferSnapshot::unchanged() const {
+  std::ostringstream changed;
+  for (const Buffer& b : buffers_) {
+    size_t first = b.before.size(), count = 0;
+    for (size_t i = 0; i < b.before.size(); ++i) {
+      if (b.data[i] == b.before[i]) continue;
+      if (count++ == 0) first = i;
+    }
+    if (count == 0) continue;
+    changed << "\n  " << b.name << " (" << b.before.size() << " bytes) changed: " << count
+            << " byte(s), the first at byte offset " << first << " (0x" << std::hex << std::setw(2)
+            << std::setfill('0') << int{b.before[first]} << " before, 0x" << std::setw(2)
+            << int{b.data[first]} << " after)" << std::dec << std::setfill(' ');
+  }
+  if (changed.str().empty()) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "buffers written by the call:" << changed.str();
 }
 
 ::testing::AssertionResult refused_for(const Status& s, const std::string& argument) {

@@ -157,6 +157,36 @@ TileConfig odd_tiles();
 // point's errors do.
 ::testing::AssertionResult refused_for(const Status& s, const std::string& argument);
 
+// Byte snapshots of the caller-owned buffers of a call, to prove that a refused call wrote
+// nothing: add() every buffer the call could write or read (caches, scales, codes, tables,
+// lengths, inputs) and add_output() every output (first filled with 0xFF bytes, a NaN in every
+// float dtype, so that any write shows), all after the call's arguments are set up and before the
+// call; then EXPECT_TRUE(snapshot.unchanged()). A buffer must stay where it is in between (no
+// vector resized). A failure names each buffer that changed, its first changed byte offset with
+// the bytes before and after, and how many bytes changed.
+class BufferSnapshot {
+ public:
+  BufferSnapshot& add(std::string name, const void* data, size_t bytes);
+  template <class T>
+  BufferSnapshot& add(std::string name, const std::vector<T>& buffer) {
+    return add(std::move(name), buffer.data(), buffer.size() * sizeof(T));
+  }
+  BufferSnapshot& add_output(std::string name, void* data, size_t bytes);
+  template <class T>
+  BufferSnapshot& add_output(std::string name, std::vector<T>& buffer) {
+    return add_output(std::move(name), buffer.data(), buffer.size() * sizeof(T));
+  }
+  ::testing::AssertionResult unchanged() const;
+
+ private:
+  struct Buffer {
+    std::string name;
+    const unsigned char* data;
+    std::vector<unsigned char> before;
+  };
+  std::vector<Buffer> buffers_;
+};
+
 // The error of one value against its reference: |got - want| where both are finite, 0 where both
 // are NaN or the same infinity (an empty row's lse), and +inf where only one side is finite or the
 // infinities differ. So a `<= tolerance` check on it, or on a maximum of it, never passes a NaN,

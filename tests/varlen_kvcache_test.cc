@@ -391,6 +391,8 @@ TEST(VarlenMixed, ReportsEachThreadsBusyTime) {
 
 // ---- bad input ------------------------------------------------------------------------------
 
+// Each refusal also leaves every buffer of the call byte for byte as it was: the caches, q, the
+// offsets, lengths and table, the sinks and slopes, out and lse.
 TEST(VarlenValidation, EveryBadInputIsRefusedByName) {
   VarlenCase c = mixed("valid", {1, 20}, {10, 30});
   c.page = 4;
@@ -399,78 +401,98 @@ TEST(VarlenValidation, EveryBadInputIsRefusedByName) {
   std::vector<float> lse(static_cast<size_t>(c.heads * c.total_q()));
   const MutableTensorView lse_view =
       MutableTensorView::contiguous(lse.data(), DType::kFloat32, {c.heads, c.total_q()});
-  const auto run = [&](const VarlenKvCacheOptions& o, const TensorView& q) {
-    return flash_attn_varlen_kvcache(q, in.k_cache.view(), in.v_cache.view(), out.mutable_view(),
-                                     lse_view, o);
+  ASSERT_TRUE(flash_attn_varlen_kvcache(in.q.view(), in.k_cache.view(), in.v_cache.view(),
+                                        out.mutable_view(), lse_view, in.options(c))
+                  .ok);
+  // Buffers the cases below point the call at, besides `in`'s.
+  std::vector<int32_t> cu, used, table;
+  std::vector<int64_t> wide_used(in.used.begin(), in.used.end());
+  std::vector<int64_t> wide_table(in.table.begin(), in.table.end());
+  HostTensor sinks(DType::kFloat32, {c.heads});
+  HostTensor short_sinks(DType::kFloat32, {c.heads - 1});
+  HostTensor slopes(DType::kFloat32, {c.batch() + 1, c.heads});
+  HostTensor q_bf16(DType::kBFloat16, {c.total_q(), c.heads, c.d});
+  HostTensor q_heads(c.dtype, {c.total_q(), 3, c.d});
+  for (int64_t h = 0; h < c.heads; ++h) sinks.set(h, 0, 0, h == 1 ? std::nan("") : 0.5);
+  // The call with `o` and q refused for `argument`, nothing written; out_over: where out points
+  // instead of its own buffer; without_lse: no lse.
+  const auto refuses = [&](const VarlenKvCacheOptions& o, const TensorView& q,
+                           const std::string& argument, const char* what, void* out_over = nullptr,
+                           bool without_lse = false) {
+    BufferSnapshot snap;
+    snap.add("k_cache", in.k_cache.bytes()).add("v_cache", in.v_cache.bytes());
+    snap.add("q", in.q.bytes()).add("cu_seqlens_q", in.cu).add("seqused_k", in.used);
+    snap.add("block_table", in.table).add("bad cu_seqlens_q", cu).add("bad seqused_k", used);
+    snap.add("bad block_table", table).add("int64 seqused_k", wide_used);
+    snap.add("int64 block_table", wide_table).add("sinks", sinks.bytes());
+    snap.add("short sinks", short_sinks.bytes()).add("alibi_slopes", slopes.bytes());
+    snap.add("bfloat16 q", q_bf16.bytes()).add("q of 3 heads", q_heads.bytes());
+    snap.add_output("out", out.mutable_view().data, out.bytes().size()).add_output("lse", lse);
+    MutableTensorView out_view = out.mutable_view();
+    if (out_over != nullptr) out_view.data = out_over;
+    EXPECT_TRUE(
+        refused_for(flash_attn_varlen_kvcache(q, in.k_cache.view(), in.v_cache.view(), out_view,
+                                              without_lse ? MutableTensorView{} : lse_view, o),
+                    argument))
+        << what;
+    EXPECT_TRUE(snap.unchanged()) << what;
   };
-  ASSERT_TRUE(run(in.options(c), in.q.view()).ok);
   struct Bad {
     const char* argument;
+    const char* what;
     std::vector<int32_t> cu, used, table;
-    float sink = 0.0f;
   };
   const std::vector<int32_t> t = in.table;
   std::vector<int32_t> out_of_range = t, negative = t;
   out_of_range[1] = 1000;
   negative[c.pages_per_sequence()] = -1;
   const Bad bad[] = {
-      {"cu_seqlens_q", {1, 2, 21}, in.used, t},  // not from 0
-      {"cu_seqlens_q", {0, 2, 1}, in.used, t},   // decreasing
-      {"cu_seqlens_q", {0, 1, 20}, in.used, t},  // not ending at total_q
-      {"seqused_k", in.cu, {10, 33}, t},         // past the pages
-      {"seqused_k", in.cu, {-1, 30}, t},         // negative
-      {"block_table", in.cu, in.used, out_of_range},
-      {"block_table", in.cu, in.used, negative},
+      {"cu_seqlens_q", "not from 0", {1, 2, 21}, in.used, t},
+      {"cu_seqlens_q", "decreasing", {0, 2, 1}, in.used, t},
+      {"cu_seqlens_q", "not ending at total_q", {0, 1, 20}, in.used, t},
+      {"seqused_k", "past the pages", in.cu, {10, 33}, t},
+      {"seqused_k", "negative", in.cu, {-1, 30}, t},
+      {"block_table", "a page past num_blocks", in.cu, in.used, out_of_range},
+      {"block_table", "a negative page of sequence 1", in.cu, in.used, negative},
   };
   for (const Bad& b : bad) {
+    cu = b.cu;
+    used = b.used;
+    table = b.table;
     VarlenKvCacheOptions o = in.options(c);
-    o.cu_seqlens_q = TensorView::contiguous(b.cu.data(), DType::kInt32, {c.batch() + 1});
-    o.seqused_k = TensorView::contiguous(b.used.data(), DType::kInt32, {c.batch()});
+    o.cu_seqlens_q = TensorView::contiguous(cu.data(), DType::kInt32, {c.batch() + 1});
+    o.seqused_k = TensorView::contiguous(used.data(), DType::kInt32, {c.batch()});
     o.block_table =
-        TensorView::contiguous(b.table.data(), DType::kInt32, {c.batch(), c.pages_per_sequence()});
-    EXPECT_TRUE(refused_for(run(o, in.q.view()), b.argument));
+        TensorView::contiguous(table.data(), DType::kInt32, {c.batch(), c.pages_per_sequence()});
+    refuses(o, in.q.view(), b.argument, b.what);
   }
-  std::vector<int64_t> wide_used(in.used.begin(), in.used.end());
   VarlenKvCacheOptions o = in.options(c);
   o.seqused_k = TensorView::contiguous(wide_used.data(), DType::kInt64, {c.batch()});
-  EXPECT_TRUE(refused_for(run(o, in.q.view()), "seqused_k")) << "int64 lengths";
+  refuses(o, in.q.view(), "seqused_k", "int64 lengths");
   o = in.options(c);
   o.cu_seqlens_q = {};
-  EXPECT_TRUE(refused_for(run(o, in.q.view()), "cu_seqlens_q")) << "missing";
+  refuses(o, in.q.view(), "cu_seqlens_q", "missing");
   o = in.options(c);
-  std::vector<int64_t> wide_table(in.table.begin(), in.table.end());
   o.block_table =
       TensorView::contiguous(wide_table.data(), DType::kInt64, {c.batch(), c.pages_per_sequence()});
-  EXPECT_TRUE(refused_for(run(o, in.q.view()), "block_table")) << "int64 table";
+  refuses(o, in.q.view(), "block_table", "int64 table");
   o = in.options(c);
-  HostTensor sinks(DType::kFloat32, {c.heads});
-  sinks.set(1, 0, 0, std::numeric_limits<double>::quiet_NaN());
   o.sinks = sinks.view();
-  EXPECT_TRUE(refused_for(run(o, in.q.view()), "sinks")) << "NaN sink";
+  refuses(o, in.q.view(), "sinks", "NaN sink");
   o = in.options(c);
-  HostTensor short_sinks(DType::kFloat32, {c.heads - 1});
   o.sinks = short_sinks.view();
-  EXPECT_TRUE(refused_for(run(o, in.q.view()), "sinks")) << "too few sinks";
+  refuses(o, in.q.view(), "sinks", "too few sinks");
   o = in.options(c);
-  HostTensor slopes(DType::kFloat32, {c.batch() + 1, c.heads});
   o.alibi_slopes = slopes.view();
-  EXPECT_TRUE(refused_for(run(o, in.q.view()), "alibi_slopes")) << "a row per sequence and more";
+  refuses(o, in.q.view(), "alibi_slopes", "a row per sequence and more");
   o = in.options(c);
   o.window_left = -2;
-  EXPECT_TRUE(refused_for(run(o, in.q.view()), "window_size"));
-  HostTensor q_bf16(DType::kBFloat16, {c.total_q(), c.heads, c.d});
-  EXPECT_TRUE(refused_for(run(in.options(c), q_bf16.view()), "k_cache")) << "dtype mismatch";
-  HostTensor q_heads(c.dtype, {c.total_q(), 3, c.d});
-  EXPECT_TRUE(
-      refused_for(flash_attn_varlen_kvcache(q_heads.view(), in.k_cache.view(), in.v_cache.view(),
-                                            out.mutable_view(), {}, in.options(c)),
-                  "out"));
-  // out over q: refused before anything is read or written.
-  const TensorView qv = in.q.view();
-  const MutableTensorView aliased{const_cast<void*>(qv.data), qv.dtype, 3, qv.shape, qv.strides};
-  EXPECT_TRUE(refused_for(flash_attn_varlen_kvcache(qv, in.k_cache.view(), in.v_cache.view(),
-                                                    aliased, {}, in.options(c)),
-                          "out"));
+  refuses(o, in.q.view(), "window_size", "window below -1");
+  refuses(in.options(c), q_bf16.view(), "k_cache", "dtype mismatch");
+  refuses(in.options(c), q_heads.view(), "out", "q of 3 heads", nullptr, true);
+  // out over q, or over a cache: refused before anything is read or written.
+  refuses(in.options(c), in.q.view(), "out", "out over q", in.q.mutable_view().data, true);
+  refuses(in.options(c), in.q.view(), "out", "out over k_cache", in.k_cache.bytes().data(), true);
 }
 
 }  // namespace

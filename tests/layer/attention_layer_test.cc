@@ -45,17 +45,22 @@ double read(const std::vector<uint16_t>& bits, const std::vector<float>& floats,
   return floats[i];
 }
 
-// The slots' bytes of a fast cache's K and V storage.
-std::vector<uint8_t> cache_bytes(const KvCache& cache) {
+// Every buffer of a fast cache into `snap`: the K and V storage, their scales (8-bit caches), the
+// lengths and, paged, each sequence's pages.
+void add_cache(flashcte::test::BufferSnapshot* snap, const KvCache& cache) {
   const int64_t rows = cache.paged() ? cache.num_blocks() : cache.batch();
   const int64_t slots = cache.paged() ? cache.block_size() : cache.max_len();
-  const size_t n = static_cast<size_t>(rows * cache.kv_heads() * slots * cache.head_dim() *
-                                       dtype_size(cache.dtype()));
-  std::vector<uint8_t> bytes(static_cast<const uint8_t*>(cache.k_data()),
-                             static_cast<const uint8_t*>(cache.k_data()) + n);
-  bytes.insert(bytes.end(), static_cast<const uint8_t*>(cache.v_data()),
-               static_cast<const uint8_t*>(cache.v_data()) + n);
-  return bytes;
+  const size_t n = static_cast<size_t>(rows * cache.kv_heads() * slots);
+  const size_t bytes = n * static_cast<size_t>(cache.head_dim() * dtype_size(cache.dtype()));
+  snap->add("cache k", cache.k_data(), bytes).add("cache v", cache.v_data(), bytes);
+  if (cache.k_scale_data() != nullptr) {
+    snap->add("cache k_scale", cache.k_scale_data(), n * sizeof(float));
+    snap->add("cache v_scale", cache.v_scale_data(), n * sizeof(float));
+  }
+  snap->add("cache lengths", cache.lengths());
+  for (int64_t b = 0; cache.paged() && b < cache.batch(); ++b) {
+    snap->add("cache pages of sequence " + std::to_string(b), cache.pages(b));
+  }
 }
 
 // A block pool for `batch` sequences of `max_len` slots in pages of `block_size`, each
@@ -317,12 +322,26 @@ TEST(Kv8Layer, CacheHoldsCodesAndScales) {
   KvCache float_cache;
   ASSERT_TRUE(KvCache::create(1, 1, 8, 8, DType::kFloat32, &float_cache).ok);
   EXPECT_EQ(float_cache.k_scale_data(), nullptr);
+  // Refusals leave both caches (the int8 one's codes and scales included), x, the positions and
+  // out as they were.
+  const std::vector<int64_t> skipping = {5, 6, 7};
+  flashcte::test::BufferSnapshot snap;
+  add_cache(&snap, cache);
+  add_cache(&snap, float_cache);
+  snap.add("x", x).add("positions", pos).add("skipping positions", skipping);
+  snap.add_output("out", out);
   expect_error(
       layer->forward(TensorView::contiguous(x.data(), DType::kFloat32, {1, 3, 16}),
                      TensorView::contiguous(pos.data(), DType::kInt64, {1, 3}), &float_cache,
                      MutableTensorView::contiguous(out.data(), DType::kFloat32, {1, 3, 16})),
       "cache: holds (batch 1, kv_heads 1, head_dim 8, float32) but this call needs (batch "
       "1, kv_heads 1, head_dim 8, int8)");
+  expect_error(
+      layer->forward(TensorView::contiguous(x.data(), DType::kFloat32, {1, 3, 16}),
+                     TensorView::contiguous(skipping.data(), DType::kInt64, {1, 3}), &cache,
+                     MutableTensorView::contiguous(out.data(), DType::kFloat32, {1, 3, 16})),
+      "positions: row 0 token 0 is 5; a row must start in [0, cached length = 3]");
+  EXPECT_TRUE(snap.unchanged());
 }
 
 TEST(AttentionLayerErrors, BadInputsAreRefusedWithTheArgumentNamed) {
@@ -332,7 +351,7 @@ TEST(AttentionLayerErrors, BadInputsAreRefusedWithTheArgumentNamed) {
   ASSERT_TRUE(AttentionLayer::create(c, random_weights(c, &rng), &layer).ok);
   KvCache cache;
   ASSERT_TRUE(layer->new_cache(1, 8, &cache).ok);
-  std::vector<float> x(4 * 16), out(4 * 16);
+  std::vector<float> x(5 * 16), out(5 * 16);
   const auto call = [&](const std::vector<int64_t>& positions, int64_t hidden, KvCache* kv) {
     const int64_t tokens = static_cast<int64_t>(positions.size());
     return layer->forward(
@@ -340,15 +359,24 @@ TEST(AttentionLayerErrors, BadInputsAreRefusedWithTheArgumentNamed) {
         TensorView::contiguous(positions.data(), DType::kInt64, {1, tokens}), kv,
         MutableTensorView::contiguous(out.data(), DType::kFloat32, {1, tokens, 16}));
   };
-  expect_error(call({0, 1}, 15, &cache), "x: last dimension 15");
-  expect_error(call({1, 2}, 16, &cache), "positions: row 0 token 0 is 1; a row must start in [0,");
-  expect_error(call({0, 2}, 16, &cache), "positions: row 0 token 1 is 2; positions within a row");
+  // Refused with `prefix`, every buffer of the call (the cache, x, positions, out) as it was.
+  const auto refuses = [&](const std::vector<int64_t>& positions, int64_t hidden, KvCache* kv,
+                           const std::string& prefix) {
+    flashcte::test::BufferSnapshot snap;
+    add_cache(&snap, *kv);
+    snap.add("x", x).add("positions", positions).add_output("out", out);
+    expect_error(call(positions, hidden, kv), prefix);
+    EXPECT_TRUE(snap.unchanged()) << prefix;
+  };
+  refuses({0, 1}, 15, &cache, "x: last dimension 15");
+  refuses({1, 2}, 16, &cache, "positions: row 0 token 0 is 1; a row must start in [0,");
+  refuses({0, 2}, 16, &cache, "positions: row 0 token 1 is 2; positions within a row");
   ASSERT_TRUE(call({0, 1, 2, 3}, 16, &cache).ok);
   EXPECT_EQ(cache.length(0), 4);
-  expect_error(call({4, 5, 6, 7, 8}, 16, &cache), "positions: row 0 token 4 is 8, past the cache");
+  refuses({4, 5, 6, 7, 8}, 16, &cache, "positions: row 0 token 4 is 8, past the cache");
   KvCache other;
   ASSERT_TRUE(KvCache::create(1, 2, 8, 8, DType::kFloat32, &other).ok);
-  expect_error(call({0}, 16, &other), "cache: holds (batch 1, kv_heads 2");
+  refuses({0}, 16, &other, "cache: holds (batch 1, kv_heads 2");
   LayerWeights w = random_weights(c, &rng);
   w.k_proj.pop_back();
   expect_error(AttentionLayer::create(c, w, &layer), "k_proj: expected 128 floats, got 127");
@@ -373,6 +401,28 @@ Status forward(const AttentionLayer& layer, KvCache* cache, const std::vector<fl
       TensorView::contiguous(x.data(), DType::kFloat32, {batch, tokens, hidden}),
       TensorView::contiguous(positions.data(), DType::kInt64, {batch, tokens}), cache,
       MutableTensorView::contiguous(out->data(), DType::kFloat32, {batch, tokens, hidden}));
+}
+
+// Runs `layer` on `cache` at `positions` (batch rows of T each) with random x, expecting a refusal
+// with `prefix` and every buffer of the call (the cache's storage, scales, lengths and pages, x,
+// positions, out) byte for byte as it was.
+void expect_refused_writing_nothing(const AttentionLayer& layer, KvCache* cache,
+                                    const std::vector<int64_t>& positions, std::mt19937* rng,
+                                    const std::string& prefix) {
+  const int64_t batch = cache->batch(), tokens = static_cast<int64_t>(positions.size()) / batch;
+  const int64_t hidden = layer.config().hidden_size;
+  const std::vector<float> x = random_vector(rng, batch * tokens * hidden, 1.0f);
+  std::vector<float> out(static_cast<size_t>(batch * tokens * hidden));
+  flashcte::test::BufferSnapshot snap;
+  add_cache(&snap, *cache);
+  snap.add("x", x).add("positions", positions).add_output("out", out);
+  expect_error(
+      layer.forward(
+          TensorView::contiguous(x.data(), DType::kFloat32, {batch, tokens, hidden}),
+          TensorView::contiguous(positions.data(), DType::kInt64, {batch, tokens}), cache,
+          MutableTensorView::contiguous(out.data(), DType::kFloat32, {batch, tokens, hidden})),
+      prefix);
+  EXPECT_TRUE(snap.unchanged()) << prefix;
 }
 
 // A serving engine's prefix cache: sequence 1 takes sequence 0's prompt pages (read-only) and
@@ -427,12 +477,9 @@ TEST(PagedLayer, SharedPrefixPagesAreReadOnly) {
   }
   EXPECT_EQ(pool.lengths(), dense.lengths());
   // Rewriting sequence 1 from position 30 would write into page 2, sequence 0's.
-  const std::vector<uint8_t> before = cache_bytes(pool);
   const std::vector<int64_t> lengths = pool.lengths();
-  const std::vector<float> x = random_vector(&rng, 2 * 4 * hidden, 1.0f);
-  expect_error(forward(*layer, &pool, x, {35, 36, 37, 38, 30, 31, 32, 33}, &paged_out),
-               "positions: row 1 writes into page 2");
-  EXPECT_TRUE(cache_bytes(pool) == before) << "a refused call changed the pool";
+  expect_refused_writing_nothing(*layer, &pool, {35, 36, 37, 38, 30, 31, 32, 33}, &rng,
+                                 "positions: row 1 writes into page 2");
   EXPECT_EQ(pool.lengths(), lengths);
 }
 
@@ -454,20 +501,58 @@ TEST(PagedLayer, BadPagesAndPositionsAreRefusedWithThePoolUntouched) {
   expect_error(pool.assign(0, {0, 1}, 9), "length:");
   ASSERT_TRUE(pool.assign(0, {0, 1}, 0).ok);
   ASSERT_TRUE(pool.assign(1, {2}, 0).ok);
-  const std::vector<uint8_t> before = cache_bytes(pool);
-  std::vector<float> out;
-  const int64_t hidden = c.hidden_size;
+  {
+    // Refused assignments leave the pool (its storage, lengths and pages) as it was.
+    flashcte::test::BufferSnapshot snap;
+    add_cache(&snap, pool);
+    expect_error(pool.assign(0, {0, 6}, 0), "pages: [1] = 6");
+    expect_error(pool.assign(1, {3, 1, 3}, 0), "pages: page 3 is named twice");
+    expect_error(pool.assign(1, {3}, 5), "length:");
+    ASSERT_EQ(pool.pages(0).size(), 2u);  // resized pages could not be compared
+    ASSERT_EQ(pool.pages(1).size(), 1u);
+    EXPECT_TRUE(snap.unchanged());
+  }
   // Sequence 1 has one page of 4 slots: 5 tokens run past it.
-  expect_error(forward(*layer, &pool, random_vector(&rng, 2 * 5 * hidden),
-                       {0, 1, 2, 3, 4, 0, 1, 2, 3, 4}, &out),
-               "positions: row 1 token 4 is 4, past sequence 1's pages (4 slots)");
-  EXPECT_TRUE(cache_bytes(pool) == before);
+  expect_refused_writing_nothing(
+      *layer, &pool, {0, 1, 2, 3, 4, 0, 1, 2, 3, 4}, &rng,
+      "positions: row 1 token 4 is 4, past sequence 1's pages (4 slots)");
   EXPECT_EQ(pool.lengths(), (std::vector<int64_t>{0, 0}));
   // A sequence without pages cannot take a token.
   ASSERT_TRUE(pool.assign(1, {}, 0).ok);
-  expect_error(forward(*layer, &pool, random_vector(&rng, 2 * hidden), {0, 0}, &out),
-               "positions: row 1 token 0 is 0, past sequence 1's pages (0 slots)");
-  EXPECT_TRUE(cache_bytes(pool) == before);
+  expect_refused_writing_nothing(
+      *layer, &pool, {0, 0}, &rng,
+      "positions: row 1 token 0 is 0, past sequence 1's pages (0 slots)");
+}
+
+// The same on an 8-bit pool (int8 codes with a float32 scale per slot): refusals found at the
+// last row (sequence 1 past its pages, or writing into a page sequence 0 also names) leave the
+// codes, the scales, the lengths and the pages as they were, after a prefill filled them.
+TEST(PagedLayer, Kv8RefusalsLeaveCodesAndScalesAlone) {
+  for (DType format : {DType::kInt8, DType::kFloat8E4M3}) {
+    SCOPED_TRACE(dtype_name(format));
+    LayerConfig c = everything_on(DType::kFloat32);
+    c.kv_cache_dtype = format;
+    std::mt19937 rng(8);
+    std::unique_ptr<AttentionLayer> layer;
+    ASSERT_TRUE(AttentionLayer::create(c, random_weights(c, &rng), &layer).ok);
+    KvCache pool;
+    ASSERT_TRUE(layer->new_paged_cache(2, 6, 4, &pool).ok);
+    ASSERT_NE(pool.k_scale_data(), nullptr);
+    ASSERT_TRUE(pool.assign(0, {0, 1}, 0).ok);
+    ASSERT_TRUE(pool.assign(1, {2}, 0).ok);
+    std::vector<float> out;
+    ASSERT_TRUE(forward(*layer, &pool, random_vector(&rng, 2 * 4 * c.hidden_size, 1.0f),
+                        {0, 1, 2, 3, 0, 1, 2, 3}, &out)
+                    .ok);
+    // Sequence 1's next token has no slot.
+    expect_refused_writing_nothing(*layer, &pool, {4, 4}, &rng,
+                                   "positions: row 1 token 0 is 4, past sequence 1's pages");
+    // Sequence 1 takes sequence 0's first page as its prefix and rewrites from slot 2.
+    ASSERT_TRUE(pool.assign(1, {0, 3}, 4).ok);
+    expect_refused_writing_nothing(*layer, &pool, {4, 5, 2, 3}, &rng,
+                                   "positions: row 1 writes into page 0");
+    EXPECT_EQ(pool.lengths(), (std::vector<int64_t>{4, 4}));
+  }
 }
 
 }  // namespace

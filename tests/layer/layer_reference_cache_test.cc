@@ -14,6 +14,7 @@
 #include "src/reference/layer_reference.h"
 #include "src/reference/reference.h"
 #include "tests/layer/layer_test_util.h"
+#include "tests/test_util.h"
 
 namespace flashcte::reference::test {
 namespace {
@@ -191,41 +192,83 @@ TEST(LayerReferenceErrors, BadConfigAndWeights) {
   expect_error(check_layer(good, bad), "sinks: ");
 }
 
+// Every buffer of an oracle cache into `snap`: its sizes, K, V and the lengths.
+void add_cache(flashcte::test::BufferSnapshot* snap, const std::string& name,
+               const LayerCache& cache) {
+  for (const auto& [field, value] :
+       {std::pair{"batch", &cache.batch}, std::pair{"kv_heads", &cache.kv_heads},
+        std::pair{"max_len", &cache.max_len}, std::pair{"head_dim", &cache.head_dim}}) {
+    snap->add(name + " " + field, value, sizeof(int64_t));
+  }
+  snap->add(name + " k", cache.k).add(name + " v", cache.v).add(name + " lengths", cache.lengths);
+}
+
 TEST(LayerReferenceErrors, BadInputsAndPositions) {
   const Sequence s = random_sequence(DType::kFloat32, 10);
   const LayerConfig& c = s.config;
-  std::vector<double> out;
+  // As large as the valid call's output, so that a refused call has nothing to resize.
+  std::vector<double> out(2 * 4 * 8);
   LayerCache cache = new_cache(c, 2, 4);
-  const auto call = [&](const std::vector<int64_t>& pos, int64_t tokens, int64_t hidden = 8,
-                        LayerCache* target = nullptr) {
-    return layer_forward(c, s.weights,
-                         TensorView::contiguous(s.x.data(), DType::kFloat32, {2, tokens, hidden}),
-                         TensorView::contiguous(pos.data(), DType::kInt64, {2, tokens}),
-                         target ? target : &cache, &out);
-  };
-  expect_error(call({0, 0}, 1, 7), "x: ");
-  const std::vector<int32_t> pos32 = {0, 0};
-  expect_error(
-      layer_forward(c, s.weights, TensorView::contiguous(s.x.data(), DType::kFloat32, {2, 1, 8}),
-                    TensorView::contiguous(pos32.data(), DType::kInt32, {2, 1}), &cache, &out),
-      "positions: ");
-  expect_error(
-      layer_forward(c, s.weights, TensorView::contiguous(s.x.data(), DType::kFloat32, {2, 2, 8}),
-                    TensorView::contiguous(pos32.data(), DType::kInt64, {2, 1}), &cache, &out),
-      "positions: ");
-  expect_error(call({1, 0}, 1), "positions: ");         // row 0 would skip slot 0
-  expect_error(call({0, 2, 0, 1}, 2), "positions: ");   // row 0 jumps 0 -> 2
-  expect_error(call({0, -1, 0, 1}, 2), "positions: ");  // goes back
-  ASSERT_TRUE(call({0, 1, 2, 3, 0, 1, 2, 3}, 4).ok);
-  expect_error(call({4, 4}, 1), "positions: ");  // past max_len 4
-  EXPECT_EQ(cache.lengths, (std::vector<int64_t>{4, 4}));
   LayerConfig other = c;
   other.num_kv_heads = 4;
   LayerCache wrong = new_cache(other, 2, 4);
-  expect_error(call({0, 0}, 1, 8, &wrong), "cache: ");
   LayerCache one_row = new_cache(c, 1, 4);
-  expect_error(call({0, 0}, 1, 8, &one_row), "x: ");
+  const std::vector<int32_t> pos32 = {0, 0};
+  const auto forward = [&](const TensorView& x, const TensorView& positions, LayerCache* target) {
+    return layer_forward(c, s.weights, x, positions, target, &out);
+  };
+  const auto x_view = [&](int64_t tokens, int64_t hidden) {
+    return TensorView::contiguous(s.x.data(), DType::kFloat32, {2, tokens, hidden});
+  };
+  // Refused with `prefix`, every cache, x, the positions (pos64 when given as int64) and out as
+  // they were. out keeps its buffer and size (checked first: a reallocated out could not be
+  // compared).
+  const auto expect_refused = [&](const TensorView& x, const TensorView& positions,
+                                  const std::vector<int64_t>& pos64, LayerCache* target,
+                                  const std::string& prefix) {
+    flashcte::test::BufferSnapshot snap;
+    add_cache(&snap, "cache", cache);
+    add_cache(&snap, "cache of 4 KV heads", wrong);
+    add_cache(&snap, "cache of 1 sequence", one_row);
+    snap.add("x", s.x).add("int32 positions", pos32).add("positions", pos64);
+    const double* out_data = out.data();
+    const size_t out_size = out.size();
+    snap.add_output("out", out);
+    expect_error(forward(x, positions, target), prefix);
+    ASSERT_EQ(out.data(), out_data) << prefix << ": out reallocated";
+    ASSERT_EQ(out.size(), out_size) << prefix << ": out resized";
+    EXPECT_TRUE(snap.unchanged()) << prefix;
+  };
+  const auto call = [&](const std::vector<int64_t>& pos, int64_t tokens, int64_t hidden = 8,
+                        LayerCache* target = nullptr) {
+    return forward(x_view(tokens, hidden),
+                   TensorView::contiguous(pos.data(), DType::kInt64, {2, tokens}),
+                   target ? target : &cache);
+  };
+  const auto refused = [&](const std::vector<int64_t>& pos, int64_t tokens,
+                           const std::string& prefix, int64_t hidden = 8,
+                           LayerCache* target = nullptr) {
+    expect_refused(x_view(tokens, hidden),
+                   TensorView::contiguous(pos.data(), DType::kInt64, {2, tokens}), pos,
+                   target ? target : &cache, prefix);
+  };
+  refused({0, 0}, 1, "x: ", 7);
+  expect_refused(x_view(1, 8), TensorView::contiguous(pos32.data(), DType::kInt32, {2, 1}), {},
+                 &cache, "positions: ");
+  expect_refused(x_view(2, 8), TensorView::contiguous(pos32.data(), DType::kInt64, {2, 1}), {},
+                 &cache, "positions: ");
+  refused({1, 0}, 1, "positions: ");         // row 0 would skip slot 0
+  refused({0, 2, 0, 1}, 2, "positions: ");   // row 0 jumps 0 -> 2
+  refused({0, -1, 0, 1}, 2, "positions: ");  // goes back
+  ASSERT_TRUE(call({0, 1, 2, 3, 0, 1, 2, 3}, 4).ok);
+  refused({4, 4}, 1, "positions: ");  // past max_len 4
+  EXPECT_EQ(cache.lengths, (std::vector<int64_t>{4, 4}));
+  refused({0, 0}, 1, "cache: ", 8, &wrong);
+  refused({0, 0}, 1, "x: ", 8, &one_row);
+  flashcte::test::BufferSnapshot snap;
+  add_cache(&snap, "cache", cache);
   expect_error(make_layer_cache(c, 1, 0, &cache), "max_len: ");
+  EXPECT_TRUE(snap.unchanged());
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tests/test_util.h"
@@ -578,9 +579,19 @@ TEST(Numerics, NanSinkPoisonsItsBatchOnlyOrIsRefused) {
     build_tensors(c, &bad);
     bad.sink.set(1, 0, 0, kNaN);
     ASSERT_TRUE(run_kernel(clean).ok);
+    BufferSnapshot snap;  // every buffer of the call, for the refusal
+    for (const auto& [name, t] : {std::pair<const char*, HostTensor*>{"q", &bad.q},
+                                  {"k", &bad.k},
+                                  {"v", &bad.v},
+                                  {"sink", &bad.sink},
+                                  {"out", &bad.out},
+                                  {"lse", &bad.lse}}) {
+      snap.add(name, t->bytes());
+    }
     const Status s = run_kernel(bad);
     if (!s.ok) {
       EXPECT_EQ(s.message.rfind("sink: ", 0), 0u) << s.message;
+      EXPECT_TRUE(snap.unchanged()) << dtype_label(dtype);
       continue;
     }
     const Outputs64 a = read_outputs(c, clean), b = read_outputs(c, bad);
