@@ -5,9 +5,13 @@
 #         default labels (ctest -LE long). Leak checking is on. install_consumer is left out: it
 #         links the installed static library into a fresh project without the sanitizer
 #         runtimes, which cannot link (it is a packaging test, run by scripts/test.sh).
-#   tsan  ThreadSanitizer on the threaded tests (ctest -L threads: determinism across thread
-#         counts and SIMD targets, concurrent callers), built with clang + LLVM's libomp and run
-#         with Archer, LLVM's OMPT tool that tells TSan about OpenMP's synchronization.
+#   tsan  ThreadSanitizer on the threaded tests (ctest -L threads, all in one executable):
+#         attention_cte's determinism across thread counts and SIMD targets and its concurrent
+#         callers (determinism_test.cc), and every serving path on 1, 3 and the default thread count
+#         (threads_serving_test.cc: decode over dense, paged and 8-bit caches, the KV-cache call,
+#         the varlen mixed batch, rank-4 batches, merges, the attention layer), built with clang +
+#         LLVM's libomp and run with Archer, LLVM's OMPT tool that tells TSan about OpenMP's
+#         synchronization.
 #   fuzz  the two libFuzzer targets of tools/fuzz (.npy parser, flag parser) with clang, for
 #         FLASHCTE_FUZZ_SECONDS each (default 60), both at once (one per core).
 #
@@ -26,7 +30,9 @@
 # persist in build-fuzz/corpus-*/ between runs.
 # Time on 2 cores (measured on a shared machine under a load average of ~10, so an upper bound):
 # asan build ~26 min and ctest ~11 min for ~1,200 tests (the head-dim grid, added since, ~105 s
-# of CPU more), tsan ~2 min build + ~1 min, fuzz ~25 s build + 2 x 60 s in parallel. Most of the
+# of CPU more), tsan 6.2 min build from scratch + 19 s ctest for 17 tests, 10 s of it the 12
+# serving-path tests (`time scripts/ci_sanitizers.sh tsan`: 6 min 31 s on an AMD EPYC Zen 4 with
+# 2 cores under a load average of ~3.5), fuzz ~25 s build + 2 x 60 s in parallel. Most of the
 # asan time is the GoogleTest grid under ASan; FLASHCTE_ASAN_CTEST_ARGS (e.g.
 # "-R Reliability|BadInput|Numerics") narrows that stage.
 set -euo pipefail
@@ -94,10 +100,16 @@ for stage in "${STAGES[@]}"; do
       CC=clang CXX=clang++ cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
         -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
         -DFLASHCTE_SANITIZE=thread -DFLASHCTE_BUILD_TOOLS=OFF >/dev/null
-      # Only the threaded tests (the rest of the suite runs under ASan).
+      # Only the threaded tests (the rest of the suite runs under ASan). One executable holds
+      # them all; it links the layer's float64 oracle (flashcte_layer_reference) for the layer's.
       cmake --build build-tsan -j "$JOBS" --target flashcte_reliability_threads_tests
       section "tsan: ctest -L threads (Archer: $archer)"
       log=build-tsan/tsan.log
+      # The layer's projections run in OpenBLAS (loaded at run time, not instrumented:
+      # ignore_noninstrumented_modules keeps its interceptor calls out of the reports). The tests'
+      # GEMMs are below OpenBLAS's own threading threshold, so they run on the calling thread, and
+      # OPENBLAS_NUM_THREADS=1 would not keep OpenBLAS's threads away anyway: the layer sets
+      # OpenBLAS's thread count to its own num_threads on every call (src/layer/blas.cc).
       OMP_TOOL_LIBRARIES="$archer" ARCHER_OPTIONS="verbose=1" \
       TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1" \
         ctest --test-dir build-tsan -L threads --no-tests=error --output-on-failure -V --timeout 1800 >"$log" 2>&1 ||
