@@ -2,9 +2,11 @@
 // exception), and plan_attention's tile accounting matches what the mask model implies.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
+#include "flashcte/kvcache.h"
 #include "src/simd/bf16_dot.h"
 #include "src/simd/ops.h"
 #include "tests/test_util.h"
@@ -83,6 +85,49 @@ TEST(Validation, HalfAPairOfBoundsIsAnError) {
   HostTensor lo(DType::kInt32, {16, 1});
   call.options.bound_min = lo.view();
   EXPECT_TRUE(refused_for(call.run(), "bound_max"));
+}
+
+// FlashAttention accepts 0 query heads over any number of KV heads (0 is a multiple of every
+// count): an empty call that writes nothing, on the prefill kernel (rank 3 and 4) and through
+// flash_attn_with_kvcache's prefill path (more than 16 new tokens), with the cache still
+// appended. It divided by the GQA group of 0 (SIGFPE; found by python/tests/test_fuzz_serving.py).
+TEST(Validation, ZeroQueryHeadsOverKvHeadsIsAnEmptyCall) {
+  HostTensor q(DType::kFloat32, {0, 4, 8}), k(DType::kFloat32, {1, 8, 4});
+  HostTensor v(DType::kFloat32, {1, 4, 8}), out(DType::kFloat32, {0, 4, 8});
+  Outputs outputs;
+  outputs.out = out.mutable_view();
+  Status s = attention_cte(q.view(), k.view(), v.view(), outputs, Options{});
+  EXPECT_TRUE(s.ok) << s.message;
+  PlanSummary plan;
+  s = plan_attention(q.view(), k.view(), v.view(), Options{}, &plan);
+  EXPECT_TRUE(s.ok) << s.message;
+  EXPECT_EQ(plan.work_items, 0);
+
+  std::vector<float> q4, k4(2 * 3 * 4 * 8, 0.5f), v4(2 * 3 * 4 * 8, 0.25f), out4;
+  Outputs outputs4;
+  outputs4.out = MutableTensorView::contiguous(out4.data(), DType::kFloat32, {2, 0, 4, 8});
+  s = attention_cte(TensorView::contiguous(q4.data(), DType::kFloat32, {2, 0, 4, 8}),
+                    TensorView::contiguous(k4.data(), DType::kFloat32, {2, 3, 8, 4}),
+                    TensorView::contiguous(v4.data(), DType::kFloat32, {2, 3, 4, 8}), outputs4,
+                    Options{});
+  EXPECT_TRUE(s.ok) << s.message;
+
+  // (batch 1, 17 new tokens, 0 heads, d 8) over a (1, 32, 1, 8) cache holding 0 tokens.
+  std::vector<float> kq, kc(32 * 8, 0.0f), vc(32 * 8, 0.0f), kn(17 * 8), vn(17 * 8), kout;
+  for (size_t i = 0; i < kn.size(); ++i) kn[i] = vn[i] = 0.125f * static_cast<float>(i % 7);
+  std::vector<int32_t> seqlens = {0};
+  KvCacheOptions o;
+  o.k = TensorView::contiguous(kn.data(), DType::kFloat32, {1, 17, 1, 8});
+  o.v = TensorView::contiguous(vn.data(), DType::kFloat32, {1, 17, 1, 8});
+  o.cache_seqlens = TensorView::contiguous(seqlens.data(), DType::kInt32, {1});
+  s = flash_attn_with_kvcache(
+      TensorView::contiguous(kq.data(), DType::kFloat32, {1, 17, 0, 8}),
+      MutableTensorView::contiguous(kc.data(), DType::kFloat32, {1, 32, 1, 8}),
+      MutableTensorView::contiguous(vc.data(), DType::kFloat32, {1, 32, 1, 8}),
+      MutableTensorView::contiguous(kout.data(), DType::kFloat32, {1, 17, 0, 8}), {}, o);
+  EXPECT_TRUE(s.ok) << s.message;
+  EXPECT_TRUE(std::equal(kn.begin(), kn.end(), kc.begin())) << "k not appended";
+  EXPECT_TRUE(std::equal(vn.begin(), vn.end(), vc.begin())) << "v not appended";
 }
 
 TEST(Validation, OutputAliasingAnInputIsAnError) {

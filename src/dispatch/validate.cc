@@ -649,7 +649,15 @@ Status validate(const TensorView& q, const TensorView& k, const TensorView& v,
   FLASHCTE_RETURN_IF_ERROR(read_out(outputs.out, options, shapes_only, problem, &extents));
   FLASHCTE_RETURN_IF_ERROR(read_statistics(outputs, options, problem, &extents));
   FLASHCTE_RETURN_IF_ERROR(check_aliasing(extents));
-  return read_execution_settings(options, problem);
+  FLASHCTE_RETURN_IF_ERROR(read_execution_settings(options, problem));
+  // No query batch (FlashAttention's 0 query heads over any number of KV heads): nothing to
+  // compute or write. The kernel plans one item per KV batch for its group = bs / bs_kv query
+  // batches; without KV batches it plans none instead of a group of 0 (a division by zero).
+  if (problem->batch == 0) {
+    problem->kv_batch = 0;
+    problem->group = 1;
+  }
+  return Status::Ok();
 }
 
 }  // namespace flashcte::internal
