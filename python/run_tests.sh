@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Builds and tests the Python package: a venv under build/python-venv (reused), the package
 # installed from the repository root with pip (scikit-build-core + nanobind through the root
-# CMake project), then pytest on python/tests. Extra arguments go to pytest.
+# CMake project), then pytest on python/tests. Extra arguments go to pytest; test paths among
+# them replace python/tests (run those files alone).
 #
 #   python/run_tests.sh                 # incremental: build deps in the venv, persistent build dir
 #   FLASHCTE_PIP_ISOLATED=1 python/run_tests.sh   # exactly `pip install .` (isolated, clean build)
 #   PYTHON=python3.12 python/run_tests.sh         # another interpreter for the venv
-#   FLASHCTE_TORCH=0 python/run_tests.sh          # without torch/transformers (their tests skip)
+#   FLASHCTE_TORCH=0 python/run_tests.sh          # without torch/transformers (their tests skip;
+#                                                 # otherwise the run fails if they do not import)
+#   FLASHCTE_FUZZ_EXAMPLES=2000 FLASHCTE_FUZZ_SEED=7 python/run_tests.sh python/tests/test_fuzz_serving.py
+#                                                 # a longer fuzzing run (test_fuzz_serving.py)
 #   FLASHCTE_WHEEL=dist/flashcte-...whl python/run_tests.sh   # tests that wheel, builds nothing
 #
 # Needs: python3 with venv and pip, PyPI, a C++17 compiler with OpenMP, CMake >= 3.22 (or PyPI's),
@@ -43,6 +47,7 @@ REQUIREMENTS=(
   "numpy>=1.22"
   "ml_dtypes>=0.2"
   "pytest>=7"
+  "hypothesis>=6.100"
 )
 # The torch stack (see above): torch less its GPU-only requirements (package names, and extras of
 # cuda-toolkit), transformers, and the weights package without its requirements.
@@ -118,6 +123,38 @@ if [[ ! -f "$STAMP" ]] || [[ "$(cat "$STAMP")" != "$WANT" ]]; then
   printf '%s' "$WANT" > "$STAMP"
 fi
 
+# The optional stacks must import, or every test module that needs them skips (pytest.importorskip)
+# and the stage passes without them. ml_dtypes (bfloat16 and the float8 caches) and hypothesis
+# (test_fuzz_serving.py) are in REQUIREMENTS, so they are checked on every run; torch and
+# transformers unless FLASHCTE_TORCH=0, the one logged way to skip their modules.
+REQUIRED_IMPORTS=(ml_dtypes hypothesis)
+if [[ "${FLASHCTE_TORCH:-1}" != "0" ]]; then
+  REQUIRED_IMPORTS+=(torch transformers)
+else
+  uses="$(cd "$ROOT/python/tests" &&
+    { grep -l -E 'importorskip\("(torch|transformers)' -- *.py || true; } | tr '\n' ' ')"
+  echo "== FLASHCTE_TORCH=0: torch and transformers are not required, the tests that need them" \
+    "skip (in ${uses% })"
+fi
+echo "== checking that ${REQUIRED_IMPORTS[*]} import"
+if ! "$PY" - "${REQUIRED_IMPORTS[@]}" <<'PYEOF'; then
+import importlib
+import sys
+
+failed = []
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - any failure to import is reported
+        failed.append(name)
+        print(f"error: {name} does not import: {type(e).__name__}: {e}", file=sys.stderr)
+sys.exit(1 if failed else 0)
+PYEOF
+  echo "error: the tests that need these modules would skip silently; reinstall them (rm $STAMP" \
+    "and rerun) or set FLASHCTE_TORCH=0 to skip the torch and transformers tests deliberately" >&2
+  exit 1
+fi
+
 cd "$ROOT"
 if [[ -n "${FLASHCTE_WHEEL:-}" ]]; then
   echo "== installing $(basename "$FLASHCTE_WHEEL")"
@@ -135,5 +172,14 @@ fi
 
 echo "== pytest"
 # Run from the repository root: the source tree's python/flashcte is not on sys.path, so the
-# tests import the installed package.
-exec "$PY" -m pytest python/tests -q -rs "$@"
+# tests import the installed package. The whole suite, unless the arguments name test files or
+# directories (python/tests/test_fuzz_serving.py, python/tests/test_checks.py::test_x): then
+# those alone.
+targets=(python/tests)
+for arg in "$@"; do
+  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+    targets=()
+    break
+  fi
+done
+exec "$PY" -m pytest "${targets[@]}" -q -rs "$@"

@@ -1,7 +1,9 @@
-"""Shared helpers: dtypes (bfloat16 through ml_dtypes), casting, tolerances."""
+"""Shared helpers: dtypes (bfloat16 through ml_dtypes), casting, tolerances, and the accuracy
+checks every test compares through (NaN- and Inf-aware: see nonfinite_mismatch)."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import zlib
@@ -52,37 +54,111 @@ def make(rng, shape, dtype, scale=1.0, uniform=False):
     return x.astype(np_dtype(dtype))
 
 
-def assert_close(got, ref, dtype, rtol=None, what="out"):
-    got = f64(got)
-    ref = np.asarray(ref, np.float64)
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
-    rtol = OUT_RTOL[dtype] if rtol is None else rtol
+def as_f64(x) -> np.ndarray:
+    """A numpy array (bfloat16 included) or a torch tensor as a float64 numpy array (duck-typed
+    on ``detach`` so that conftest does not import torch)."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().double().numpy()
+    return f64(x)
+
+
+def nonfinite_mismatch(got, ref) -> str | None:
+    """Where ``got``'s non-finite entries differ from ``ref``'s (float64 arrays of one shape), or
+    None: a NaN or an infinity in ``got`` where ``ref`` is finite, a finite value where ``ref``
+    is not, or another infinity (or NaN) where ``ref`` has one. Equal infinities (an empty row's
+    lse = -inf on both sides) and NaN on both sides count as equal.
+
+    Every accuracy check goes through this first because ``np.abs(got - ref).max() <= tol``
+    alone can miss them: over ``ref``'s finite entries only (``got[finite]``) it never sees
+    ``got`` where ``ref`` is infinite, a tolerance scaled by ``max|ref|`` becomes inf when
+    ``ref`` holds an infinity (so ``err = inf <= inf`` passes), and Python's ``max`` drops a NaN
+    that is not its first argument."""
+    got_finite, ref_finite = np.isfinite(got), np.isfinite(ref)
+    same = np.where(ref_finite, got_finite, (got == ref) | (np.isnan(got) & np.isnan(ref)))
+    if same.all():
+        return None
+    where = tuple(int(i) for i in np.argwhere(~same)[0])
+    got_value, ref_value, count = float(got[where]), float(ref[where]), int((~same).sum())
+    return f"entry {where} is {got_value} where the reference has {ref_value} ({count} such)"
+
+
+def max_abs_err(got, ref) -> float:
+    """max |got - ref| over the reference's finite entries, inf when the non-finite entries
+    differ (:func:`nonfinite_mismatch`), 0.0 when there is nothing finite to compare. So
+    ``max_abs_err(got, ref) <= tol`` fails, for any finite ``tol``, on a NaN or Inf that ``ref``
+    does not have and on a finite value where ``ref`` has an infinity, and passes on equal
+    infinities. inf rather than NaN so that folds (``max(a, b)``) keep it."""
+    got, ref = as_f64(got), as_f64(ref)
+    assert got.shape == ref.shape, f"shape {got.shape} != {ref.shape}"
+    if nonfinite_mismatch(got, ref) is not None:
+        return math.inf
     finite = np.isfinite(ref)
-    assert np.array_equal(np.isfinite(got), finite), f"{what}: non-finite entries differ"
-    assert np.array_equal(got[~finite], ref[~finite]), f"{what}: infinities differ"
+    return float(np.abs(got[finite] - ref[finite]).max()) if finite.any() else 0.0
+
+
+def check_close(got, ref, *, rtol, atol=0.0, floor=0.0, what="out") -> float:
+    """The suite's accuracy rule, ``|got - ref| <= atol + rtol * max(max|ref|, floor)`` over the
+    reference's finite entries (max|ref| over those too), the non-finite entries identical
+    (:func:`nonfinite_mismatch`). numpy arrays or torch tensors; returns the max error."""
+    got, ref = as_f64(got), as_f64(ref)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    mismatch = nonfinite_mismatch(got, ref)
+    assert mismatch is None, f"{what}: non-finite entries differ: {mismatch}"
+    finite = np.isfinite(ref)
     if not finite.any():
-        return
-    scale = float(np.abs(ref[finite]).max())
+        return 0.0
+    scale = max(float(np.abs(ref[finite]).max()), floor)
     err = float(np.abs(got[finite] - ref[finite]).max())
-    tol = 1e-6 + rtol * scale
-    assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (max |ref| {scale:.3g}, {dtype})"
+    tol = atol + rtol * scale
+    assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (scale {scale:.3g})"
+    return err
 
 
-def assert_stat_close(got, ref, dtype, what):
-    """Elementwise relative check for neg_max / sum_recip / lse (each row its own scale)."""
-    got = f64(got)
-    ref = np.asarray(ref, np.float64)
+def check_allclose(got, ref, *, rtol, atol, floor=0.0, what) -> None:
+    """Elementwise ``|got - ref| <= atol + rtol * max(|ref|, floor)`` over the reference's
+    finite entries (each its own scale, as ``allclose``), the non-finite entries identical
+    (:func:`nonfinite_mismatch`)."""
+    got, ref = as_f64(got), as_f64(ref)
     assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    mismatch = nonfinite_mismatch(got, ref)
+    assert mismatch is None, f"{what}: non-finite entries differ: {mismatch}"
     finite = np.isfinite(ref)
-    assert np.array_equal(np.isfinite(got), finite), f"{what}: non-finite entries differ"
-    assert np.array_equal(got[~finite], ref[~finite]), f"{what}: infinities differ"
     err = np.abs(got[finite] - ref[finite])
-    tol = 1e-6 + STAT_RTOL[dtype] * np.maximum(1.0, np.abs(ref[finite]))
+    tol = atol + rtol * np.maximum(floor, np.abs(ref[finite]))
     if err.size:
         worst = int(np.argmax(err - tol))
         assert np.all(err <= tol), (
             f"{what}: error {err[worst]:.3g} > {tol[worst]:.3g} at ref {ref[finite][worst]:.6g}"
         )
+
+
+def assert_close(got, ref, dtype, rtol=None, what="out"):
+    """Output rule: within 1e-6 + OUT_RTOL[dtype] (or rtol) of the largest finite |ref|."""
+    rtol = OUT_RTOL[dtype] if rtol is None else rtol
+    check_close(got, ref, rtol=rtol, atol=1e-6, what=f"{what} ({dtype})")
+
+
+def assert_stat_close(got, ref, dtype, what):
+    """Elementwise relative check for neg_max / sum_recip / lse (each row its own scale)."""
+    check_allclose(got, ref, rtol=STAT_RTOL[dtype], atol=1e-6, floor=1.0, what=what)
+
+
+# test_fuzz_serving.py's budget and seed (hypothesis), printed when its tests are collected so
+# that a failing run, or one the library crashed, names the seed that reproduces it.
+FUZZ_SEED = int(os.environ.get("FLASHCTE_FUZZ_SEED", "41"))
+FUZZ_EXAMPLES = int(os.environ.get("FLASHCTE_FUZZ_EXAMPLES", "500"))
+
+
+def pytest_collection_finish(session):
+    """The fuzzing seed and budget, before the tests run (pytest -q, as python/run_tests.sh runs
+    it, shows no header) and so before anything could crash."""
+    if any("test_fuzz_serving.py" in item.nodeid for item in session.items):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(
+                f"flashcte fuzzing: FLASHCTE_FUZZ_SEED={FUZZ_SEED} "
+                f"FLASHCTE_FUZZ_EXAMPLES={FUZZ_EXAMPLES} (examples per target)"
+            )
 
 
 @pytest.fixture

@@ -185,7 +185,9 @@ def masked_softmax_attention(q, k, v, allowed, scale, softcap=0.0, bias=None):
     out = np.zeros((s.shape[0], np.shape(v)[1]))
     lse = np.full(s.shape[0], -np.inf)
     m = s.max(axis=1) if s.shape[1] else np.full(s.shape[0], -np.inf)
-    live = np.isfinite(m)
+    # Empty rows (every key masked) output 0; a NaN score (a NaN in q or a key it sees) makes
+    # its row NaN, as IEEE arithmetic does.
+    live = ~np.isneginf(m)
     e = np.exp(s[live] - m[live, None])
     total = e.sum(axis=1)
     out[live] = (e @ f64(v)) / total[:, None]
@@ -339,9 +341,18 @@ def kvcache_ref(
     lse = np.full((batch, heads, sq), -np.inf)
     for b in range(batch):
         sk = int(seqlens[b]) + new
-        slots = [where(b, j) for j in range(sk)]
-        kb = np.stack([f64(k_after[r, s]) for r, s in slots]) if sk else np.zeros((0, 1, d))
-        vb = np.stack([f64(v_after[r, s]) for r, s in slots]) if sk else np.zeros((0, 1, 1))
+        # Slots before cache_leftpad are masked and never read (their pages may not exist).
+        kb, vb = (
+            np.stack(
+                [
+                    f64(cache[where(b, j)]) if j >= leftpad[b] else np.zeros(cache.shape[2:])
+                    for j in range(sk)
+                ]
+            )
+            if sk
+            else np.zeros((0, 1, last))
+            for cache, last in ((k_after, d), (v_after, 1))
+        )
         allowed = fa_mask(sq, sk, causal, window_size) & (np.arange(sk)[None, :] >= leftpad[b])
         for h in range(heads):
             qh = f64(q[b, :, h])
@@ -360,3 +371,65 @@ def kvcache_ref(
                 qh, kb[:, hk], vb[:, hk], allowed, scale, softcap, bias
             )
     return out, lse, k_after, v_after
+
+
+def varlen_kvcache_ref(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    seqused_k,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    sinks=None,
+):
+    """The mixed batch (flash_attn_varlen_func with block_table, paged_attention): each sequence
+    as kvcache_ref sees it alone, its queries the last of its seqused_k keys (bottom-right
+    aligned); caches (num_blocks, page_block_size, kv_heads, d) with block_table, else dense
+    (batch, seqlen_cache, kv_heads, d). A sink joins each row's softmax without a value:
+    out * l / (l + e^sink), lse -> logaddexp(lse, sink). alibi_slopes: (heads,) or
+    (batch, heads). Returns (out (total_q, heads, dv), lse (heads, total_q)), float64; rows of no
+    sequence are 0 with lse -inf."""
+    cu, used = np.asarray(cu_seqlens_q), np.asarray(seqused_k)
+    total_q, heads = q.shape[0], q.shape[1]
+    out = np.zeros((total_q, heads, v_cache.shape[3]))
+    lse = np.full((heads, total_q), -np.inf)
+    for b in range(len(used)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if cu[b + 1] == cu[b]:
+            continue
+        if block_table is not None:
+            k_b, v_b, extra = k_cache, v_cache, {"block_table": np.asarray(block_table)[b : b + 1]}
+        else:
+            k_b, v_b, extra = k_cache[b : b + 1], v_cache[b : b + 1], {}
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = f64(alibi_slopes)
+            slopes = slopes if slopes.ndim == 1 else slopes[b]
+        o, lse_b, _, _ = kvcache_ref(
+            q[None, rows],
+            k_b,
+            v_b,
+            cache_seqlens=np.array([used[b]]),
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=slopes,
+            **extra,
+        )
+        o, lse_b = o[0], lse_b[0]
+        if sinks is not None:
+            s = f64(sinks)[:, None]
+            total = np.logaddexp(lse_b, s)
+            with np.errstate(invalid="ignore"):  # -inf - -inf: a row of no key, no sink
+                share = np.where(np.isneginf(total), 1.0, np.exp(lse_b - total))
+            o = o * share.T[:, :, None]
+            lse_b = total
+        out[rows] = o
+        lse[:, rows] = lse_b
+    return out, lse

@@ -26,6 +26,7 @@ dist = pytest.importorskip("torch.distributed")
 
 import _ranks  # python/tests/_ranks.py: the spawned ranks
 import flashcte
+from conftest import check_close
 from flashcte import distributed as fd
 
 WORLD = 4
@@ -81,12 +82,7 @@ CONVERSATION = [
 
 
 def assert_close(got, ref, dtype: str, what: str) -> None:
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
-    rtol = 1e-5 if dtype == "float32" else 2e-2
-    largest = float(np.abs(ref).max())
-    err = float(np.abs(got - ref).max())
-    assert err <= rtol * largest, f"{what}: max error {err:.3g} > {rtol:g} * {largest:.3g}"
+    check_close(got, ref, rtol=1e-5 if dtype == "float32" else 2e-2, what=what)
 
 
 def as_numpy(a) -> np.ndarray:

@@ -25,6 +25,7 @@ dist = pytest.importorskip("torch.distributed")
 
 import _ranks  # python/tests/_ranks.py: the spawned ranks
 import flashcte
+from conftest import check_close
 from flashcte import distributed as fd
 
 WORLD = 4
@@ -50,20 +51,9 @@ def _uneven(seqlen: int, n: int, seed: int) -> list[int]:
 
 
 def _assert_close(got, ref, p: int, what: str, dtype=torch.float32) -> float:
-    got = got.detach().to(torch.float64)
-    ref = ref.detach().to(torch.float64)
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     rtol = 1e-5 if dtype == torch.float32 else 2e-2
-    finite = torch.isfinite(ref)
-    assert torch.equal(torch.isfinite(got), finite), f"{what}: non-finite entries differ"
-    assert torch.equal(got[~finite], ref[~finite]), f"{what}: infinite entries differ"
-    if not finite.any():
-        return 0.0
-    scale = max(ref[finite].abs().max().item(), 1.0 if what == "lse" else 0.0)
-    tol = (rtol + p * 4e-7) * scale
-    err = (got[finite] - ref[finite]).abs().max().item()
-    assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} (scale {scale:.3g}, P={p})"
-    return err
+    floor = 1.0 if what == "lse" else 0.0
+    return check_close(got, ref, rtol=rtol + p * 4e-7, floor=floor, what=f"{what} (P={p})")
 
 
 def case(heads, seqlen, layout="contiguous", uneven=False, dtype=torch.float32, **kw):

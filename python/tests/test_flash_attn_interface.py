@@ -29,6 +29,7 @@ torch = pytest.importorskip("torch")
 import _ranks  # python/tests/_ranks.py: the spawned ranks
 import flashcte
 import flashcte.integrations.flash_attn as fa
+from conftest import check_close
 
 # ---- the forwards, single process ---------------------------------------------------------------
 
@@ -58,13 +59,9 @@ def reference(q, k, v, scale, causal, window=(-1, -1), softcap=0.0):
     return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
 
 
-def assert_close(got, ref, what, lse=False):
-    got, ref = got.to(torch.float64), ref.to(torch.float64)
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    scale = max(ref.abs().max().item(), 1.0) if lse else ref.abs().max().item()
-    err = (got - ref).abs().max().item()
-    tol = (1e-5 if lse else 2e-5) * scale
-    assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g}"
+def assert_close(got, ref, what, lse=False, rtol=None):
+    rtol = (1e-5 if lse else 2e-5) if rtol is None else rtol
+    check_close(got, ref, rtol=rtol, floor=1.0 if lse else 0.0, what=what)
 
 
 @pytest.mark.parametrize(
@@ -91,8 +88,7 @@ def test_forward_bfloat16_and_default_scale():
     out, lse, _, _ = fa._flash_attn_forward(q, k, v, 0.0, None, True, -1, -1, 0.0, None, False)
     ref, ref_lse = reference(q, k, v, 32**-0.5, True)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    err = (out.to(torch.float64) - ref).abs().max().item()
-    assert err <= 2e-2 * ref.abs().max().item()
+    assert_close(out, ref, "out", rtol=2e-2)
     assert_close(lse, ref_lse, "lse", lse=True)
 
 
@@ -264,11 +260,7 @@ def _ring_cases(rank, p, group):
 
 def _check(got, ref, p, what, lse=False):
     """test_distributed.py's rule: 1e-5 plus P merges' 4e-7 of the largest |ref|."""
-    got, ref = got.to(torch.float64), ref.to(torch.float64)
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    scale = max(ref.abs().max().item(), 1.0) if lse else ref.abs().max().item()
-    err = (got - ref).abs().max().item()
-    assert err <= (1e-5 + p * 4e-7) * scale, f"{what}: max error {err:.3g} (scale {scale:.3g})"
+    check_close(got, ref, rtol=1e-5 + p * 4e-7, floor=1.0 if lse else 0.0, what=what)
 
 
 CASES = {"ring": (_ring_cases, (2, 3))}

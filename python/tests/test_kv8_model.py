@@ -13,10 +13,12 @@ scale, axis or format moves the logits by O(1).
 from __future__ import annotations
 
 import importlib.util
+import math
 import pathlib
 
 import numpy as np
 import pytest
+from conftest import as_f64, nonfinite_mismatch
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 pytest.importorskip("transformers", reason="transformers is not installed")
@@ -31,7 +33,13 @@ BOUNDS = {"int8": 0.05, "float8_e4m3": 0.25, "float8_e5m2": 0.45}
 
 
 def rel_rms(got, want) -> float:
-    return kv8_accuracy.errors(got.double().numpy(), want.double().numpy())[0]
+    """The relative RMS error over want's finite entries; inf when the non-finite entries differ
+    (conftest.nonfinite_mismatch: a NaN or Inf logit want does not have)."""
+    got, want = as_f64(got), as_f64(want)
+    if nonfinite_mismatch(got, want) is not None:
+        return math.inf
+    finite = np.isfinite(want)
+    return kv8_accuracy.errors(got[finite], want[finite])[0]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import time
 import flashcte
 import numpy as np
 import pytest
-from conftest import np_dtype
+from conftest import check_close, np_dtype
 from semantics import BF16, f64
 
 ULP = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -276,12 +276,7 @@ def rows(*start_and_count) -> np.ndarray:
 
 
 def assert_layer_close(got, ref, dtype: str, what: str) -> None:
-    got = f64(got)
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
-    largest = float(np.abs(ref).max())
-    err = float(np.abs(got - ref).max())
-    tol = rtol_of(dtype) * max(largest, 1e-3)
-    assert err <= tol, f"{what} ({dtype}): max error {err:.3g} > {tol:.3g} (largest {largest:.3g})"
+    check_close(got, ref, rtol=rtol_of(dtype), floor=1e-3, what=f"{what} ({dtype})")
 
 
 # The calls of one conversation (batch 2, max_len 128): a 40-token prefill (attention_cte); a

@@ -17,6 +17,7 @@ F = torch.nn.functional
 import flashcte._attention as _attention  # noqa: E402
 import flashcte._torch_checks as _torch_checks  # noqa: E402
 import flashcte.torch as ft  # noqa: E402
+from conftest import check_allclose, check_close  # noqa: E402
 
 # |a - b| <= 1e-6 + rtol * max|ref| (conftest's OUT_RTOL: the kernel's own arithmetic; 16-bit
 # dtypes round the probabilities and the output).
@@ -29,16 +30,7 @@ DTYPES = [
 
 
 def close(got, ref, dtype=torch.float32, what="out"):
-    got, ref = got.double(), ref.double()
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    finite = torch.isfinite(ref)
-    assert torch.equal(torch.isfinite(got), finite), f"{what}: non-finite entries differ"
-    assert torch.equal(got[~finite], ref[~finite]), f"{what}: infinities differ"
-    if finite.any():
-        scale = ref[finite].abs().max().item()
-        err = (got[finite] - ref[finite]).abs().max().item()
-        tol = 1e-6 + RTOL[dtype] * scale
-        assert err <= tol, f"{what}: max error {err:.3g} > {tol:.3g} ({dtype})"
+    check_close(got, ref, rtol=RTOL[dtype], atol=1e-6, what=f"{what} ({dtype})")
 
 
 def reference(
@@ -156,9 +148,7 @@ def test_op_vs_reference(dtype, case, sq, sk):
     assert out.dtype == dtype and out.is_contiguous() and out.shape == (b, sq, h, 24)
     assert lse.dtype == torch.float32 and lse.shape == (b, h, sq)
     close(out, want, dtype)
-    finite = torch.isfinite(want_lse)
-    assert torch.equal(torch.isfinite(lse), finite)
-    assert torch.allclose(lse[finite].double(), want_lse[finite], rtol=1e-4, atol=1e-4)
+    check_allclose(lse, want_lse, rtol=1e-4, atol=1e-4, what="lse")
 
 
 # What each path of the op calls: FlashAttention's own arguments go through FlashAttention's

@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 import flashcte.integrations.transformers as fct  # noqa: E402
+from conftest import check_close, max_abs_err  # noqa: E402
 
 NAME = fct.register()
 
@@ -166,7 +167,7 @@ def test_logits_fp32_and_greedy_generation(name, spy):
     got = _logits(model, NAME, ids, mask)
     assert spy.calls == model.config.num_hidden_layers
     valid = mask.bool()
-    err = (got - ref)[valid].abs().max().item()
+    err = max_abs_err(got[valid], ref[valid])
     assert err <= 1e-4, f"{name}: fp32 logits differ by {err:.3g} from {ref_impl}"
 
     gen = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
@@ -190,11 +191,14 @@ def test_logits_bf16(name, spy):
     got = _logits(model, NAME, ids, mask)
     assert spy.calls == model.config.num_hidden_layers
     valid = mask.bool()
-    scale = ref[valid].abs().max().item()
-    err = (got - ref)[valid].abs().max().item()
-    err_got = (got - exact)[valid].abs().max().item()
-    err_ref = (ref - exact)[valid].abs().max().item()
-    assert err <= BF16_RTOL * scale, f"{name}: bf16 logits differ by {err:.3g} (max {scale:.3g})"
+    # check_close: the tolerance scales with the largest finite |ref| (an infinite logit in
+    # ref would make BF16_RTOL * max|ref| infinite and pass anything) and a NaN or Inf that ref
+    # does not have fails.
+    check_close(got[valid], ref[valid], rtol=BF16_RTOL, what=f"{name}: bf16 logits")
+    scale = ref[valid][torch.isfinite(ref[valid])].abs().max().item()  # as check_close's
+    err_got = max_abs_err(got[valid], exact[valid])
+    err_ref = max_abs_err(ref[valid], exact[valid])
+    assert math.isfinite(err_ref), f"{name}: {ref_impl}'s bf16 logits are not finite as fp32's"
     factor, slack = BF16_VS_FP32
     assert err_got <= factor * err_ref + slack * scale, (
         f"{name}: bf16 error vs fp32 {err_got:.3g}, {ref_impl}'s {err_ref:.3g}"
@@ -209,7 +213,7 @@ def test_right_padding_and_chunked_prefill(spy):
     ref = _logits(model, "sdpa", ids, mask)
     got = _logits(model, NAME, ids, mask)
     valid = mask.bool()
-    assert (got - ref)[valid].abs().max().item() <= 1e-4
+    assert max_abs_err(got[valid], ref[valid]) <= 1e-4
 
     ids, mask = _batch(lengths=(20, 20))
     results = {}
@@ -224,7 +228,7 @@ def test_right_padding_and_chunked_prefill(spy):
                 **{CACHE_ARG: first.past_key_values},
             )
         results[impl] = second.logits
-    assert (results[NAME] - results["sdpa"]).abs().max().item() <= 1e-4
+    assert max_abs_err(results[NAME], results["sdpa"]) <= 1e-4
     assert spy.calls == 6  # 2 layers: the right-padded batch, then the two chunks
 
 
@@ -258,7 +262,7 @@ def test_from_pretrained(tmp_path, spy):
     with torch.no_grad():
         got = loaded(input_ids=ids, attention_mask=mask).logits
     ref = _logits(model, "sdpa", ids, mask)
-    assert (got - ref)[mask.bool()].abs().max().item() <= 1e-4
+    assert max_abs_err(got[mask.bool()], ref[mask.bool()]) <= 1e-4
     assert spy.calls == loaded.config.num_hidden_layers
 
 
@@ -273,7 +277,7 @@ def test_fallbacks_warn_once_and_match():
         got = model(input_ids=ids, attention_mask=mask).logits  # grad mode on
     assert len(record) == 1  # once for both layers
     assert got.requires_grad
-    assert (got.detach() - ref)[mask.bool()].abs().max().item() <= 1e-5
+    assert max_abs_err(got.detach()[mask.bool()], ref[mask.bool()]) <= 1e-5
 
     # A custom 4-D mask (transformers passes it as is) whose rows are not key intervals.
     g = torch.Generator().manual_seed(4)
@@ -282,7 +286,7 @@ def test_fallbacks_warn_once_and_match():
     ref = _logits(model, "sdpa", ids, custom)
     with pytest.warns(fct.FlashcteFallbackWarning, match="not per-row key intervals"):
         got = _logits(model, NAME, ids, custom)
-    assert (got - ref).abs().max().item() <= 1e-5
+    assert max_abs_err(got, ref) <= 1e-5
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
@@ -296,7 +300,7 @@ def test_fallback_to_eager_for_softcap_and_sinks(name):
     _switch(model, NAME)
     with pytest.warns(fct.FlashcteFallbackWarning, match="requires grad"):
         got = model(input_ids=ids, attention_mask=mask).logits.float()
-    assert (got.detach() - ref)[mask.bool()].abs().max().item() <= 1e-5
+    assert max_abs_err(got.detach()[mask.bool()], ref[mask.bool()]) <= 1e-5
 
 
 def test_mask_plans_are_cached_per_mask(monkeypatch):
@@ -385,8 +389,8 @@ def test_all_minilm_sentence_embeddings(monkeypatch, spy):
     ref = _embed(model, batch)
     _switch(model, "eager")
     eager = _embed(model, batch)
-    assert (got - ref).abs().max().item() <= 1e-5
-    assert (got - eager).abs().max().item() <= 1e-5
+    assert max_abs_err(got, ref) <= 1e-5
+    assert max_abs_err(got, eager) <= 1e-5
     # The embeddings mean something: the similar pair is closer than the unrelated one.
     sims = got @ got.T
     assert sims[1, 3] > sims[0, 2]

@@ -9,7 +9,7 @@ import flashcte
 import numpy as np
 import pytest
 from conftest import DTYPES, assert_close, assert_stat_close, make
-from semantics import kvcache_ref
+from semantics import varlen_kvcache_ref
 
 # Per sequence: (queries this step, keys in its cache); 0 queries: a sequence idle this step.
 MIXES = {
@@ -49,33 +49,11 @@ def setup(rng, dtype, q_lens, used, page, heads=4, kv_heads=2, d=32):
 
 def reference(q, k_cache, v_cache, args, causal=True, window=(-1, -1), softcap=0.0,
               alibi=None, sinks=None):
-    """Each sequence as FlashAttention's flash_attn_with_kvcache model sees it alone; a sink
-    joins the softmax without a value: out * l / (l + e^sink), lse -> logaddexp(lse, sink)."""
-    cu, used = args["cu_seqlens_q"], args["seqused_k"]
-    out = np.zeros(q.shape[:2] + (v_cache.shape[3],))
-    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
-    for b in range(len(used)):
-        rows = slice(int(cu[b]), int(cu[b + 1]))
-        if cu[b + 1] == cu[b]:
-            continue
-        extra = {}
-        if "block_table" in args:
-            extra["block_table"] = args["block_table"][b : b + 1]
-            k_b, v_b = k_cache, v_cache
-        else:
-            k_b, v_b = k_cache[b : b + 1], v_cache[b : b + 1]
-        o, l, _, _ = kvcache_ref(q[None, rows], k_b, v_b, cache_seqlens=np.array([used[b]]),
-                                 causal=causal, window_size=window, softcap=softcap,
-                                 alibi_slopes=alibi, **extra)
-        o, l = o[0], l[0]
-        if sinks is not None:
-            s = np.asarray(sinks, np.float64)[:, None]
-            total = np.logaddexp(l, s)
-            o = o * np.exp(l - total).T[:, :, None]
-            l = total
-        out[rows] = o
-        lse[:, rows] = l
-    return out, lse
+    """Each sequence as FlashAttention's flash_attn_with_kvcache model sees it alone, sinks
+    folded in (semantics.varlen_kvcache_ref)."""
+    return varlen_kvcache_ref(q, k_cache, v_cache, args["cu_seqlens_q"], args["seqused_k"],
+                              args.get("block_table"), causal=causal, window_size=window,
+                              softcap=softcap, alibi_slopes=alibi, sinks=sinks)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
