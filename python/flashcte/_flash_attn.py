@@ -20,6 +20,7 @@ the ALiBi bias ``-slope * |i + seqlen_k - seqlen_q - j|``, then masked.
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from typing import Any
 
@@ -254,7 +255,7 @@ def flash_attn_func(
             raise ValueError(f"{t.name}: batch {t.shape[0]} differs from q's batch {batch}")
     if vt.shape[1] != seqlen_k:
         raise ValueError(f"v: seqlen {vt.shape[1]} differs from k's seqlen {seqlen_k}")
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    scale = _softmax_scale(softmax_scale, d)
     left, right = _window(window_size, causal)
     cap = _softcap(softcap)
     slopes = _alibi(alibi_slopes, batch, heads)
@@ -287,6 +288,35 @@ def _cu_seqlens(name: str, x: Any) -> np.ndarray:
     if a[0] != 0 or np.any(np.diff(a) < 0):
         raise ValueError(f"{name}: must start at 0 and never decrease, got {a.tolist()}")
     return a
+
+
+def _softmax_scale(softmax_scale: Any, d: int) -> float:
+    """FlashAttention's ``softmax_scale`` (default ``1 / sqrt(d)``), refused by its own name:
+    attention_cte, which takes it next, calls it ``scale``."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d)
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        what = type(softmax_scale).__name__
+        raise TypeError(f"softmax_scale: expected a number, got {what}") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale: must be finite, got {scale}")
+    return scale
+
+
+def _max_seqlen(name: str, value: Any, lengths: np.ndarray, what: str) -> None:
+    """FlashAttention's ``max_seqlen_q`` / ``max_seqlen_k``: an int no less than the longest
+    sequence (``lengths``), checked where there is a sequence."""
+    if not lengths.size:
+        return
+    try:
+        value = operator.index(value)  # an int, a numpy or 0-dim torch integer
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+    if int(lengths.max()) > value:
+        longest = int(lengths.max())
+        raise ValueError(f"{name}: {value} is less than the longest {what} sequence {longest}")
 
 
 def flash_attn_varlen_func(
@@ -389,15 +419,9 @@ def flash_attn_varlen_func(
     if cu_k[-1] > total_k:
         raise ValueError(f"cu_seqlens_k: ends at {cu_k[-1]} past k's total {total_k}")
     len_q, len_k = np.diff(cu_q), np.diff(cu_k)
-    if len_q.size and int(len_q.max()) > int(max_seqlen_q):
-        raise ValueError(
-            f"max_seqlen_q: {max_seqlen_q} is less than the longest query sequence {int(len_q.max())}"
-        )
-    if len_k.size and int(len_k.max()) > int(max_seqlen_k):
-        raise ValueError(
-            f"max_seqlen_k: {max_seqlen_k} is less than the longest key sequence {int(len_k.max())}"
-        )
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    _max_seqlen("max_seqlen_q", max_seqlen_q, len_q, "query")
+    _max_seqlen("max_seqlen_k", max_seqlen_k, len_k, "key")
+    scale = _softmax_scale(softmax_scale, d)
     left, right = _window(window_size, causal)
     cap = _softcap(softcap)
     slopes = _alibi(alibi_slopes, len_q.size, heads)

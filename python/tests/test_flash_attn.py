@@ -375,3 +375,18 @@ def test_varlen_bad_offsets(rng):
         flashcte.flash_attn_varlen_func(q, q, q, cu, np.array([0, 10]), 10, 10)
     with pytest.raises(ValueError, match="max_seqlen_q"):
         flashcte.flash_attn_varlen_func(q, q, q, cu, cu, 4, 6)
+    # Named by FlashAttention's argument names (found by test_fuzz_serving.py: None raised int()'s
+    # own TypeError, a NaN scale attention_cte's "scale: must be finite").
+    with pytest.raises(TypeError, match="max_seqlen_q: expected an int, got NoneType"):
+        flashcte.flash_attn_varlen_func(q, q, q, cu, cu, None, 6)
+    with pytest.raises(TypeError, match="max_seqlen_k: expected an int, got float"):
+        flashcte.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6.0)
+    for scale in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="softmax_scale: must be finite"):
+            flashcte.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, softmax_scale=scale)
+        with pytest.raises(ValueError, match="softmax_scale: must be finite"):
+            flashcte.flash_attn_func(q[None], q[None], q[None], softmax_scale=scale)
+    np.testing.assert_array_equal(
+        flashcte.flash_attn_varlen_func(q, q, q, cu, cu, np.int32(6), np.int64(6)),
+        flashcte.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6),
+    )
