@@ -63,18 +63,20 @@ def _alibi(alibi_slopes: Any, batch: int, heads: int) -> np.ndarray | None:
     if alibi_slopes is None:
         return None
     a = np.asarray(float32_array("alibi_slopes", alibi_slopes))
-    if a.shape == (heads,):
-        a = np.broadcast_to(a, (batch, heads))
-    elif a.shape != (batch, heads):
+    if a.shape != (heads,) and a.shape != (batch, heads):
         raise ValueError(
             f"alibi_slopes: shape {a.shape} must be (heads,) = ({heads},) or (batch, heads) = "
             f"({batch}, {heads})"
         )
+    # Checked as given, before the broadcast: a batch of no sequence must not hide a NaN.
     bad = ~np.isfinite(a)
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
+        if a.ndim == 1:
+            raise ValueError(f"alibi_slopes: entry head = {where[0]} is not finite")
         raise ValueError(f"alibi_slopes: entry (batch, head) = {where} is not finite")
-    return a
+    # batch is -1 for offsets that hold no entry: the library refuses them by name.
+    return a if a.ndim == 2 else np.broadcast_to(a, (max(batch, 0), heads))
 
 
 def _bounds(seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[np.ndarray, np.ndarray]:
@@ -384,6 +386,11 @@ def flash_attn_varlen_func(
             if cu_seqlens_k is None:
                 raise ValueError("seqused_k: with block_table, seqused_k or cu_seqlens_k gives each sequence's keys")
             seqused_k = np.diff(_cu_seqlens("cu_seqlens_k", cu_seqlens_k)).astype(np.int32)
+        len_q = np.diff(_cu_seqlens("cu_seqlens_q", cu_seqlens_q))
+        _max_seqlen("max_seqlen_q", max_seqlen_q, len_q, "query")
+        used = np.asarray(seqused_k)
+        if used.ndim == 1 and np.issubdtype(used.dtype, np.integer):  # else refused by name below
+            _max_seqlen("max_seqlen_k", max_seqlen_k, used, "key")
         return varlen_over_cache(
             q,
             k,

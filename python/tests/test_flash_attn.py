@@ -364,6 +364,42 @@ def test_varlen_matches_batched(rng):
     assert_close(b.reshape(a.shape), a, "float32", rtol=1e-6)
 
 
+def test_varlen_checks_slopes_without_sequences_and_max_seqlen_over_pages(rng):
+    """Found by test_fuzz_serving.py: a NaN ALiBi slope passed when the batch held no sequence
+    (checked after broadcasting to an empty (0, heads)); an empty query_start_loc with (heads,)
+    slopes raised numpy's broadcast error; with block_table, max_seqlen_* went unchecked."""
+    none = np.zeros((0, 2, 8), np.float32)
+    nan_slope = np.array([0.5, np.nan], np.float32)
+    with pytest.raises(ValueError, match="alibi_slopes: entry head = 1 is not finite"):
+        flashcte.flash_attn_varlen_func(
+            none, none, none, np.array([0], np.int32), np.array([0], np.int32), 0, 0,
+            alibi_slopes=nan_slope,
+        )
+    pages = np.zeros((1, 2, 4, 8), np.float32)
+    with pytest.raises(ValueError, match="alibi_slopes: entry head = 1 is not finite"):
+        flashcte.paged_attention(
+            none, pages, pages, np.zeros((0, 1), np.int32), np.zeros(0, np.int32),
+            np.array([0], np.int32), 0.3, alibi_slopes=nan_slope,
+        )
+    with pytest.raises(ValueError, match="cu_seqlens_q|query_start_loc"):
+        flashcte.paged_attention(
+            none, pages, pages, np.zeros((0, 1), np.int32), np.zeros(0, np.int32),
+            np.zeros(0, np.int32), 0.3, alibi_slopes=np.ones(2, np.float32),
+        )
+    q = make(rng, (5, 1, 8), "float32")
+    kv = make(rng, (2, 4, 1, 8), "float32")
+    args = (q, kv, kv, np.array([0, 5], np.int32))
+    table, used = np.array([[0, 1]], np.int32), np.array([6], np.int32)
+    for max_q, max_k, name in ((4, 6, "max_seqlen_q"), (5, 5, "max_seqlen_k")):
+        with pytest.raises(ValueError, match=f"{name}: {max_q if name[-1] == 'q' else max_k} is"):
+            flashcte.flash_attn_varlen_func(
+                *args, None, max_q, max_k, block_table=table, seqused_k=used
+            )
+    with pytest.raises(TypeError, match="max_seqlen_k: expected an int"):
+        flashcte.flash_attn_varlen_func(*args, None, 5, None, block_table=table, seqused_k=used)
+    flashcte.flash_attn_varlen_func(*args, None, 5, 6, block_table=table, seqused_k=used)
+
+
 def test_varlen_bad_offsets(rng):
     q = make(rng, (10, 2, 8), "float32")
     cu = np.array([0, 4, 10], np.int32)

@@ -189,15 +189,6 @@ KNOWN_BUGS = {
             "want of a k_scale the function does not take"
         ),
     ),
-    "max_seqlen_unchecked_with_pages": (
-        "accepts",
-        (
-            "flash_attn_varlen_func(..., block_table=...) takes any max_seqlen_q / max_seqlen_k "
-            "(0, -1, None), where its docstring says an understated maximum raises ValueError (as "
-            "it does without block_table): q (5, 1, 8), k = v (2, 4, 1, 8), cu_seqlens_q [0, 5], "
-            "max_seqlen_q = max_seqlen_k = 0, block_table [[0, 1]], seqused_k [6] returns"
-        ),
-    ),
     "varlen_kvcache_no_rows": (
         "accepts",
         (
@@ -212,18 +203,6 @@ KNOWN_BUGS = {
             "that call too (q of float16 and k of bfloat16 are accepted)"
         ),
     ),
-    "empty_offsets_alibi": (
-        "unnamed",
-        (
-            "paged_attention and flash_attn_varlen_func(block_table=...) with an empty "
-            "cu_seqlens_q (query_start_loc) and alibi_slopes (heads,) raise numpy's 'ValueError: "
-            "all elements of broadcast shape must be non-negative' (_alibi broadcasting to (-1, "
-            "heads)) instead of 'cu_seqlens_q: must have batch + 1 >= 1 entries': "
-            "paged_attention(np.zeros((0, 2, 8), np.float32), k, k, np.zeros((0, 1), np.int32), "
-            "np.zeros(0, np.int32), np.zeros(0, np.int32), 0.3, alibi_slopes=np.ones(2, "
-            "np.float32))"
-        ),
-    ),
     "read_only_scale": (
         "refuses",
         (
@@ -231,15 +210,6 @@ KNOWN_BUGS = {
             "refuses a read-only k_scale / v_scale with 'TypeError: k_scale: expected a writable "
             "array (numpy, or a DLPack tensor), got ndarray' (the binding takes the scales as "
             "writable)"
-        ),
-    ),
-    "alibi_unchecked_without_sequences": (
-        "accepts",
-        (
-            "alibi_slopes (heads,) holding NaN or inf is accepted when the batch has no sequence "
-            "(flash_attn_with_kvcache with q of batch 0; flash_attn_varlen_func and "
-            "paged_attention with cu_seqlens_q = [0]): _flash_attn._alibi checks the slopes "
-            "broadcast to (batch, heads), which is then empty"
         ),
     ),
 }
@@ -1017,8 +987,6 @@ def alibi_contract(c: Contract, slopes, batch: int, heads: int) -> None:
         c.refuse(f"alibi_slopes of shape {a.shape}")
     elif not np.all(np.isfinite(f64(a))):
         c.refuse("alibi_slopes holds a non-finite slope")
-        if batch == 0:
-            c.known_bug("alibi_unchecked_without_sequences")
 
 
 def threads_contract(c: Contract, threads) -> None:
@@ -1762,8 +1730,6 @@ def mixed_contract(kw: dict, api: str) -> tuple[Contract, dict]:
         c.leave_open("an empty dimension")
     cu = offsets_contract(c, "cu_seqlens_q", kw["cu_seqlens_q"], total_q, int32=True)
     if cu is None:
-        if np.size(kw["cu_seqlens_q"]) == 0 and np.ndim(kw.get("alibi_slopes")) == 1:
-            c.known_bug("empty_offsets_alibi")
         return c, info
     batch = cu.size - 1
     if kw.get("seqused_k") is not None or paged:
@@ -1821,7 +1787,6 @@ def mixed_contract(kw: dict, api: str) -> tuple[Contract, dict]:
             m = kw.get(name)
             if batch and not (isinstance(m, (int, np.integer)) and m >= longest.max()):
                 c.refuse(f"{name} = {m!r} is not an int >= the longest sequence")
-                c.known_bug("max_seqlen_unchecked_with_pages")
     window_contract(c, kw, "window_size")
     softcap = kw.get("softcap")
     if softcap is not None and not (np.isfinite(softcap) and softcap >= 0):
