@@ -203,17 +203,6 @@ void run_conversation(const LayerConfig& config, int64_t block_size = 0,
 
 class AttentionLayerTest : public ::testing::TestWithParam<DType> {};
 
-LayerConfig everything_on(DType dtype) {
-  LayerConfig c = small_config(32, 4, 2, 8);
-  c.rotary_dim = 6;
-  c.rope_theta = 500;
-  c.rope_scaling = Llama3RopeScaling{4.0, 1.0, 2.0, 16};
-  c.sliding_window = 20;
-  c.qkv_bias = c.o_bias = c.qk_norm = c.sinks = true;
-  c.dtype = dtype;
-  return c;
-}
-
 TEST_P(AttentionLayerTest, GqaWithEverythingOn) { run_conversation(everything_on(GetParam())); }
 
 // The same conversation on block pools (pages of 1, 3 and 16 slots at shuffled places): against

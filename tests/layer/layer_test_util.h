@@ -27,6 +27,19 @@ inline LayerConfig small_config(int64_t hidden, int64_t heads, int64_t kv_heads,
   return c;
 }
 
+// A GQA layer (32 wide, 4 query heads over 2 KV heads of d = 8) with every option on: partial
+// Llama-3-scaled RoPE, a sliding window, biases, QK norm and sinks.
+inline LayerConfig everything_on(DType dtype) {
+  LayerConfig c = small_config(32, 4, 2, 8);
+  c.rotary_dim = 6;
+  c.rope_theta = 500;
+  c.rope_scaling = Llama3RopeScaling{4.0, 1.0, 2.0, 16};
+  c.sliding_window = 20;
+  c.qkv_bias = c.o_bias = c.qk_norm = c.sinks = true;
+  c.dtype = dtype;
+  return c;
+}
+
 inline std::vector<float> identity(int64_t n) {
   std::vector<float> w(n * n, 0.0f);
   for (int64_t i = 0; i < n; ++i) w[i * n + i] = 1.0f;

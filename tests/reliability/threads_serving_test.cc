@@ -1121,6 +1121,7 @@ TEST(ThreadsServing, MergeFromConcurrentCallers) {
 // the largest here, the prefill's QKV projection, is 96 x 64 x 32 = 196,608), so they run on the
 // calling thread whatever num_threads says: the thread counts are the attention kernels'.
 struct LayerSetup {
+  // kHidden: everything_on's hidden size.
   static constexpr int64_t kBatch = 3, kHidden = 32, kMaxLen = 64;
   LayerConfig config;
   LayerWeights weights;
@@ -1130,13 +1131,7 @@ struct LayerSetup {
   std::vector<std::vector<float>> xs;  // each step's input, (batch, T, hidden)
 
   LayerSetup(DType dtype, int64_t block_) : block(block_) {
-    config = reference::test::small_config(kHidden, 4, 2, 8);
-    config.rotary_dim = 6;
-    config.rope_theta = 500;
-    config.rope_scaling = Llama3RopeScaling{4.0, 1.0, 2.0, 16};
-    config.sliding_window = 20;
-    config.qkv_bias = config.o_bias = config.qk_norm = config.sinks = true;
-    config.dtype = dtype;
+    config = reference::test::everything_on(dtype);
     std::mt19937 rng(41);
     weights = reference::test::random_weights(config, &rng);
     const Status s = AttentionLayer::create(config, weights, &layer);
