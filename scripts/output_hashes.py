@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""SHA-256 of the outputs of a fixed set of calls through every public entry point, one line each.
+
+For refactors that must not change a bit of any result: run it before and after and diff.
+
+    build/python-venv/bin/python scripts/output_hashes.py > before.txt
+    ... change, rebuild (python/run_tests.sh python/tests/test_checks.py) ...
+    build/python-venv/bin/python scripts/output_hashes.py | diff before.txt -
+
+Inputs come from a fixed seed; results are bitwise the same for any thread count, so the hashes
+depend only on the library and the SIMD target it dispatched to (printed first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import flashcte
+import numpy as np
+
+try:
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+    E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+except ImportError:  # the bf16 and fp8 calls need ml_dtypes
+    BF16 = E4M3 = None
+
+
+def digest(*arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        h.update(str(a.dtype).encode() + str(a.shape).encode() + a.tobytes())
+    return h.hexdigest()[:16]
+
+
+def main() -> None:
+    rng = np.random.default_rng(42)
+
+    def r(*shape, dtype=np.float32):
+        return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+    calls = {}
+    # attention_cte, rank 3 (Neuron layouts) and FlashAttention's dense call.
+    q, k, v = r(4, 96, 64), r(2, 64, 160), r(2, 160, 64)
+    calls["attention_cte"] = lambda: flashcte.attention_cte(q, k, v, 0.125, True, sliding_window=40)
+    fq, fk, fv = r(2, 70, 4, 64), r(2, 90, 2, 64), r(2, 90, 2, 64)
+    calls["flash_attn_func"] = lambda: flashcte.flash_attn_func(
+        fq, fk, fv, causal=True, softcap=5.0, return_softmax_lse=True
+    )
+    calls["flash_attn_func_window"] = lambda: flashcte.flash_attn_func(
+        fq, fk, fv, window_size=(16, 3), alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4], np.float32)
+    )
+    # Varlen, packed.
+    cu = np.array([0, 1, 40, 41, 100], np.int32)
+    vq, vk, vv = r(100, 4, 64), r(100, 2, 64), r(100, 2, 64)
+    calls["flash_attn_varlen_func"] = lambda: flashcte.flash_attn_varlen_func(
+        vq, vk, vv, cu, cu, 59, 59, causal=True, return_softmax_lse=True
+    )
+    # KV cache: append (rotary) and attend, dense; decode of one token.
+    cache_k, cache_v = r(3, 300, 2, 64), r(3, 300, 2, 64)
+    seqlens = np.array([0, 17, 250], np.int32)
+
+    def kvcache(tokens):
+        ck, cv = cache_k.copy(), cache_v.copy()
+        out = flashcte.flash_attn_with_kvcache(
+            r(3, tokens, 4, 64), ck, cv, r(3, tokens, 2, 64), r(3, tokens, 2, 64),
+            cache_seqlens=seqlens.copy(), causal=True,
+        )
+        return out, ck, cv
+
+    calls["flash_attn_with_kvcache_prefill"] = lambda: kvcache(20)
+    calls["flash_attn_with_kvcache_decode"] = lambda: kvcache(1)
+    # Paged mixed batch (vLLM shapes): a decode, a prefill chunk, a whole prompt.
+    pages_k, pages_v = r(40, 2, 16, 64), r(40, 2, 16, 64)
+    table = rng.permutation(40)[:30].astype(np.int32).reshape(3, 10)
+    lens = np.array([100, 60, 33], np.int32)
+    qsl = np.array([0, 1, 21, 54], np.int32)
+    pq = r(54, 4, 64)
+    calls["paged_attention"] = lambda: flashcte.paged_attention(
+        pq, pages_k, pages_v, table, lens, qsl, 0.125, sinks=r(4)
+    )
+    if BF16 is not None:
+        bq, bk, bv = r(2, 70, 4, 64, dtype=BF16), r(2, 90, 2, 64, dtype=BF16), r(2, 90, 2, 64, dtype=BF16)
+        calls["flash_attn_func_bf16"] = lambda: flashcte.flash_attn_func(bq, bk, bv, causal=True)
+        codes = np.empty((40, 2, 16, 64), E4M3)
+        scale = np.array([0.05], np.float32)
+
+        def paged_fp8():
+            ck, cv = codes.copy(), codes.copy()
+            flashcte.quantize_kv(pages_k.reshape(-1, 2, 64), ck.reshape(-1, 2, 64), scale)
+            flashcte.quantize_kv(pages_v.reshape(-1, 2, 64), cv.reshape(-1, 2, 64), scale)
+            return flashcte.paged_attention(
+                pq, ck, cv, table, lens, qsl, 0.125, k_scale=scale, v_scale=scale
+            )
+
+        calls["paged_attention_fp8"] = paged_fp8
+    # The layer: a prefill and a decode step over its cache.
+    hidden, heads, kv_heads, d = 128, 4, 2, 32
+    weights = {
+        "q_proj": r(heads * d, hidden) * 0.1,
+        "k_proj": r(kv_heads * d, hidden) * 0.1,
+        "v_proj": r(kv_heads * d, hidden) * 0.1,
+        "o_proj": r(hidden, heads * d) * 0.1,
+    }
+    x = r(2, 24, hidden)
+
+    def layer():
+        lay = flashcte.AttentionLayer(hidden, heads, kv_heads, d)
+        lay.set_weights(**weights)
+        cache = lay.new_cache(2, 64)
+        y0 = lay(x, np.tile(np.arange(24), (2, 1)), cache)
+        y1 = lay(x[:, -1:], np.full((2, 1), 24), cache)
+        return y0, y1
+
+    calls["AttentionLayer"] = layer
+
+    print(f"simd_target {flashcte.simd_target()}")
+    for name, fn in calls.items():
+        out = fn()
+        print(f"{name} {digest(*(out if isinstance(out, tuple) else (out,)))}")
+
+
+if __name__ == "__main__":
+    main()
