@@ -700,6 +700,13 @@ BufferSnapshot& BufferSnapshot::add_output(std::string name, void* data, size_t 
     return ::testing::AssertionFailure()
            << "message \"" << s.message << "\" does not start with \"" << argument << ":\"";
   }
+  // Every dtype rule reads "<argument>: dtype ..." and is of kind kDtype (Python's TypeError).
+  const bool dtype_rule = s.message.find(": dtype") != std::string::npos;
+  if (dtype_rule != (s.kind == ErrorKind::kDtype)) {
+    return ::testing::AssertionFailure()
+           << "message \"" << s.message << "\" has kind " << static_cast<int>(s.kind)
+           << (dtype_rule ? ", not kDtype" : ", kDtype for a rule that is not a dtype's");
+  }
   return ::testing::AssertionSuccess() << s.message;
 }
 

@@ -495,5 +495,37 @@ TEST(VarlenValidation, EveryBadInputIsRefusedByName) {
   refuses(in.options(c), in.q.view(), "out", "out over k_cache", in.k_cache.bytes().data(), true);
 }
 
+// The rules of each sequence's call bind sequences without query rows, and a batch of none: a
+// fuzzer finding of issue 41 (they were checked only in the calls of sequences with rows).
+TEST(VarlenValidation, ABatchWithoutQueryRowsIsHeldToTheSameRules) {
+  const int64_t heads = 4, kv_heads = 2, d = 16, slots = 8;
+  for (const int64_t batch : {int64_t{0}, int64_t{2}}) {
+    SCOPED_TRACE("batch " + std::to_string(batch));
+    HostTensor q(DType::kFloat32, {0, heads, d}), q_bf16(DType::kBFloat16, {0, heads, d});
+    HostTensor k_cache(DType::kFloat32, {batch, slots, kv_heads, d});
+    HostTensor v_cache(DType::kFloat32, {batch, slots, kv_heads, d});
+    HostTensor v_heads(DType::kFloat32, {batch, slots, kv_heads + 1, d});
+    HostTensor out(DType::kFloat32, {0, heads, d});
+    std::vector<int32_t> cu(static_cast<size_t>(batch + 1), 0), used(static_cast<size_t>(batch), 3);
+    VarlenKvCacheOptions o;
+    o.cu_seqlens_q = TensorView::contiguous(cu.data(), DType::kInt32, {batch + 1});
+    o.seqused_k = TensorView::contiguous(used.data(), DType::kInt32, {batch});
+    EXPECT_TRUE(flash_attn_varlen_kvcache(q.view(), k_cache.view(), v_cache.view(),
+                                          out.mutable_view(), {}, o)
+                    .ok);
+    EXPECT_TRUE(refused_for(flash_attn_varlen_kvcache(q_bf16.view(), k_cache.view(), v_cache.view(),
+                                                      out.mutable_view(), {}, o),
+                            "k_cache"));
+    EXPECT_TRUE(refused_for(flash_attn_varlen_kvcache(q.view(), k_cache.view(), v_heads.view(),
+                                                      out.mutable_view(), {}, o),
+                            "v_cache"));
+    VarlenKvCacheOptions bad = o;
+    bad.softcap = -1.0f;
+    EXPECT_TRUE(refused_for(flash_attn_varlen_kvcache(q.view(), k_cache.view(), v_cache.view(),
+                                                      out.mutable_view(), {}, bad),
+                            "softcap"));
+  }
+}
+
 }  // namespace
 }  // namespace flashcte::test

@@ -4,7 +4,8 @@
 // shared/spec/SEMANTICS.md (every mode, any scale). Arguments carry the Neuron kernel's names and
 // defaults. Tensors are passed as strided views; nothing is copied that the kernel does not need
 // to repack per tile. Errors come back as a Status whose message names the argument and the rule
-// it broke; the library never throws across this header.
+// it broke and whose kind says what it is about (a value, a dtype, memory); the library never
+// throws across this header.
 #ifndef FLASHCTE_FLASHCTE_H_
 #define FLASHCTE_FLASHCTE_H_
 
@@ -165,12 +166,30 @@ struct Outputs {
   MutableTensorView lse;
 };
 
+// What an error is about, for callers that raise typed errors (the Python binding raises
+// ValueError, TypeError, MemoryError and RuntimeError for these, in this order).
+enum class ErrorKind {
+  kNone,      // no error
+  kValue,     // an argument's shape, value or combination with another breaks a rule
+  kDtype,     // an argument's dtype is not one the call takes
+  kMemory,    // an allocation failed; the call wrote nothing
+  kInternal,  // a library bug: please report it
+};
+
 struct [[nodiscard]] Status {
   bool ok = true;
   std::string message;  // "<argument>: <rule it broke>" when !ok
+  ErrorKind kind = ErrorKind::kNone;
 
   static Status Ok() { return {}; }
-  static Status Error(std::string message) { return {false, std::move(message)}; }
+  static Status Error(std::string message, ErrorKind kind = ErrorKind::kValue) {
+    return {false, std::move(message), kind};
+  }
+  static Status DtypeError(std::string message) {
+    return Error(std::move(message), ErrorKind::kDtype);
+  }
+  // The same error, its message followed by `suffix` (" (sequence 2)").
+  Status with_suffix(const std::string& suffix) const { return {ok, message + suffix, kind}; }
 };
 
 // Computes attention_cte(q, k, v, ...) into `outputs`. Thread-safe; results are bitwise identical

@@ -22,7 +22,9 @@ Classes:
 Inputs are numpy arrays (float32, float16; bfloat16 through ``ml_dtypes``) or DLPack tensors
 (torch.Tensor in float32, float16, bfloat16), read without copying; outputs come back in the
 kind of ``q``. Errors raise TypeError (dtypes) or ValueError with the library's
-``"<argument>: <rule>"`` message.
+``"<argument>: <rule>"`` message, the argument in the called function's own name
+(``paged_attention``'s ``seq_lens``, not the native ``seqused_k``); a failed allocation raises
+MemoryError, a library bug RuntimeError. The kind is the library's ``Status::kind``.
 """
 
 from ._attention import attention_cte

@@ -20,63 +20,25 @@ the ALiBi bias ``-slope * |i + seqlen_k - seqlen_q - j|``, then masked.
 from __future__ import annotations
 
 import math
-import operator
-import sys
 from typing import Any
 
 import numpy as np
 
+from . import _fa_args, _flashcte
 from ._attention import _call
-from . import _flashcte
-from ._tensors import Tensor, empty, float32_array, give_back, is_bf16_numpy, native, transpose, zeros
+from ._kvcache import _kv8_format, varlen_over_cache
+from ._tensors import (
+    Tensor,
+    argument_names,
+    empty,
+    give_back,
+    is_bf16_numpy,
+    native,
+    transpose,
+    zeros,
+)
 
 ArrayLike = Any
-
-
-def _window(window_size: Any, causal: bool) -> tuple[int, int]:
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"window_size: must be a pair of ints (left, right), got {window_size!r}"
-        ) from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size: entries must be >= -1 (-1: unbounded), got {window_size!r}")
-    if causal:
-        right = 0
-    # Positions stay far below 2^62, so larger windows are unbounded in effect (and fit int64).
-    return min(left, 2**62), min(right, 2**62)
-
-
-def _softcap(softcap: Any) -> float:
-    if softcap is None:
-        return 0.0
-    try:
-        return float(softcap)
-    except (TypeError, ValueError):
-        raise TypeError(f"softcap: must be a float, got {softcap!r}") from None
-
-
-def _alibi(alibi_slopes: Any, batch: int, heads: int) -> np.ndarray | None:
-    """FlashAttention's slopes, ``(heads,)`` or ``(batch, heads)``, as a float32 ``(batch, heads)``
-    numpy array (a broadcast view for the first form)."""
-    if alibi_slopes is None:
-        return None
-    a = np.asarray(float32_array("alibi_slopes", alibi_slopes))
-    if a.shape != (heads,) and a.shape != (batch, heads):
-        raise ValueError(
-            f"alibi_slopes: shape {a.shape} must be (heads,) = ({heads},) or (batch, heads) = "
-            f"({batch}, {heads})"
-        )
-    # Checked as given, before the broadcast: a batch of no sequence must not hide a NaN.
-    bad = ~np.isfinite(a)
-    if bad.any():
-        where = tuple(int(i) for i in np.argwhere(bad)[0])
-        if a.ndim == 1:
-            raise ValueError(f"alibi_slopes: entry head = {where[0]} is not finite")
-        raise ValueError(f"alibi_slopes: entry (batch, head) = {where} is not finite")
-    # batch is -1 for offsets that hold no entry: the library refuses them by name.
-    return a if a.ndim == 2 else np.broadcast_to(a, (max(batch, 0), heads))
 
 
 def _bounds(seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[np.ndarray, np.ndarray]:
@@ -172,7 +134,7 @@ def fa_call(
     over k and v as full caches (nothing appended, so they are only read), which sends up to 16
     queries per sequence to the decode kernel and more to attention_cte. Its messages name the
     caches; here they are k and v."""
-    try:
+    with argument_names(_fa_args.KV_NAMES):
         _flashcte.flash_attn_with_kvcache(
             q=native(qt),
             k_cache=native(kt),
@@ -189,8 +151,6 @@ def fa_call(
             sinks=sinks,
             num_threads=0 if num_threads is None else int(num_threads),
         )
-    except (TypeError, ValueError) as e:
-        raise type(e)(str(e).replace("k_cache", "k").replace("v_cache", "v")) from None
 
 
 def flash_attn_func(
@@ -257,10 +217,10 @@ def flash_attn_func(
             raise ValueError(f"{t.name}: batch {t.shape[0]} differs from q's batch {batch}")
     if vt.shape[1] != seqlen_k:
         raise ValueError(f"v: seqlen {vt.shape[1]} differs from k's seqlen {seqlen_k}")
-    scale = _softmax_scale(softmax_scale, d)
-    left, right = _window(window_size, causal)
-    cap = _softcap(softcap)
-    slopes = _alibi(alibi_slopes, batch, heads)
+    scale = _fa_args.softmax_scale(softmax_scale, d)
+    left, right = _fa_args.window(window_size, causal)
+    cap = _fa_args.softcap(softcap)
+    slopes = _fa_args.alibi(alibi_slopes, batch, heads)
 
     out = empty(qt, (batch, seqlen_q, heads, dv))
     lse = empty(qt, (batch, heads, seqlen_q), "float32") if return_softmax_lse else None
@@ -277,48 +237,6 @@ def _view(t: Tensor, index: int | slice | None) -> Tensor:
     view.name, view.kind, view.source = t.name, t.kind, t.source
     view.arr = transpose(t.arr if index is None else t.arr[index], 0, 1)
     return view
-
-
-def _cu_seqlens(name: str, x: Any) -> np.ndarray:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    a = np.asarray(x)
-    if a.ndim != 1 or a.size < 1 or not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"{name}: must be a 1-D integer array of batch + 1 offsets, got {a!r}")
-    a = a.astype(np.int64)
-    if a[0] != 0 or np.any(np.diff(a) < 0):
-        raise ValueError(f"{name}: must start at 0 and never decrease, got {a.tolist()}")
-    return a
-
-
-def _softmax_scale(softmax_scale: Any, d: int) -> float:
-    """FlashAttention's ``softmax_scale`` (default ``1 / sqrt(d)``), refused by its own name:
-    attention_cte, which takes it next, calls it ``scale``."""
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(d)
-    try:
-        scale = float(softmax_scale)
-    except (TypeError, ValueError):
-        what = type(softmax_scale).__name__
-        raise TypeError(f"softmax_scale: expected a number, got {what}") from None
-    if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale: must be finite, got {scale}")
-    return scale
-
-
-def _max_seqlen(name: str, value: Any, lengths: np.ndarray, what: str) -> None:
-    """FlashAttention's ``max_seqlen_q`` / ``max_seqlen_k``: an int no less than the longest
-    sequence (``lengths``), checked where there is a sequence."""
-    if not lengths.size:
-        return
-    try:
-        value = operator.index(value)  # an int, a numpy or 0-dim torch integer
-    except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
-    if int(lengths.max()) > value:
-        longest = int(lengths.max())
-        raise ValueError(f"{name}: {value} is less than the longest {what} sequence {longest}")
 
 
 def flash_attn_varlen_func(
@@ -380,17 +298,23 @@ def flash_attn_varlen_func(
     keys as a paged cache of one-slot pages), still one call and one parallel region.
     """
     if block_table is not None:
-        from ._kvcache import varlen_over_cache
+        for name, cache in (("k", k), ("v", v)):
+            if _kv8_format(cache):
+                raise TypeError(
+                    f"{name}: dtype {_kv8_format(cache)} is an 8-bit cache format, which "
+                    "flash_attn_varlen_func does not read (it takes no scales); paged_attention "
+                    "and flash_attn_with_kvcache do, with k_scale and v_scale"
+                )
 
         if seqused_k is None:
             if cu_seqlens_k is None:
                 raise ValueError("seqused_k: with block_table, seqused_k or cu_seqlens_k gives each sequence's keys")
-            seqused_k = np.diff(_cu_seqlens("cu_seqlens_k", cu_seqlens_k)).astype(np.int32)
-        len_q = np.diff(_cu_seqlens("cu_seqlens_q", cu_seqlens_q))
-        _max_seqlen("max_seqlen_q", max_seqlen_q, len_q, "query")
+            seqused_k = np.diff(_fa_args.cu_seqlens("cu_seqlens_k", cu_seqlens_k)).astype(np.int32)
+        len_q = np.diff(_fa_args.cu_seqlens("cu_seqlens_q", cu_seqlens_q))
+        _fa_args.max_seqlen("max_seqlen_q", max_seqlen_q, len_q, "query")
         used = np.asarray(seqused_k)
         if used.ndim == 1 and np.issubdtype(used.dtype, np.integer):  # else refused by name below
-            _max_seqlen("max_seqlen_k", max_seqlen_k, used, "key")
+            _fa_args.max_seqlen("max_seqlen_k", max_seqlen_k, used, "key")
         return varlen_over_cache(
             q,
             k,
@@ -406,6 +330,7 @@ def flash_attn_varlen_func(
             None,
             return_softmax_lse,
             num_threads,
+            names=_fa_args.KV_NAMES,
         )
     if seqused_k is not None:
         raise ValueError("seqused_k: is taken with block_table (a paged cache) only; cu_seqlens_k gives packed keys")
@@ -415,8 +340,8 @@ def flash_attn_varlen_func(
     total_k, dv = kt.shape[0], vt.shape[2]
     if vt.shape[0] != total_k:
         raise ValueError(f"v: total {vt.shape[0]} differs from k's total {total_k}")
-    cu_q = _cu_seqlens("cu_seqlens_q", cu_seqlens_q)
-    cu_k = _cu_seqlens("cu_seqlens_k", cu_seqlens_k)
+    cu_q = _fa_args.cu_seqlens("cu_seqlens_q", cu_seqlens_q)
+    cu_k = _fa_args.cu_seqlens("cu_seqlens_k", cu_seqlens_k)
     if cu_q.size != cu_k.size:
         raise ValueError(
             f"cu_seqlens_k: holds {cu_k.size} offsets, cu_seqlens_q {cu_q.size} (batch + 1 each)"
@@ -426,12 +351,12 @@ def flash_attn_varlen_func(
     if cu_k[-1] > total_k:
         raise ValueError(f"cu_seqlens_k: ends at {cu_k[-1]} past k's total {total_k}")
     len_q, len_k = np.diff(cu_q), np.diff(cu_k)
-    _max_seqlen("max_seqlen_q", max_seqlen_q, len_q, "query")
-    _max_seqlen("max_seqlen_k", max_seqlen_k, len_k, "key")
-    scale = _softmax_scale(softmax_scale, d)
-    left, right = _window(window_size, causal)
-    cap = _softcap(softcap)
-    slopes = _alibi(alibi_slopes, len_q.size, heads)
+    _fa_args.max_seqlen("max_seqlen_q", max_seqlen_q, len_q, "query")
+    _fa_args.max_seqlen("max_seqlen_k", max_seqlen_k, len_k, "key")
+    scale = _fa_args.softmax_scale(softmax_scale, d)
+    left, right = _fa_args.window(window_size, causal)
+    cap = _fa_args.softcap(softcap)
+    slopes = _fa_args.alibi(alibi_slopes, len_q.size, heads)
     common = {"scale": scale, "tp_k": True, "num_threads": num_threads, "softcap": cap}
 
     packed: tuple[int, bool] | None = (0, False)
@@ -474,8 +399,6 @@ def flash_attn_varlen_func(
         # distances are each sequence's own): packed k and v are a paged cache of one-slot pages,
         # and sequence s's block table is its own key rows cu_k[s] .. cu_k[s + 1]. Query rows
         # past cu_q[-1] keep out = 0, lse = -inf.
-        from ._kvcache import varlen_over_cache
-
         end = int(cu_q[-1])
         table = cu_k[:-1, None] + np.arange(max(1, int(len_k.max(initial=0))))[None, :]
         table = np.minimum(table, max(total_k - 1, 0)).astype(np.int32)
@@ -496,6 +419,7 @@ def flash_attn_varlen_func(
             return_softmax_lse,
             num_threads,
             out=out[:end],
+            names=_fa_args.KV_NAMES,
         )
         lse = None
         if return_softmax_lse:

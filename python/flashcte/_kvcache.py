@@ -9,14 +9,23 @@ attends each sequence's cache, dense or paged. The differences, all deliberate, 
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from . import _flashcte
-from ._flash_attn import _alibi, _softcap, _window
-from ._tensors import NUMPY, Tensor, empty, give_back, is_bf16_numpy, native, transpose
+from . import _fa_args, _flashcte
+from ._tensors import (
+    NUMPY,
+    Tensor,
+    argument_names,
+    empty,
+    give_back,
+    is_bf16_numpy,
+    native,
+    torch_module,
+    transpose,
+)
 
 ArrayLike = Any
 
@@ -40,7 +49,7 @@ def _kv8_format(x: Any) -> str:
     "" for any other dtype."""
     if isinstance(x, np.ndarray):
         return x.dtype.name if x.dtype.name in _KV8_NAMES else ""
-    torch = sys.modules.get("torch")
+    torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         fmt = str(x.dtype).replace("torch.", "")
         return fmt if fmt in _KV8_NAMES else ""
@@ -60,7 +69,7 @@ def _kv8_bytes(name: str, x: Any, written: bool = True) -> tuple[str, Any]:
         if written and not x.flags.writeable:
             raise ValueError(f"{name}: must be writable: the call writes the quantized rows there")
         return fmt, x if fmt == "int8" else x.view(np.uint8)
-    torch = sys.modules.get("torch")
+    torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         if not fmt:
             raise TypeError(
@@ -116,7 +125,7 @@ def _int32(name: str, x: Any, batch: int | None = None) -> Any:
         return None
     if isinstance(x, (int, np.integer)) and batch is not None:
         return np.full((batch,), int(x), np.int32)
-    torch = sys.modules.get("torch")
+    torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
@@ -222,8 +231,8 @@ def flash_attn_with_kvcache(
             tensors[name] = native(Tensor(name, x))
     if int(num_splits) < 0:
         raise ValueError(f"num_splits: must be >= 0 (0: automatic), got {num_splits}")
-    left, right = _window(window_size, causal)
-    slopes = _alibi(alibi_slopes, batch, heads)
+    left, right = _fa_args.window(window_size, causal)
+    slopes = _fa_args.alibi(alibi_slopes, batch, heads)
     dv = vc.shape[3]
     out = empty(qt, (batch, seqlen_q, heads, dv))
     lse = empty(qt, (batch, heads, seqlen_q), "float32") if return_softmax_lse else None
@@ -247,7 +256,7 @@ def flash_attn_with_kvcache(
         causal=bool(causal),
         window_left=left,
         window_right=right,
-        softcap=_softcap(softcap),
+        softcap=_fa_args.softcap(softcap),
         rotary_interleaved=bool(rotary_interleaved),
         num_threads=0 if num_threads is None else int(num_threads),
         **tensors,
@@ -275,56 +284,59 @@ def varlen_over_cache(
     out: ArrayLike | None = None,
     k_scale: ArrayLike | float | None = None,
     v_scale: ArrayLike | float | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> ArrayLike | tuple[ArrayLike, ArrayLike]:
     """The mixed batch (flashcte/kvcache.h, flash_attn_varlen_kvcache): varlen queries
     ``(total_q, heads, d)`` over each sequence's cache (pages with ``block_table``), every
     sequence's queries the last ``seqlen_q`` of its ``seqused_k`` keys; one parallel region.
     ``out``, when given, is written in place (and returned). 8-bit caches take ``k_scale`` /
-    ``v_scale`` as :func:`flash_attn_with_kvcache` (read only)."""
-    qt = Tensor("q", q)
-    if qt.ndim != 3:
-        raise ValueError(f"q: must have rank 3 (total_q, heads, head_dim), got shape {qt.shape}")
-    total_q, heads, _ = qt.shape
-    kc, vc = _Cache("k_cache", k_cache, False), _Cache("v_cache", v_cache, False)
-    bf16 = is_bf16_numpy(qt.arr) or kc.bf16()
-    cu = _int32("cu_seqlens_q", cu_seqlens_q)
-    batch = int(cu.shape[0]) - 1 if cu is not None and len(cu.shape) == 1 else 0
-    left, right = _window(window_size, causal)
-    if out is None:
-        result = empty(qt, (total_q, heads, vc.shape[3]))
-    else:
-        result = _writable("output", out, "the call writes its result there")
-    lse = empty(qt, (heads, total_q), "float32") if return_softmax_lse else None
-    sink_values = None
-    if sinks is not None:
-        sink_values = native(Tensor("sinks", sinks))
-    _flashcte.flash_attn_varlen_kvcache(
-        q=native(qt),
-        k_cache=kc.arr,
-        v_cache=vc.arr,
-        out=native(result),
-        lse=native(lse),
-        bf16_bits=bf16,
-        k_cache_format=kc.fmt,
-        v_cache_format=vc.fmt,
-        k_scale=_scale("k_scale", k_scale, False),
-        v_scale=_scale("v_scale", v_scale, False),
-        cu_seqlens_q=cu,
-        seqused_k=_int32("seqused_k", seqused_k),
-        block_table=_int32("block_table", block_table),
-        alibi_slopes=_alibi(alibi_slopes, batch, heads),
-        sinks=sink_values,
-        softmax_scale=None if softmax_scale is None else float(softmax_scale),
-        causal=bool(causal),
-        window_left=left,
-        window_right=right,
-        softcap=_softcap(softcap),
-        num_threads=0 if num_threads is None else int(num_threads),
-    )
-    o = give_back(qt, result) if out is None else out
-    if return_softmax_lse:
-        return o, give_back(qt, lse)
-    return o
+    ``v_scale`` as :func:`flash_attn_with_kvcache` (read only). Errors name the arguments as
+    this function does, or as the caller spells them (``names``: {this name: the caller's})."""
+    with argument_names(names or {}):
+        qt = Tensor("q", q)
+        if qt.ndim != 3:
+            raise ValueError(f"q: must have rank 3 (total_q, heads, head_dim), got shape {qt.shape}")
+        total_q, heads, _ = qt.shape
+        kc, vc = _Cache("k_cache", k_cache, False), _Cache("v_cache", v_cache, False)
+        bf16 = is_bf16_numpy(qt.arr) or kc.bf16()
+        cu = _int32("cu_seqlens_q", cu_seqlens_q)
+        batch = int(cu.shape[0]) - 1 if cu is not None and len(cu.shape) == 1 else 0
+        left, right = _fa_args.window(window_size, causal)
+        if out is None:
+            result = empty(qt, (total_q, heads, vc.shape[3]))
+        else:
+            result = _writable("output", out, "the call writes its result there")
+        lse = empty(qt, (heads, total_q), "float32") if return_softmax_lse else None
+        sink_values = None
+        if sinks is not None:
+            sink_values = native(Tensor("sinks", sinks))
+        _flashcte.flash_attn_varlen_kvcache(
+            q=native(qt),
+            k_cache=kc.arr,
+            v_cache=vc.arr,
+            out=native(result),
+            lse=native(lse),
+            bf16_bits=bf16,
+            k_cache_format=kc.fmt,
+            v_cache_format=vc.fmt,
+            k_scale=_scale("k_scale", k_scale, False),
+            v_scale=_scale("v_scale", v_scale, False),
+            cu_seqlens_q=cu,
+            seqused_k=_int32("seqused_k", seqused_k),
+            block_table=_int32("block_table", block_table),
+            alibi_slopes=_fa_args.alibi(alibi_slopes, batch, heads),
+            sinks=sink_values,
+            softmax_scale=None if softmax_scale is None else float(softmax_scale),
+            causal=bool(causal),
+            window_left=left,
+            window_right=right,
+            softcap=_fa_args.softcap(softcap),
+            num_threads=0 if num_threads is None else int(num_threads),
+        )
+        o = give_back(qt, result) if out is None else out
+        if return_softmax_lse:
+            return o, give_back(qt, lse)
+        return o
 
 
 def quantize_kv(src: ArrayLike, dst: ArrayLike, scale: ArrayLike) -> tuple[ArrayLike, ArrayLike]:
@@ -352,6 +364,19 @@ def quantize_kv(src: ArrayLike, dst: ArrayLike, scale: ArrayLike) -> tuple[Array
         src=native(st), dst=raw, scale=native(sc), format=fmt, bf16_bits=is_bf16_numpy(st.arr)
     )
     return dst, scale
+
+
+# paged_attention's names (vLLM's) for the arguments of the mixed-batch call it makes.
+PAGED_NAMES = {
+    "q": "query",
+    "k_cache": "key_cache",
+    "v_cache": "value_cache",
+    "cu_seqlens_q": "query_start_loc",
+    "seqused_k": "seq_lens",
+    "softmax_scale": "scale",
+    "window_size": "window",
+    "out": "output",
+}
 
 
 def paged_attention(
@@ -437,4 +462,5 @@ def paged_attention(
         out=output,
         k_scale=scales[0],
         v_scale=scales[1],
+        names=PAGED_NAMES,
     )

@@ -26,12 +26,12 @@ from ._tensors import (
     BFLOAT16,
     TORCH,
     Tensor,
-    _torch,
     dtype_name,
     float32_array,
     give_back,
     is_bf16_numpy,
     native,
+    torch_module,
     viewable,
 )
 
@@ -88,7 +88,7 @@ def _rope_scaling(rope_scaling: Any, rope_theta: float) -> Any:
 def _float32(name: str, x: Any) -> np.ndarray:
     """Any real array (numpy, torch, DLPack, sequence) as a C-contiguous float32 numpy array."""
     a = float32_array(name, x)
-    torch = _torch()
+    torch = torch_module()
     if torch is not None and isinstance(a, torch.Tensor):
         return a.contiguous().numpy()
     return np.ascontiguousarray(a)
@@ -106,7 +106,7 @@ def _weight(name: str, x: Any, shape: tuple, layout: str) -> np.ndarray:
 
 def _positions(x: Any) -> Any:
     """Positions as int64 (numpy or torch, read in place when already int64)."""
-    torch = _torch()
+    torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise ValueError(f"positions: must be a CPU tensor, got device {x.device}")
@@ -475,7 +475,7 @@ class AttentionLayer:
         """An output of `like`'s kind in the layer's dtype."""
         dtype = self._config.dtype
         if like.kind == TORCH:
-            torch = _torch()
+            torch = torch_module()
             return torch.empty(shape, dtype=getattr(torch, dtype))
         if dtype == "bfloat16":
             if BFLOAT16 is None:  # pragma: no cover - exercised only without ml_dtypes

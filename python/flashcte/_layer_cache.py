@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _flashcte
 from ._attention import _int
-from ._tensors import BFLOAT16, _torch, dtype_name
+from ._tensors import BFLOAT16, dtype_name, torch_module
 
 _DTYPES = {
     "float32": "float32",
@@ -47,7 +47,7 @@ def _dtype_name(dtype: Any) -> str:
     """The name of a dtype given as a string, a numpy dtype or a torch dtype, lower case."""
     if isinstance(dtype, str):
         return dtype.lower()
-    torch = _torch()
+    torch = torch_module()
     if torch is not None and isinstance(dtype, torch.dtype):
         return dtype_name(dtype)
     try:

@@ -15,8 +15,10 @@ Outputs are allocated in the kind of ``q``: numpy in, numpy out; torch in, torch
 
 from __future__ import annotations
 
+import contextlib
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,15 +34,30 @@ NUMPY, TORCH, DLPACK = "numpy", "torch", "dlpack"
 _FLOAT_NAMES = ("float32", "float16", "bfloat16")
 
 
-def _torch():
+def torch_module():
     """The torch module if the caller has imported it (we never import torch ourselves)."""
     return sys.modules.get("torch")
+
+
+@contextlib.contextmanager
+def argument_names(names: Mapping[str, str]) -> Iterator[None]:
+    """Errors raised inside, in the caller's names for the arguments: the library's messages
+    ("<argument>: <rule>") name the native call's arguments, and an entry point that spells them
+    otherwise (paged_attention's ``key_cache`` for ``k_cache``) gives ``{native name: its
+    name}``; each name is replaced as a whole word, wherever the message has it."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        if not names:
+            raise
+        words = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+        raise type(e)(words.sub(lambda m: names[m.group(1)], str(e))) from None
 
 
 def kind_of(name: str, x: Any) -> str:
     if isinstance(x, np.ndarray):
         return NUMPY
-    torch = _torch()
+    torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         return TORCH
     if hasattr(x, "__dlpack__"):
@@ -131,7 +148,7 @@ def empty(like: Tensor, shape: Sequence[int], dtype: str | None = None) -> Any:
     unless `dtype` is given ('float32')."""
     shape = tuple(int(s) for s in shape)
     if like.kind == TORCH:
-        torch = _torch()
+        torch = torch_module()
         dt = like.arr.dtype if dtype is None else getattr(torch, dtype)
         return torch.empty(shape, dtype=dt)
     dt = like.arr.dtype if dtype is None else np.dtype(dtype)
@@ -169,7 +186,7 @@ def int_list(name: str, x: Any) -> list:
     """An int or a sequence/array of ints as a list of Python ints."""
     if x is None:
         return []
-    torch = _torch()
+    torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
@@ -184,7 +201,7 @@ def index_array(name: str, x: Any) -> Any:
     """Packing bounds: int32/int64/float32 numpy arrays and torch tensors pass as they are
     (the library reads them); other integer arrays and sequences become int64; float64 values
     become int64 when they are integral."""
-    torch = _torch()
+    torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
@@ -213,7 +230,7 @@ def float32_array(name: str, x: Any) -> Any:
     """A float32 side input (sink logits, ALiBi slopes, key bias) of any shape: float32 numpy
     arrays and torch tensors pass as they are, other real dtypes (float16, bfloat16, float64,
     integers) and sequences are converted to float32."""
-    torch = _torch()
+    torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")

@@ -190,11 +190,34 @@ struct Imports {
     outputs.push_back(std::move(a));
     return view;
   }
+
+  // A KV cache or its 8-bit scales: written when the call appends k and v (`appending`), and
+  // otherwise only read, so then a read-only array (flash_attn_func's k and v) is taken too.
+  bool appending = false;
+  flashcte::MutableTensorView cache(const char* name, nb::handle h,
+                                    std::optional<flashcte::DType> kv8 = std::nullopt) {
+    if (appending) return out(name, h, kv8);
+    const flashcte::TensorView view = in(name, h, kv8);
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): never written without an append
+    return flashcte::MutableTensorView{const_cast<void*>(view.data), view.dtype, view.rank,
+                                       view.shape, view.strides};
+  }
 };
 
 [[noreturn]] void raise_status(const flashcte::Status& s) {
-  // Every dtype rule in the library reads "<argument>: dtype ...".
-  if (s.message.find(": dtype") != std::string::npos) throw nb::type_error(s.message.c_str());
+  switch (s.kind) {
+    case flashcte::ErrorKind::kDtype:
+      throw nb::type_error(s.message.c_str());
+    case flashcte::ErrorKind::kMemory:
+      PyErr_SetString(PyExc_MemoryError, s.message.c_str());
+      throw nb::python_error();
+    case flashcte::ErrorKind::kInternal:
+      PyErr_SetString(PyExc_RuntimeError, s.message.c_str());
+      throw nb::python_error();
+    case flashcte::ErrorKind::kNone:
+    case flashcte::ErrorKind::kValue:
+      break;
+  }
   throw nb::value_error(s.message.c_str());
 }
 
@@ -213,9 +236,10 @@ using OptionTable = std::pair<const char*, Setter<O>>;
   OptionTable<O> {                                                                \
 #field, [](Imports & im, O & o, nb::handle h) { o.field = im.in(#field, h); } \
   }
-#define FLASHCTE_OUT_TENSOR_OPTION(O, field)                                       \
-  OptionTable<O> {                                                                 \
-#field, [](Imports & im, O & o, nb::handle h) { o.field = im.out(#field, h); } \
+// A cache's tensor: written when the call appends (Imports::cache).
+#define FLASHCTE_CACHE_OPTION(O, field)                                              \
+  OptionTable<O> {                                                                   \
+#field, [](Imports & im, O & o, nb::handle h) { o.field = im.cache(#field, h); } \
   }
 #define FLASHCTE_VALUE_OPTION(O, field, type)           \
   OptionTable<O> {                                      \
@@ -290,8 +314,8 @@ const OptionTable<flashcte::KvCacheOptions> kKvCacheOptions[] = {
     FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, cache_batch_idx),
     FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, cache_leftpad),
     FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, block_table),
-    FLASHCTE_OUT_TENSOR_OPTION(flashcte::KvCacheOptions, k_scale),
-    FLASHCTE_OUT_TENSOR_OPTION(flashcte::KvCacheOptions, v_scale),
+    FLASHCTE_CACHE_OPTION(flashcte::KvCacheOptions, k_scale),
+    FLASHCTE_CACHE_OPTION(flashcte::KvCacheOptions, v_scale),
     FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, alibi_slopes),
     FLASHCTE_TENSOR_OPTION(flashcte::KvCacheOptions, sinks),
     FLASHCTE_VALUE_OPTION(flashcte::KvCacheOptions, softmax_scale, float),
@@ -317,7 +341,7 @@ const OptionTable<flashcte::VarlenKvCacheOptions> kVarlenKvCacheOptions[] = {
     FLASHCTE_VALUE_OPTION(flashcte::VarlenKvCacheOptions, num_threads, int),
 };
 #undef FLASHCTE_TENSOR_OPTION
-#undef FLASHCTE_OUT_TENSOR_OPTION
+#undef FLASHCTE_CACHE_OPTION
 #undef FLASHCTE_VALUE_OPTION
 
 // attention_cte into caller-allocated outputs; every other argument by keyword, as Options names
@@ -353,19 +377,11 @@ void flash_attn_with_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cach
   Imports im;
   im.bf16_bits = bf16_bits;
   const flashcte::TensorView qv = im.in("q", q);
-  // The caches are written only when k and v are appended; otherwise they are read, and may be
-  // read-only arrays (flash_attn_func's k and v).
-  const bool appending = options.contains("k") && !options["k"].is_none();
-  const auto cache = [&](const char* name, nb::handle h, const std::string& format) {
-    const auto kv8 = kv8_format(name, format);
-    if (appending) return im.out(name, h, kv8);
-    const flashcte::TensorView view = im.in(name, h, kv8);
-    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): never written without an append
-    return flashcte::MutableTensorView{const_cast<void*>(view.data), view.dtype, view.rank,
-                                       view.shape, view.strides};
-  };
-  const flashcte::MutableTensorView kc = cache("k_cache", k_cache, k_cache_format);
-  const flashcte::MutableTensorView vc = cache("v_cache", v_cache, v_cache_format);
+  im.appending = options.contains("k") && !options["k"].is_none();
+  const flashcte::MutableTensorView kc =
+      im.cache("k_cache", k_cache, kv8_format("k_cache", k_cache_format));
+  const flashcte::MutableTensorView vc =
+      im.cache("v_cache", v_cache, kv8_format("v_cache", v_cache_format));
   const flashcte::MutableTensorView ov = im.out("out", out), lv = im.out("lse", lse);
   flashcte::KvCacheOptions o;
   set_options(im, o, options, kKvCacheOptions, "flash_attn_with_kvcache");

@@ -353,3 +353,55 @@ def test_extension_errors():
     # Windows wider than any position are unbounded, not an overflow.
     same = fa(x, x, x, window_size=(10**30, 10**30))
     assert np.array_equal(same, fa(x, x, x))
+
+
+# The native mixed-batch call's names, which paged_attention (vLLM's names) and
+# flash_attn_varlen_func(block_table=...) (k, v) spell otherwise: no message may use them (a fuzzer
+# finding of issue 41).
+NATIVE_NAMES = r"\b(q|k_cache|v_cache|cu_seqlens_q|seqused_k|softmax_scale|window_size|out)\b"
+
+
+def test_paged_attention_names_its_own_arguments():
+    import re
+
+    f32 = np.float32
+    good = dict(
+        query=np.zeros((3, 4, 8), f32),
+        key_cache=np.zeros((4, 2, 4, 8), f32),
+        value_cache=np.zeros((4, 2, 4, 8), f32),
+        block_table=np.array([[0, 1], [2, 3]], np.int32),
+        seq_lens=np.array([5, 2], np.int32),
+        query_start_loc=np.array([0, 1, 3], np.int32),
+        scale=0.3,
+    )
+    flashcte.paged_attention(**good)
+    bad = {
+        "seq_lens": dict(seq_lens=5),
+        "query_start_loc": dict(query_start_loc=np.array([0, 2, 4], np.int32)),
+        "value_cache": dict(value_cache=np.zeros((4, 3, 4, 8), f32)),
+        "key_cache": dict(query=np.zeros((3, 4, 8), np.float16)),
+        "scale": dict(scale=float("nan")),
+        "window": dict(window=(-2, 0)),
+        "output": dict(output=np.zeros((3, 4, 8), np.float16)),
+        "query": dict(query=np.zeros((3, 3, 8), f32)),
+    }
+    for name, change in bad.items():
+        with pytest.raises((TypeError, ValueError)) as info:
+            flashcte.paged_attention(**dict(good, **change))
+        message = str(info.value)
+        assert message.startswith(f"{name}:"), message
+        assert not re.search(NATIVE_NAMES, message), message
+    # flash_attn_varlen_func over pages: k and v, never the native call's k_cache and v_cache.
+    q, k, v = good["query"], good["key_cache"].swapaxes(1, 2), good["value_cache"].swapaxes(1, 2)
+    for name, change in {"v": dict(v=v.astype(np.float16)), "k": dict(k=k[..., :4])}.items():
+        args = dict(q=q, k=k, v=v, cu_seqlens_q=good["query_start_loc"], cu_seqlens_k=None,
+                    max_seqlen_q=2, max_seqlen_k=5, block_table=good["block_table"],
+                    seqused_k=good["seq_lens"])
+        with pytest.raises((TypeError, ValueError)) as info:
+            flashcte.flash_attn_varlen_func(**dict(args, **change))
+        message = str(info.value)
+        assert message.startswith(f"{name}:"), message
+        assert not re.search(r"\b(k_cache|v_cache)\b", message), message
+    int8 = np.zeros(k.shape, np.int8)
+    with pytest.raises(TypeError, match="^k: dtype int8 is an 8-bit cache format"):
+        flashcte.flash_attn_varlen_func(**dict(args, k=int8, v=int8))

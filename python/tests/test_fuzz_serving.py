@@ -128,7 +128,6 @@ class Contract:
         self.refused: list[str] = []
         self.open: list[str] = []
         self.known: list[str] = []  # KNOWN_BUGS keys the call runs into
-        self.per_sequence: list[str] = []
 
     def known_bug(self, key: str) -> None:
         assert key in KNOWN_BUGS, key
@@ -136,12 +135,6 @@ class Contract:
 
     def known_kind(self, kind: str) -> list[str]:
         return [k for k in self.known if KNOWN_BUGS[k][0] == kind]
-
-    def refuse_per_sequence(self, why: str) -> None:
-        """A mixed-batch rule the library checks in each sequence's own call (which a batch of
-        no query row never makes: KNOWN_BUGS["varlen_kvcache_no_rows"])."""
-        self.refuse(why)
-        self.per_sequence.append(why)
 
     def refuse(self, why: str) -> None:
         self.refused.append(why)
@@ -164,54 +157,13 @@ class Contract:
 # "accepts", a call the contract refuses that returns (every array must still be as it was);
 # "refuses", a call the contract allows that raises (naming an argument, every array as it was).
 # A crash is fixed, not listed (as attention_cte's SIGFPE on 0 query heads over KV heads was). A
-# call's contract marks the ones it runs into (Contract.known_bug), or the target its messages'
-# wrong names (Call.aliases). Delete an entry once its bug is fixed, and the targets hold the
-# library to the whole property again.
-KNOWN_BUGS = {
-    "paged_attention_names": (
-        "unnamed",
-        (
-            "paged_attention's messages name its arguments by flash_attn_varlen_kvcache's names: "
-            "q, k_cache, v_cache, cu_seqlens_q, seqused_k, softmax_scale, window_size, out for "
-            "query, key_cache, value_cache, query_start_loc, seq_lens, scale, window, output; e.g. "
-            "seq_lens=5 raises 'TypeError: seqused_k: expected an int32 array or tensor, got int'"
-        ),
-    ),
-    "varlen_pages_names": (
-        "unnamed",
-        (
-            "flash_attn_varlen_func's messages from the mixed-batch call (with block_table=..., "
-            "or packed with ALiBi slopes per sequence) name k and v k_cache and v_cache, where "
-            "flash_attn_func's say k and v: 'TypeError: v_cache: dtype must be float32, float16 "
-            "or bfloat16, got int32'; packed, q (2, 1, 1), k (2, 1, 1), v (2, 1, 0), "
-            "cu_seqlens [0, 1, 2], alibi_slopes [[0.1], [0.2]] raise 'ValueError: v_cache: dv = "
-            "0 must be in [1, 1024] (sequence 0)'. With block_table, an 8-bit k is refused for "
-            "want of a k_scale the function does not take"
-        ),
-    ),
-    "varlen_kvcache_no_rows": (
-        "accepts",
-        (
-            "flash_attn_varlen_kvcache checks the rules of each sequence's own call (dtypes of q "
-            "and the caches, k_cache against v_cache, GQA, head dims, sinks, softcap, scale, the "
-            "8-bit scales, out's dtype and dv) only in the calls of sequences with queries, so a "
-            "batch of no query row takes arguments that break them: paged_attention(np.zeros((0, "
-            "2, 8), np.float32), np.zeros((1, 2, 4, 8), np.float32), np.zeros((1, 3, 4, 8), "
-            "np.float32), np.zeros((1, 1), np.int32), np.array([3], np.int32), np.array([0, 0], "
-            "np.int32), 0.3) returns, with 3 KV heads in value_cache against key_cache's 2. "
-            "flash_attn_varlen_func with alibi_slopes and no sequence (cu_seqlens_q = [0]) takes "
-            "that call too (q of float16 and k of bfloat16 are accepted)"
-        ),
-    ),
-    "read_only_scale": (
-        "refuses",
-        (
-            "flash_attn_with_kvcache over an 8-bit cache without k and v (nothing is written) "
-            "refuses a read-only k_scale / v_scale with 'TypeError: k_scale: expected a writable "
-            "array (numpy, or a DLPack tensor), got ndarray' (the binding takes the scales as "
-            "writable)"
-        ),
-    ),
+# call's contract marks the ones it runs into (Contract.known_bug). Delete an entry once its bug
+# is fixed, and the targets hold the library to the whole property again. Fixed so far (issue
+# 41): paged_attention's and flash_attn_varlen_func(block_table=...)'s messages named the native
+# call's arguments (seqused_k for seq_lens, k_cache for k); a batch of no query row skipped the
+# rules of each sequence's call; flash_attn_with_kvcache refused a read-only k_scale it only
+# reads.
+KNOWN_BUGS: dict[str, tuple[str, str]] = {
 }
 
 
@@ -226,11 +178,9 @@ class Call:
     contract: Contract
     check: Callable[[Any, dict, dict], None]
     written: tuple[str, ...] = ()
-    # A known "unnamed" bug (KNOWN_BUGS) of the target, and the names its messages use instead
-    # of the arguments' ({library's name: argument}): a message naming one of those and no
-    # argument is that bug.
-    aliases: dict = field(default_factory=dict)
-    alias_bug: str = ""
+    # The native call's names for arguments the target spells otherwise (paged_attention's
+    # seq_lens is the native seqused_k): no message may use them.
+    foreign: frozenset = frozenset()
     summary: dict = field(default_factory=dict)
 
 
@@ -280,10 +230,10 @@ def run(call: Call) -> None:
         message = f"{type(e).__name__}: {e}"
         event(f"{call.fn.__name__}: refused ({call.contract.verdict})")
         note(f"raised {message}")
+        if call.foreign and names_an_argument(str(e), set(call.foreign)):
+            raise AssertionError(f"the message names the native call's arguments: {message}")
         if not names_an_argument(str(e), names):
-            if call.aliases and names_an_argument(str(e), set(call.aliases)):
-                event(f"{call.fn.__name__}: known bug {call.alias_bug}")
-            elif call.contract.known_kind("unnamed"):
+            if call.contract.known_kind("unnamed"):
                 event(f"{call.fn.__name__}: known bug {call.contract.known_kind('unnamed')}")
             else:
                 raise AssertionError(f"the message names no argument: {message}") from e
@@ -458,12 +408,9 @@ def check_codes(got: np.ndarray, want: np.ndarray, what: str) -> None:
     )
 
 
-def scale_contract(
-    c: Contract, name: str, s: Any, shapes: dict, written: bool, per_sequence: bool = False
-) -> str | None:
-    """An 8-bit cache's scale argument: its granularity ("tensor", "head", "token") or None.
-    per_sequence: the mixed batch's, whose shape and value rules are each sequence's."""
-    rule = c.refuse_per_sequence if per_sequence else c.refuse
+def scale_contract(c: Contract, name: str, s: Any, shapes: dict, written: bool) -> str | None:
+    """An 8-bit cache's scale argument: its granularity ("tensor", "head", "token") or None."""
+    rule = c.refuse
     if isinstance(s, (int, float)) and not isinstance(s, bool):
         if not (np.isfinite(s) and s > 0):
             rule(f"{name} = {s} is not finite and > 0")
@@ -482,8 +429,6 @@ def scale_contract(
         rule(f"{name} holds an entry that is not finite and > 0")
     if written and (not s.flags.writeable or negative_strides(s)):
         c.refuse(f"{name} is read-only or negatively strided, and the append takes it as writable")
-    elif not s.flags.writeable and not per_sequence:
-        c.known_bug("read_only_scale")
     return kind
 
 
@@ -1396,8 +1341,8 @@ def draw_varlen(draw) -> Call:
 
     summary = summarize(kwargs, mutation)
     call = Call(flashcte.flash_attn_varlen_func, kwargs, c, check, summary=summary)
-    # ALiBi per sequence goes through the mixed-batch call, and its messages (KNOWN_BUGS).
-    call.aliases, call.alias_bug = dict(VARLEN_PAGED_NAMES), "varlen_pages_names"
+    # ALiBi per sequence goes through the mixed-batch call, whose names for k and v these are.
+    call.foreign = frozenset(VARLEN_PAGED_NAMES)
     return call
 
 
@@ -1413,7 +1358,7 @@ def varlen_contract(kw: dict) -> tuple[Contract, dict]:
     q, k, v = kw["q"], kw["k"], kw["v"]
     dtype = name_of(q)
     if name_of(k) != dtype or name_of(v) != dtype:
-        c.refuse_per_sequence(f"q, k, v are {dtype}, {name_of(k)}, {name_of(v)}")
+        c.refuse(f"q, k, v are {dtype}, {name_of(k)}, {name_of(v)}")
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         c.refuse(f"ranks {q.ndim}, {k.ndim}, {v.ndim}, not 3")
         return c, info
@@ -1444,16 +1389,12 @@ def varlen_contract(kw: dict) -> tuple[Contract, dict]:
     window_contract(c, kw, "window_size")
     softcap = kw.get("softcap")
     if softcap is not None and not (np.isfinite(softcap) and softcap >= 0):
-        c.refuse_per_sequence(f"softcap {softcap} is not finite and >= 0")
+        c.refuse(f"softcap {softcap} is not finite and >= 0")
     scale = kw.get("softmax_scale")
     if scale is not None and not np.isfinite(scale):
-        c.refuse_per_sequence(f"softmax_scale {scale} is not finite")
+        c.refuse(f"softmax_scale {scale} is not finite")
     alibi_contract(c, kw.get("alibi_slopes"), cu_q.size - 1, heads)
     threads_contract(c, kw.get("num_threads"))
-    # ALiBi over no sequence goes through flash_attn_varlen_kvcache with no query row.
-    no_rows = cu_q.size == 1 and kw.get("alibi_slopes") is not None
-    if no_rows and c.refused and len(c.refused) == len(c.per_sequence):
-        c.known_bug("varlen_kvcache_no_rows")
     info.update(dtype=dtype, cu_q=cu_q, cu_k=cu_k)
     return c, info
 
@@ -1651,9 +1592,7 @@ def draw_mixed(draw, api: str) -> Call:
     fn = flashcte.paged_attention if paged else flashcte.flash_attn_varlen_func
     summary = summarize({names.get(n, n): x for n, x in kwargs.items()}, mutation)
     call = Call(fn, kwargs, c, check, ("output",) if paged else (), summary=summary)
-    # The library's names for the arguments: a known bug of each target (KNOWN_BUGS).
-    call.aliases = dict(names, out="output") if paged else dict(names)
-    call.alias_bug = "paged_attention_names" if paged else "varlen_pages_names"
+    call.foreign = frozenset(dict(names, out="output") if paged else names)
     return renamed(call, names)
 
 
@@ -1677,8 +1616,7 @@ def renamed(call: Call, names: dict) -> Call:
 
 def mixed_contract(kw: dict, api: str) -> tuple[Contract, dict]:
     """The mixed batch's documented contract (kvcache.h, flash_attn_varlen_kvcache; the
-    docstrings of flash_attn_varlen_func and paged_attention) on `kw` in the shared names. The
-    rules the library checks in each sequence's own call are marked (refuse_per_sequence)."""
+    docstrings of flash_attn_varlen_func and paged_attention) on `kw` in the shared names."""
     c = Contract()
     info: dict = {}
     paged = api == "paged"
@@ -1707,7 +1645,7 @@ def mixed_contract(kw: dict, api: str) -> tuple[Contract, dict]:
         else:
             fmts[name] = fmt
             if not fmt and name_of(x) != dtype:
-                c.refuse_per_sequence(f"{name} is {name_of(x)}, q is {dtype}")
+                c.refuse(f"{name} is {name_of(x)}, q is {dtype}")
             if fmt and negative_strides(x):
                 # Float arrays are copied (_tensors.viewable); an 8-bit cache is read in place.
                 c.leave_open(f"{name}: an 8-bit cache with negative strides")
@@ -1716,16 +1654,16 @@ def mixed_contract(kw: dict, api: str) -> tuple[Contract, dict]:
     kf, vf = fmts["k_cache"], fmts["v_cache"]
     kc, vc = nhd(kw["k_cache"], hnd), nhd(kw["v_cache"], hnd)
     if not paged and (kf or vf):
-        c.refuse_per_sequence("an 8-bit cache, and flash_attn_varlen_func takes no k_scale")
+        c.refuse("an 8-bit cache, and flash_attn_varlen_func takes no k_scale")
     if bool(kf) != bool(vf):
         c.leave_open("one 8-bit cache and one float cache")
     hk, dv = kc.shape[2], vc.shape[3]
     if vc.shape[:3] != kc.shape[:3]:
-        c.refuse_per_sequence(f"k_cache {kc.shape} and v_cache {vc.shape} differ before head_dim")
+        c.refuse(f"k_cache {kc.shape} and v_cache {vc.shape} differ before head_dim")
     if hk == 0 or heads % hk:
-        c.refuse_per_sequence(f"{heads} heads are not a multiple of {hk} KV heads")
+        c.refuse(f"{heads} heads are not a multiple of {hk} KV heads")
     if kc.shape[3] != d:
-        c.refuse_per_sequence(f"k_cache head_dim {kc.shape[3]} != q's {d}")
+        c.refuse(f"k_cache head_dim {kc.shape[3]} != q's {d}")
     if min(total_q, heads, d, dv, kc.shape[0], kc.shape[1]) == 0:
         c.leave_open("an empty dimension")
     cu = offsets_contract(c, "cu_seqlens_q", kw["cu_seqlens_q"], total_q, int32=True)
@@ -1744,7 +1682,7 @@ def mixed_contract(kw: dict, api: str) -> tuple[Contract, dict]:
         lengths = None if cu_k is None else np.diff(cu_k)
         if lengths is not None and lengths.shape != (batch,):
             c.refuse(f"cu_seqlens_k gives {lengths.size} sequences, cu_seqlens_q {batch}")
-    if lengths is None or len(c.refused) > len(c.per_sequence):
+    if lengths is None or c.refused:
         return c, info
     page = kc.shape[1]
     table = None
@@ -1774,11 +1712,11 @@ def mixed_contract(kw: dict, api: str) -> tuple[Contract, dict]:
         if not is_float(sinks):
             c.refuse(f"sinks is {name_of(sinks)}")
         elif name_of(sinks) != "float32":
-            c.refuse_per_sequence(f"sinks is {name_of(sinks)}, not float32")
+            c.refuse(f"sinks is {name_of(sinks)}, not float32")
         elif sinks.shape != (heads,):
-            c.refuse_per_sequence(f"sinks has shape {sinks.shape}, not ({heads},)")
+            c.refuse(f"sinks has shape {sinks.shape}, not ({heads},)")
         elif np.any(np.isnan(sinks) | (sinks == np.inf)):
-            c.refuse_per_sequence("sinks holds NaN or +inf")
+            c.refuse("sinks holds NaN or +inf")
     alibi_contract(c, kw.get("alibi_slopes"), batch, heads)
     if paged and np.ndim(kw.get("alibi_slopes")) == 2:
         c.leave_open("alibi_slopes (num_seqs, heads): paged_attention documents (heads,)")
@@ -1790,10 +1728,10 @@ def mixed_contract(kw: dict, api: str) -> tuple[Contract, dict]:
     window_contract(c, kw, "window_size")
     softcap = kw.get("softcap")
     if softcap is not None and not (np.isfinite(softcap) and softcap >= 0):
-        c.refuse_per_sequence(f"softcap {softcap} is not finite and >= 0")
+        c.refuse(f"softcap {softcap} is not finite and >= 0")
     scale = kw.get("softmax_scale")
     if scale is not None and not np.isfinite(scale):
-        c.refuse_per_sequence(f"softmax_scale {scale} is not finite")
+        c.refuse(f"softmax_scale {scale} is not finite")
     threads_contract(c, kw.get("num_threads"))
     shapes = {"tensor": (1,), "head": (hk,), "token": kc.shape[:3]}
     if hk == 1:
@@ -1802,12 +1740,12 @@ def mixed_contract(kw: dict, api: str) -> tuple[Contract, dict]:
         s = kw.get(name)
         if not fmt:
             if s is not None:
-                c.refuse_per_sequence(f"{name} with a float cache")
+                c.refuse(f"{name} with a float cache")
         elif s is None:
             if paged:
-                c.refuse_per_sequence(f"an 8-bit cache without {name}")
+                c.refuse(f"an 8-bit cache without {name}")
         else:
-            info[name] = scale_contract(c, name, nhd(s, hnd), shapes, False, per_sequence=True)
+            info[name] = scale_contract(c, name, nhd(s, hnd), shapes, False, )
     out = kw.get("output")
     if out is not None:
         if not is_float(out):
@@ -1823,9 +1761,7 @@ def mixed_contract(kw: dict, api: str) -> tuple[Contract, dict]:
         ):
             c.refuse("output overlaps an input")
         elif name_of(out) != dtype or out.shape[2] != dv:
-            c.refuse_per_sequence(f"output is {name_of(out)}{list(out.shape)}, q is {dtype}")
-    if total_q == 0 and c.refused and len(c.refused) == len(c.per_sequence):
-        c.known_bug("varlen_kvcache_no_rows")
+            c.refuse(f"output is {name_of(out)}{list(out.shape)}, q is {dtype}")
     info.update(dtype=dtype, kf=kf, vf=vf, cu=cu, used=lengths, table=table, hnd=hnd)
     return c, info
 

@@ -81,6 +81,33 @@ def test_numpy_append_quantizes_and_attends(rng, fmt, granularity, seqlen):
     np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "head", "token"])
+def test_read_only_scales_without_an_append(rng, granularity):
+    """Nothing appended, nothing written: read-only caches and scales are taken (a fuzzer
+    finding of issue 41: the scales were refused as not writable)."""
+    k_cache, k_scale = cache8(rng, "int8", granularity)
+    v_cache, v_scale = cache8(rng, "float8_e4m3fn", granularity)
+    for a in (k_cache, v_cache, k_scale, v_scale):
+        a.flags.writeable = False
+    q = rng.standard_normal((BATCH, 3, HEADS, D)).astype(np.float32)
+    seqlens = np.array([CACHE, 11], np.int32)
+    out = flashcte.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, k_scale=k_scale, v_scale=v_scale
+    )
+    want = reference(q, dequantized(k_cache, k_scale), dequantized(v_cache, v_scale), seqlens - 3, 3)
+    np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-5)
+    # With an append the scales are written where per token, so they must be writable then.
+    if granularity == "token":
+        k = rng.standard_normal((BATCH, 1, HEADS_K, D)).astype(np.float32)
+        kc, vc = k_cache.copy(), v_cache.copy()
+        with pytest.raises(ValueError, match="^k_scale: must be a writable array"):
+            flashcte.flash_attn_with_kvcache(
+                q[:, :1], kc, vc, k, k, cache_seqlens=seqlens - 1, k_scale=k_scale,
+                v_scale=v_scale,
+            )
+        np.testing.assert_array_equal(kc.view(np.uint8), k_cache.view(np.uint8))
+
+
 def test_torch_caches_and_the_operator(rng):
     torch = pytest.importorskip("torch")
     import flashcte.torch as ft

@@ -82,9 +82,10 @@ Status attention_cte(const TensorView& q, const TensorView& k, const TensorView&
     internal::run_all(internal::AttentionKernel(problem));
     return Status::Ok();
   } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of scratch or plan buffers failed");
+    return Status::Error("memory: allocation of scratch or plan buffers failed",
+                         ErrorKind::kMemory);
   } catch (const std::exception& e) {
-    return Status::Error(std::string("internal: ") + e.what());
+    return Status::Error(std::string("internal: ") + e.what(), ErrorKind::kInternal);
   }
 }
 
@@ -124,7 +125,7 @@ Status plan_attention(const TensorView& q, const TensorView& k, const TensorView
     r.threads = internal::resolve_threads(p.threads, r.work_items);
     return Status::Ok();
   } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of plan buffers failed");
+    return Status::Error("memory: allocation of plan buffers failed", ErrorKind::kMemory);
   }
 }
 

@@ -167,7 +167,7 @@ Status validate_batch(const TensorView& q, const TensorView& k, const TensorView
     problems->emplace_back();
     const Status s = validate(batch_entry(q, b), batch_entry(k, b), batch_entry(v, b), out_b, o,
                               false, &problems->back());
-    if (!s.ok) return Status::Error(s.message + " (batch entry " + to_string(b) + ")");
+    if (!s.ok) return s.with_suffix(" (batch entry " + to_string(b) + ")");
   }
   return Status::Ok();
 }

@@ -23,9 +23,10 @@ Status decode_attention(const TensorView& q, const TensorView& k_cache, const Te
     internal::run_decode(internal::DecodeKernel(problem));
     return Status::Ok();
   } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of decode scratch or partial states failed");
+    return Status::Error("memory: allocation of decode scratch or partial states failed",
+                         ErrorKind::kMemory);
   } catch (const std::exception& e) {
-    return Status::Error(std::string("internal: ") + e.what());
+    return Status::Error(std::string("internal: ") + e.what(), ErrorKind::kInternal);
   }
 }
 

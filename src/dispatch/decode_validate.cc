@@ -93,7 +93,8 @@ Status check_block_table_shape(const TensorView& t, int64_t block_size, DecodePr
   FLASHCTE_RETURN_IF_ERROR(
       check_tensor("block_table", t, 2, "(batch, max_blocks_per_seq)", extent));
   if (t.dtype != DType::kInt32) {
-    return error(std::string("block_table: dtype must be int32, got ") + dtype_name(t.dtype));
+    return Status::DtypeError(std::string("block_table: dtype must be int32, got ") +
+                              dtype_name(t.dtype));
   }
   FLASHCTE_RETURN_IF_ERROR(expect_axis("block_table", t, 0, p->batch, "q's batch"));
   if (__builtin_mul_overflow(t.shape[1], block_size, &p->max_len)) {
@@ -143,7 +144,8 @@ Status check_positions(const TensorView& t, int64_t window, DecodeProblem* p, Ex
   if (!t.present()) return error("positions: is required");
   FLASHCTE_RETURN_IF_ERROR(check_tensor("positions", t, 2, "(batch, T)", extent));
   if (t.dtype != DType::kInt64) {
-    return error(std::string("positions: dtype must be int64, got ") + dtype_name(t.dtype));
+    return Status::DtypeError(std::string("positions: dtype must be int64, got ") +
+                              dtype_name(t.dtype));
   }
   FLASHCTE_RETURN_IF_ERROR(expect_axis("positions", t, 0, p->batch, "q's batch"));
   FLASHCTE_RETURN_IF_ERROR(expect_axis("positions", t, 1, p->tokens, "q's new tokens T"));
@@ -170,7 +172,8 @@ Status check_options(const DecodeOptions& o, DecodeProblem* p, Extent* sink_exte
     const bool column = t.rank == 2;
     FLASHCTE_RETURN_IF_ERROR(check_tensor("sink", t, column ? 2 : 1, "(q_heads,)", sink_extent));
     if (t.dtype != DType::kFloat32) {
-      return error(std::string("sink: dtype must be float32, got ") + dtype_name(t.dtype));
+      return Status::DtypeError(std::string("sink: dtype must be float32, got ") +
+                                dtype_name(t.dtype));
     }
     if (t.shape[0] != p->q_heads || (column && t.shape[1] != 1)) {
       return error("sink: shape " + shape_str(t.shape.data(), t.rank) +
@@ -220,7 +223,8 @@ Status check_outputs(const DecodeOutputs& outputs, DecodeProblem* p, Extents* e)
   if (!lse.present()) return Status::Ok();
   FLASHCTE_RETURN_IF_ERROR(check_tensor("lse", lse, 3, "(batch, q_heads, T)", &e->lse));
   if (lse.dtype != DType::kFloat32) {
-    return error(std::string("lse: dtype must be float32, got ") + dtype_name(lse.dtype));
+    return Status::DtypeError(std::string("lse: dtype must be float32, got ") +
+                              dtype_name(lse.dtype));
   }
   FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 0, p->batch, "batch"));
   FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 1, p->q_heads, "q_heads"));

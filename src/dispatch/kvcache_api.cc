@@ -340,10 +340,10 @@ Status flash_attn_with_kvcache(const TensorView& q, const MutableTensorView& k_c
     if (appended) internal::restore_slots(problem, append, saved);
     if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
       return Status::Error(
-          "memory: allocation of the call's scratch failed; the caches are as "
-          "they were");
+          "memory: allocation of the call's scratch failed; the caches are as they were",
+          ErrorKind::kMemory);
     }
-    return Status::Error(std::string("internal: ") + e.what());
+    return Status::Error(std::string("internal: ") + e.what(), ErrorKind::kInternal);
   }
 }
 

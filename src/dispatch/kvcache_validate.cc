@@ -144,8 +144,8 @@ Status check_rotary(const KvCacheOptions& o, const Shape& s, DType dtype, KvAppe
   FLASHCTE_RETURN_IF_ERROR(
       check_tensor("rotary_sin", sin, 2, "(seqlen_ro, rotary_dim / 2)", &e->sin));
   if (cos.dtype != dtype && cos.dtype != DType::kFloat32) {
-    return error(std::string("rotary_cos: dtype must be q's (") + dtype_name(dtype) +
-                 ") or float32, got " + dtype_name(cos.dtype));
+    return Status::DtypeError(std::string("rotary_cos: dtype must be q's (") + dtype_name(dtype) +
+                              ") or float32, got " + dtype_name(cos.dtype));
   }
   FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("rotary_sin", sin.dtype, cos.dtype, "rotary_cos"));
   FLASHCTE_RETURN_IF_ERROR(expect_axis("rotary_sin", sin, 0, cos.shape[0], "rotary_cos's rows"));
@@ -381,7 +381,8 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
     FLASHCTE_RETURN_IF_ERROR(
         check_tensor("block_table", t, 2, "(batch, max_blocks_per_seq)", &e.table));
     if (t.dtype != DType::kInt32) {
-      return error(std::string("block_table: dtype must be int32, got ") + dtype_name(t.dtype));
+      return Status::DtypeError(std::string("block_table: dtype must be int32, got ") +
+                                dtype_name(t.dtype));
     }
     FLASHCTE_RETURN_IF_ERROR(expect_axis("block_table", t, 0, s.batch, "q's batch"));
     s.pages_per_sequence = t.shape[1];

@@ -193,9 +193,10 @@ Status merge_attn_states(const TensorView& out_a, const TensorView& lse_a, const
     }
     return Status::Ok();
   } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of the merge's row buffers failed");
+    return Status::Error("memory: allocation of the merge's row buffers failed",
+                         ErrorKind::kMemory);
   } catch (const std::exception& e) {
-    return Status::Error(std::string("internal: ") + e.what());
+    return Status::Error(std::string("internal: ") + e.what(), ErrorKind::kInternal);
   }
 }
 

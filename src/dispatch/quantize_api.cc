@@ -36,9 +36,9 @@ Status check(const TensorView& src, const MutableTensorView& dst, const MutableT
   FLASHCTE_RETURN_IF_ERROR(internal::expect_attention_dtype("src", src.dtype));
   FLASHCTE_RETURN_IF_ERROR(internal::check_tensor("dst", dst, 3, "(tokens, kv_heads, d)", &edst));
   if (!kv8::is_8bit(dst.dtype)) {
-    return Status::Error(std::string("dst: dtype must be an 8-bit cache format (int8, "
-                                     "float8_e4m3fn or float8_e5m2), got ") +
-                         dtype_name(dst.dtype));
+    return Status::DtypeError(std::string("dst: dtype must be an 8-bit cache format (int8, "
+                                          "float8_e4m3fn or float8_e5m2), got ") +
+                              dtype_name(dst.dtype));
   }
   for (int axis = 0; axis < 3; ++axis) {
     FLASHCTE_RETURN_IF_ERROR(internal::expect_axis("dst", dst, axis, src.shape[axis], "src's"));
@@ -131,9 +131,9 @@ Status quantize_kv(const TensorView& src, const MutableTensorView& dst,
     }
     return Status::Ok();
   } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of a row buffer failed");
+    return Status::Error("memory: allocation of a row buffer failed", ErrorKind::kMemory);
   } catch (const std::exception& e) {
-    return Status::Error(std::string("internal: ") + e.what());
+    return Status::Error(std::string("internal: ") + e.what(), ErrorKind::kInternal);
   }
 }
 

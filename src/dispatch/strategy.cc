@@ -15,11 +15,7 @@
 #include "flashcte/flashcte.h"
 
 namespace flashcte {
-namespace {
-
-std::string Str(int64_t x) { return std::to_string(x); }
-
-}  // namespace
+namespace {}  // namespace
 
 const char* strategy_name(NeuronStrategy strategy) {
   switch (strategy) {
@@ -73,17 +69,20 @@ const char* strategy_name(CpuStrategy strategy) {
 Status neuron_strategy(const NeuronStrategyInputs& in, NeuronDecision* decision) {
   if (decision == nullptr) return Status::Error("decision: must not be null");
   if (in.logical_cores < 1) {
-    return Status::Error("logical_cores: must be at least 1, got " + Str(in.logical_cores));
+    return Status::Error("logical_cores: must be at least 1, got " +
+                         std::to_string(in.logical_cores));
   }
   if (in.head_dim < 1) {
-    return Status::Error("head_dim: must be at least 1, got " + Str(in.head_dim));
+    return Status::Error("head_dim: must be at least 1, got " + std::to_string(in.head_dim));
   }
-  if (in.seqlen_q < 0) return Status::Error("seqlen_q: must be >= 0, got " + Str(in.seqlen_q));
+  if (in.seqlen_q < 0)
+    return Status::Error("seqlen_q: must be >= 0, got " + std::to_string(in.seqlen_q));
   if (in.batch_heads < 1) {
-    return Status::Error("batch_heads: must be at least 1, got " + Str(in.batch_heads));
+    return Status::Error("batch_heads: must be at least 1, got " + std::to_string(in.batch_heads));
   }
   const int64_t d = in.head_dim, q = in.seqlen_q, lnc = in.logical_cores;
-  const std::string dq = "d=" + Str(d) + ", q=" + Str(q) + ", lnc=" + Str(lnc);
+  const std::string dq =
+      "d=" + std::to_string(d) + ", q=" + std::to_string(q) + ", lnc=" + std::to_string(lnc);
   NeuronDecision r;
   if (in.custom_qk_scale) {
     r = {NeuronStrategy::kNone, "rule 1: a custom qk_scale is not supported by the kernels"};
@@ -132,8 +131,8 @@ Status neuron_strategy(const NeuronStrategyInputs& in, NeuronDecision* decision)
 
   // Rule 5: the sharded kernels split batch*heads over the cores.
   if (in.batch_heads % lnc != 0) {
-    const std::string why =
-        "; rule 5: batch*heads=" + Str(in.batch_heads) + " is not divisible by lnc=" + Str(lnc);
+    const std::string why = "; rule 5: batch*heads=" + std::to_string(in.batch_heads) +
+                            " is not divisible by lnc=" + std::to_string(lnc);
     if (r.strategy == NeuronStrategy::kLargeDShardedKernel) {
       r.strategy = NeuronStrategy::kLargeDUnshardedKernel;
       r.reason += why +
@@ -156,25 +155,28 @@ Status neuron_strategy(const NeuronStrategyInputs& in, NeuronDecision* decision)
 Status nxdi_strategy(const NxdiStrategyInputs& in, NxdiDecision* decision) {
   if (decision == nullptr) return Status::Error("decision: must not be null");
   if (in.logical_cores < 1) {
-    return Status::Error("logical_cores: must be at least 1, got " + Str(in.logical_cores));
+    return Status::Error("logical_cores: must be at least 1, got " +
+                         std::to_string(in.logical_cores));
   }
   if (in.cp_degree < 1) {
-    return Status::Error("cp_degree: must be at least 1, got " + Str(in.cp_degree));
+    return Status::Error("cp_degree: must be at least 1, got " + std::to_string(in.cp_degree));
   }
   if (in.head_dim < 1) {
-    return Status::Error("head_dim: must be at least 1, got " + Str(in.head_dim));
+    return Status::Error("head_dim: must be at least 1, got " + std::to_string(in.head_dim));
   }
-  if (in.seqlen_q < 0) return Status::Error("seqlen_q: must be >= 0, got " + Str(in.seqlen_q));
+  if (in.seqlen_q < 0)
+    return Status::Error("seqlen_q: must be >= 0, got " + std::to_string(in.seqlen_q));
   if (in.sliding_window < 0) {
-    return Status::Error("sliding_window: must be >= 0, got " + Str(in.sliding_window));
+    return Status::Error("sliding_window: must be >= 0, got " + std::to_string(in.sliding_window));
   }
   const int64_t d = in.head_dim, q = in.seqlen_q, lnc = in.logical_cores;
-  const std::string dq = "q=" + Str(q) + ", lnc=" + Str(lnc);
+  const std::string dq = "q=" + std::to_string(q) + ", lnc=" + std::to_string(lnc);
   NxdiDecision r;
   if (in.attn_kernel_enabled.has_value() && !*in.attn_kernel_enabled) {
     r = {NxdiStrategy::kNone, "the attention kernel is disabled (attn_kernel_enabled=False)"};
   } else if (in.cp_degree > 1) {
-    const std::string cp = "cp_degree=" + Str(in.cp_degree) + " > 1, " + dq + ", d=" + Str(d);
+    const std::string cp =
+        "cp_degree=" + std::to_string(in.cp_degree) + " > 1, " + dq + ", d=" + std::to_string(d);
     if (lnc < 2 || q <= d) {
       r = {NxdiStrategy::kNone,
            cp + ": the CP kernel needs lnc >= 2 and q > d (it infers the sequence axis as the "
@@ -186,7 +188,7 @@ Status nxdi_strategy(const NxdiStrategyInputs& in, NxdiDecision* decision) {
       r = {NxdiStrategy::kContextParallel,
            cp + ": lnc >= 2 and q > d, " +
                (in.strided_cp_enabled ? std::string("strided CP enabled but sliding window ") +
-                                            Str(in.sliding_window) + ": contiguous"
+                                            std::to_string(in.sliding_window) + ": contiguous"
                                       : std::string("strided CP not enabled: contiguous"))};
     }
   } else if (lnc > 1 && in.attention_mask) {
@@ -258,18 +260,23 @@ Status KernelThreads(const CpuStrategyInputs& in, int64_t kv_batch, int* threads
 
 Status cpu_strategy(const CpuStrategyInputs& in, CpuDecision* decision) {
   if (decision == nullptr) return Status::Error("decision: must not be null");
-  if (in.batch < 0) return Status::Error("batch: must be >= 0, got " + Str(in.batch));
-  if (in.kv_batch < 0) return Status::Error("kv_batch: must be >= 0, got " + Str(in.kv_batch));
+  if (in.batch < 0) return Status::Error("batch: must be >= 0, got " + std::to_string(in.batch));
+  if (in.kv_batch < 0)
+    return Status::Error("kv_batch: must be >= 0, got " + std::to_string(in.kv_batch));
   const int64_t kv_batch = in.kv_batch > 0 ? in.kv_batch : in.batch;
   if (kv_batch > 0 && in.batch % kv_batch != 0) {
-    return Status::Error("kv_batch: " + Str(kv_batch) + " must divide batch = " + Str(in.batch));
+    return Status::Error("kv_batch: " + std::to_string(kv_batch) +
+                         " must divide batch = " + std::to_string(in.batch));
   }
-  if (in.seqlen_q < 0) return Status::Error("seqlen_q: must be >= 0, got " + Str(in.seqlen_q));
-  if (in.seqlen_kv < 0) return Status::Error("seqlen_kv: must be >= 0, got " + Str(in.seqlen_kv));
+  if (in.seqlen_q < 0)
+    return Status::Error("seqlen_q: must be >= 0, got " + std::to_string(in.seqlen_q));
+  if (in.seqlen_kv < 0)
+    return Status::Error("seqlen_kv: must be >= 0, got " + std::to_string(in.seqlen_kv));
   if (in.head_dim < 1) {
-    return Status::Error("head_dim: must be at least 1, got " + Str(in.head_dim));
+    return Status::Error("head_dim: must be at least 1, got " + std::to_string(in.head_dim));
   }
-  if (in.threads < 0) return Status::Error("threads: must be >= 0, got " + Str(in.threads));
+  if (in.threads < 0)
+    return Status::Error("threads: must be >= 0, got " + std::to_string(in.threads));
 
   int kernel_threads = 1;
   if (Status planned = KernelThreads(in, kv_batch, &kernel_threads); !planned.ok) return planned;
@@ -281,9 +288,10 @@ Status cpu_strategy(const CpuStrategyInputs& in, CpuDecision* decision) {
 
   const int64_t length = std::max(in.seqlen_q, in.seqlen_kv);
   const int64_t limit = MaterializedMaxLength(in.causal, in.head_dim);
-  const std::string shape = "Sq=" + Str(in.seqlen_q) + ", Skv=" + Str(in.seqlen_kv) +
-                            ", d=" + Str(in.head_dim) + ", batch=" + Str(in.batch) + "/" +
-                            Str(kv_batch) + (in.causal ? ", causal" : ", non-causal");
+  const std::string shape =
+      "Sq=" + std::to_string(in.seqlen_q) + ", Skv=" + std::to_string(in.seqlen_kv) +
+      ", d=" + std::to_string(in.head_dim) + ", batch=" + std::to_string(in.batch) + "/" +
+      std::to_string(kv_batch) + (in.causal ? ", causal" : ", non-causal");
   std::string why_kernel;
   if (in.seqlen_q == 0 || in.seqlen_kv == 0 || in.batch == 0) {
     why_kernel = "empty problem";
@@ -292,23 +300,23 @@ Status cpu_strategy(const CpuStrategyInputs& in, CpuDecision* decision) {
   } else if (in.dtype != DType::kFloat32) {
     why_kernel = std::string(dtype_name(in.dtype)) + " inputs (NONE was measured in float32)";
   } else if (in.head_dim > kMaterializedMaxHeadDim) {
-    why_kernel = "d > " + Str(kMaterializedMaxHeadDim) + " (not measured)";
+    why_kernel = "d > " + std::to_string(kMaterializedMaxHeadDim) + " (not measured)";
   } else if (length > limit) {
-    why_kernel = "max(Sq, Skv) > " + Str(limit) + ", the measured crossover";
+    why_kernel = "max(Sq, Skv) > " + std::to_string(limit) + ", the measured crossover";
   } else if (in.seqlen_q == 1 && in.batch > 1) {
     why_kernel = "Sq = 1 with several heads: the kernel shares its fixed cost over the heads";
   } else if (kv_batch != in.batch && in.seqlen_q < kMaterializedMinQueryGrouped) {
-    why_kernel = "Sq < " + Str(kMaterializedMinQueryGrouped) +
+    why_kernel = "Sq < " + std::to_string(kMaterializedMinQueryGrouped) +
                  " with grouped KV heads: the kernel packs each K/V tile once per group";
   } else if (kernel_threads > none_threads) {
-    why_kernel = "the kernel splits query blocks over " + Str(kernel_threads) +
-                 " threads where NONE would use " + Str(none_threads);
+    why_kernel = "the kernel splits query blocks over " + std::to_string(kernel_threads) +
+                 " threads where NONE would use " + std::to_string(none_threads);
   }
   CpuDecision r;
   if (why_kernel.empty()) {
     r.strategy = CpuStrategy::kNone;
     r.threads = none_threads;
-    r.reason = shape + ": max(Sq, Skv) <= " + Str(limit) +
+    r.reason = shape + ": max(Sq, Skv) <= " + std::to_string(limit) +
                ", where the materialized path measured faster than the kernel";
   } else {
     r.strategy = CpuStrategy::kKernel;

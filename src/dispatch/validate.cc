@@ -147,8 +147,8 @@ Status read_paged_prefix(const Options& options, bool shapes_only, Problem* prob
   FLASHCTE_RETURN_IF_ERROR(
       expect_rank("prior_block_table", t.rank, 2, "(bs_kv / kv_heads, max_blocks)"));
   if (t.dtype != DType::kInt32) {
-    return Status::Error(std::string("prior_block_table: dtype must be int32, got ") +
-                         dtype_name(t.dtype));
+    return Status::DtypeError(std::string("prior_block_table: dtype must be int32, got ") +
+                              dtype_name(t.dtype));
   }
   const int64_t heads = k.shape[1], block = k.shape[2], num_blocks = k.shape[0];
   FLASHCTE_RETURN_IF_ERROR(expect_dim("k_prior", k.shape.data(), 4, 3, problem->head_dim, "d"));
@@ -487,8 +487,8 @@ Status read_out(const MutableTensorView& out, const Options& options, bool shape
   FLASHCTE_RETURN_IF_ERROR(expect_rank(
       "out", out.rank, 3, options.tp_out ? "(bs, dv, Sq) with tp_out" : "(bs, Sq, dv)"));
   if (out.dtype != problem->dtype) {
-    return Status::Error(std::string("out: dtype ") + dtype_name(out.dtype) +
-                         " must be q's dtype " + dtype_name(problem->dtype));
+    return Status::DtypeError(std::string("out: dtype ") + dtype_name(out.dtype) +
+                              " must be q's dtype " + dtype_name(problem->dtype));
   }
   const int out_seq = options.tp_out ? 2 : 1, out_channel = options.tp_out ? 1 : 2;
   const int64_t* shape = out.shape.data();

@@ -1,10 +1,12 @@
 // flash_attn_varlen_kvcache (include/flashcte/kvcache.h): a mixed batch of variable-length query
 // chunks over each sequence's cache. The call is checked as a whole (the varlen offsets, the
-// lengths against the cache, every page read, the outputs against everything read); then each
-// sequence becomes the flash_attn_with_kvcache call of batch 1 it is, validated by that
-// validator, and its problem goes to the kernel its length calls for: the decode kernel for a
-// few queries, attention_cte for a longer chunk. Every kernel's work runs in one parallel region
-// (src/schedule/region.h), split by estimated cost.
+// lengths against the cache, every page read, the outputs against everything read), and by
+// flash_attn_with_kvcache's validator as the whole batch's call of no query row (so that its
+// rules bind sequences without rows too); then each sequence with rows becomes the
+// flash_attn_with_kvcache call of batch 1 it is, validated by that validator, and its problem goes
+// to the kernel its length calls for: the decode kernel for a few queries, attention_cte for a
+// longer chunk. Every kernel's work runs in one parallel region (src/schedule/region.h), split by
+// estimated cost.
 #include <cmath>
 #include <exception>
 #include <new>
@@ -85,7 +87,8 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
     FLASHCTE_RETURN_IF_ERROR(
         check_tensor("block_table", t, 2, "(batch, max_blocks_per_seq)", &etable));
     if (t.dtype != DType::kInt32) {
-      return error(std::string("block_table: dtype must be int32, got ") + dtype_name(t.dtype));
+      return Status::DtypeError(std::string("block_table: dtype must be int32, got ") +
+                                dtype_name(t.dtype));
     }
     FLASHCTE_RETURN_IF_ERROR(expect_axis("block_table", t, 0, c->batch, "the batch"));
     if (__builtin_mul_overflow(t.shape[1], page_slots, &capacity)) {
@@ -187,6 +190,15 @@ View rows_of(const View& v, int axis, int64_t first, int64_t rows) {
   return r;
 }
 
+// A (total, ...) view as a batch of `batch` entries of no row, (batch, 0, ...): what a call of
+// no query row reads and writes.
+template <class View>
+View no_rows(const View& v, int axis, int64_t batch) {
+  View r = rows_of(v, axis, 0, 0);
+  r.shape[0] = batch;
+  return r;
+}
+
 // Entry b of a batch-leading view, as a view of batch 1 (same rank).
 template <class View>
 View entry(const View& v, int64_t b) {
@@ -227,6 +239,24 @@ Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
     o.window_right = options.window_right;
     o.softcap = options.softcap;
     o.num_threads = options.num_threads;
+    // The rules of every sequence's call (dtypes, heads, head dims, the scale, softcap, sinks,
+    // ALiBi, the 8-bit scales, out's dtype and dv) bind a batch whose sequences have no query
+    // row, and one of no sequence, too: check them once as the whole batch's call of no row.
+    {
+      o.cache_seqlens = options.seqused_k;
+      o.block_table = options.block_table;
+      o.k_scale = internal::writable(options.k_scale);
+      o.v_scale = internal::writable(options.v_scale);
+      o.alibi_slopes = options.alibi_slopes;
+      o.sinks = options.sinks;
+      internal::DecodeProblem p;
+      internal::KvAppend a;
+      s = internal::validate_kvcache(
+          internal::no_rows(q, 0, c.batch), internal::writable(k_cache),
+          internal::writable(v_cache), internal::no_rows(out, 0, c.batch),
+          lse.present() ? internal::no_rows(lse, 1, c.batch) : MutableTensorView{}, o, &p, &a);
+      if (!s.ok) return s;
+    }
     // Each sequence's problem: decode problems and attention_cte problems, kept until the run.
     std::vector<internal::DecodeProblem> decodes;
     std::vector<internal::Problem> prefills;
@@ -256,14 +286,14 @@ Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
       internal::KvAppend a;
       s = internal::validate_kvcache(rows_of(q, 0, first, rows), k_b, v_b,
                                      rows_of(out, 0, first, rows), lse_b, o, &p, &a);
-      if (!s.ok) return Status::Error(s.message + " (sequence " + std::to_string(b) + ")");
+      if (!s.ok) return s.with_suffix(" (sequence " + std::to_string(b) + ")");
       if (rows <= internal::kDecodeMaxQueries) {
         decodes.push_back(std::move(p));
         continue;
       }
       prefills.emplace_back();
       s = internal::prefill_problem(p, a, k_b, v_b, o, 0, &prefills.back());
-      if (!s.ok) return Status::Error(s.message + " (sequence " + std::to_string(b) + ")");
+      if (!s.ok) return s.with_suffix(" (sequence " + std::to_string(b) + ")");
     }
     const std::vector<internal::AttentionKernel> prefill_kernels(prefills.begin(), prefills.end());
     const std::vector<internal::DecodeKernel> decode_kernels(decodes.begin(), decodes.end());
@@ -271,9 +301,9 @@ Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
                           options.num_threads, options.profile);
     return Status::Ok();
   } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of the call's scratch failed");
+    return Status::Error("memory: allocation of the call's scratch failed", ErrorKind::kMemory);
   } catch (const std::exception& e) {
-    return Status::Error(std::string("internal: ") + e.what());
+    return Status::Error(std::string("internal: ") + e.what(), ErrorKind::kInternal);
   }
 }
 

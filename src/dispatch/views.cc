@@ -95,17 +95,17 @@ Status expect_dim(const char* name, const int64_t* shape, int rank, int axis, in
 
 Status expect_same_dtype(const char* name, DType dtype, DType want, const char* reference) {
   if (dtype != want) {
-    return Status::Error(std::string(name) + ": dtype " + dtype_name(dtype) + " differs from " +
-                         reference + "'s dtype " + dtype_name(want));
+    return Status::DtypeError(std::string(name) + ": dtype " + dtype_name(dtype) +
+                              " differs from " + reference + "'s dtype " + dtype_name(want));
   }
   return Status::Ok();
 }
 
 Status expect_cache_dtype(const char* name, DType cache, DType q) {
   if (kv8::is_8bit(cache) || cache == q) return Status::Ok();
-  return Status::Error(std::string(name) + ": dtype " + dtype_name(cache) + " must be q's " +
-                       dtype_name(q) +
-                       " or an 8-bit cache format (int8, float8_e4m3fn, float8_e5m2)");
+  return Status::DtypeError(std::string(name) + ": dtype " + dtype_name(cache) + " must be q's " +
+                            dtype_name(q) +
+                            " or an 8-bit cache format (int8, float8_e4m3fn, float8_e5m2)");
 }
 
 Status read_scale_entries(const char* name, const TensorView& view, int64_t n,
@@ -162,15 +162,17 @@ Status check_cache_scale(const char* name, const TensorView& scale, const char* 
 
 Status expect_float32(const char* name, DType dtype) {
   if (dtype != DType::kFloat32) {
-    return Status::Error(std::string(name) + ": dtype must be float32, got " + dtype_name(dtype));
+    return Status::DtypeError(std::string(name) + ": dtype must be float32, got " +
+                              dtype_name(dtype));
   }
   return Status::Ok();
 }
 
 Status expect_attention_dtype(const char* name, DType dtype) {
   if (dtype != DType::kFloat32 && dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
-    return Status::Error(std::string(name) + ": dtype must be float32, bfloat16 or float16, got " +
-                         dtype_name(dtype));
+    return Status::DtypeError(std::string(name) +
+                              ": dtype must be float32, bfloat16 or float16, got " +
+                              dtype_name(dtype));
   }
   return Status::Ok();
 }
@@ -245,8 +247,8 @@ Status read_bound(const char* name, const TensorView& view, int64_t row, int64_t
     case DType::kFloat8E5M2:
       break;
   }
-  return Status::Error(std::string(name) + ": dtype must be int32, int64 or float32, got " +
-                       dtype_name(view.dtype));
+  return Status::DtypeError(std::string(name) + ": dtype must be int32, int64 or float32, got " +
+                            dtype_name(view.dtype));
 }
 
 }  // namespace
@@ -256,8 +258,8 @@ Status read_int32_vector(const char* name, const TensorView& view, const char* l
   if (!view.present()) return Status::Error(std::string(name) + ": is required");
   FLASHCTE_RETURN_IF_ERROR(check_tensor(name, view, 1, layout, extent));
   if (view.dtype != DType::kInt32) {
-    return Status::Error(std::string(name) + ": dtype must be int32, got " +
-                         dtype_name(view.dtype));
+    return Status::DtypeError(std::string(name) + ": dtype must be int32, got " +
+                              dtype_name(view.dtype));
   }
   if (n >= 0) FLASHCTE_RETURN_IF_ERROR(expect_axis(name, view, 0, n, what));
   values->resize(static_cast<size_t>(view.shape[0]));
@@ -275,8 +277,8 @@ Status read_bounds(const char* name, const TensorView& view, int64_t seqlen_q,
                          " must be (Sq, 1) or (Sq,) with Sq = " + std::to_string(seqlen_q));
   }
   if (view.dtype != DType::kInt32 && view.dtype != DType::kInt64 && view.dtype != DType::kFloat32) {
-    return Status::Error(std::string(name) + ": dtype must be int32, int64 or float32, got " +
-                         dtype_name(view.dtype));
+    return Status::DtypeError(std::string(name) + ": dtype must be int32, int64 or float32, got " +
+                              dtype_name(view.dtype));
   }
   values->resize(seqlen_q);
   for (int64_t row = 0; row < seqlen_q; ++row) {

@@ -32,8 +32,6 @@
 namespace flashcte {
 namespace {
 
-std::string Str(int64_t x) { return std::to_string(x); }
-
 std::vector<float> rounded(const std::vector<float>& w, DType dtype) {
   std::vector<float> r(w.size());
   for (size_t i = 0; i < w.size(); ++i) r[i] = internal::round_to(dtype, w[i]);
@@ -105,31 +103,32 @@ Status AttentionLayer::Impl::check_call(const TensorView& x, const TensorView& p
     return Status::Error("x: must be a tensor of shape (batch, T, hidden_size)");
   }
   if (x.dtype != DType::kFloat32 && x.dtype != DType::kBFloat16 && x.dtype != DType::kFloat16) {
-    return Status::Error("x: dtype must be float32, bfloat16 or float16");
+    return Status::DtypeError("x: dtype must be float32, bfloat16 or float16");
   }
   if (x.shape[2] != hidden) {
-    return Status::Error("x: last dimension " + Str(x.shape[2]) +
-                         " must be hidden_size = " + Str(hidden));
+    return Status::Error("x: last dimension " + std::to_string(x.shape[2]) +
+                         " must be hidden_size = " + std::to_string(hidden));
   }
   const int64_t batch = x.shape[0], tokens = x.shape[1];
   if (cache.batch() != batch || cache.kv_heads() != kv_heads || cache.head_dim() != d ||
       cache.dtype() != cache_dtype) {
-    return Status::Error("cache: holds (batch " + Str(cache.batch()) + ", kv_heads " +
-                         Str(cache.kv_heads()) + ", head_dim " + Str(cache.head_dim()) + ", " +
-                         dtype_name(cache.dtype()) + ") but this call needs (batch " + Str(batch) +
-                         ", kv_heads " + Str(kv_heads) + ", head_dim " + Str(d) + ", " +
+    return Status::Error("cache: holds (batch " + std::to_string(cache.batch()) + ", kv_heads " +
+                         std::to_string(cache.kv_heads()) + ", head_dim " +
+                         std::to_string(cache.head_dim()) + ", " + dtype_name(cache.dtype()) +
+                         ") but this call needs (batch " + std::to_string(batch) + ", kv_heads " +
+                         std::to_string(kv_heads) + ", head_dim " + std::to_string(d) + ", " +
                          dtype_name(cache_dtype) + "): a cache of another layer or batch");
   }
   if (positions.rank != 2 || positions.dtype != DType::kInt64 || positions.data == nullptr ||
       positions.shape[0] != batch || positions.shape[1] != tokens) {
-    return Status::Error("positions: must be an int64 tensor of shape (batch, T) = (" + Str(batch) +
-                         ", " + Str(tokens) + ")");
+    return Status::Error("positions: must be an int64 tensor of shape (batch, T) = (" +
+                         std::to_string(batch) + ", " + std::to_string(tokens) + ")");
   }
   if (out.rank != 3 || out.data == nullptr || out.shape[0] != batch || out.shape[1] != tokens ||
       out.shape[2] != hidden || out.dtype != config.dtype) {
     return Status::Error("out: must be a " + std::string(dtype_name(config.dtype)) +
-                         " tensor of shape (batch, T, hidden_size) = (" + Str(batch) + ", " +
-                         Str(tokens) + ", " + Str(hidden) + ")");
+                         " tensor of shape (batch, T, hidden_size) = (" + std::to_string(batch) +
+                         ", " + std::to_string(tokens) + ", " + std::to_string(hidden) + ")");
   }
   pos->resize(static_cast<size_t>(batch * tokens));
   const auto* p = static_cast<const int64_t*>(positions.data);
@@ -137,19 +136,22 @@ Status AttentionLayer::Impl::check_call(const TensorView& x, const TensorView& p
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t at = p[b * positions.strides[0] + t * positions.strides[1]];
       (*pos)[static_cast<size_t>(b * tokens + t)] = at;
-      const std::string where = "positions: row " + Str(b) + " token " + Str(t) + " is " + Str(at);
+      const std::string where = "positions: row " + std::to_string(b) + " token " +
+                                std::to_string(t) + " is " + std::to_string(at);
       if (t == 0 && (at < 0 || at > cache.length(b))) {
-        return Status::Error(where + "; a row must start in [0, cached length = " +
-                             Str(cache.length(b)) + "] (a later start would skip cache slots)");
+        return Status::Error(
+            where + "; a row must start in [0, cached length = " + std::to_string(cache.length(b)) +
+            "] (a later start would skip cache slots)");
       }
       if (t > 0 && at != (*pos)[static_cast<size_t>(b * tokens + t - 1)] + 1) {
         return Status::Error(where + "; positions within a row must go up by 1");
       }
       if (at >= cache.capacity(b)) {
         return Status::Error(where + ", past " +
-                             (cache.paged() ? "sequence " + Str(b) + "'s pages (" +
-                                                  Str(cache.capacity(b)) + " slots)"
-                                            : "the cache's max_len = " + Str(cache.max_len())));
+                             (cache.paged()
+                                  ? "sequence " + std::to_string(b) + "'s pages (" +
+                                        std::to_string(cache.capacity(b)) + " slots)"
+                                  : "the cache's max_len = " + std::to_string(cache.max_len())));
       }
     }
   }
@@ -163,8 +165,9 @@ Status AttentionLayer::Impl::check_call(const TensorView& x, const TensorView& p
       for (int64_t other = 0; other < cache.batch(); ++other) {
         const std::vector<int32_t>& named = cache.pages(other);
         if (other != b && std::find(named.begin(), named.end(), pages[i]) != named.end()) {
-          return Status::Error("positions: row " + Str(b) + " writes into page " + Str(pages[i]) +
-                               ", which sequence " + Str(other) +
+          return Status::Error("positions: row " + std::to_string(b) + " writes into page " +
+                               std::to_string(pages[i]) + ", which sequence " +
+                               std::to_string(other) +
                                " also names; a shared prefix page is read-only (give the "
                                "sequence a page of its own)");
         }
@@ -258,7 +261,7 @@ Status AttentionLayer::Impl::attend(const void* q_act, const void* k_new, const 
   const TensorView q = TensorView::contiguous(q_act, t, {batch, tokens, heads, d});
   const MutableTensorView out = MutableTensorView::contiguous(attn, t, {batch, tokens, heads, d});
   const Status s = flash_attn_with_kvcache(q, k_cache, v_cache, out, {}, o);
-  if (!s.ok) return Status::Error("attention: " + s.message);
+  if (!s.ok) return Status::Error("attention: " + s.message, s.kind);
   return Status::Ok();
 }
 
@@ -267,11 +270,11 @@ namespace {
 // The GQA sharding of the config's tensor-parallel rank (LAYER.md section 4, src/layer/gqa.h).
 Status plan_sharding(const LayerConfig& config, layer::GqaSharding* sharding) {
   if (config.tp_degree < 1) {
-    return Status::Error("tp_degree: must be >= 1, got " + Str(config.tp_degree));
+    return Status::Error("tp_degree: must be >= 1, got " + std::to_string(config.tp_degree));
   }
   if (config.tp_rank < 0 || config.tp_rank >= config.tp_degree) {
-    return Status::Error("tp_rank: must be in [0, tp_degree = " + Str(config.tp_degree) +
-                         "), got " + Str(config.tp_rank));
+    return Status::Error("tp_rank: must be in [0, tp_degree = " + std::to_string(config.tp_degree) +
+                         "), got " + std::to_string(config.tp_rank));
   }
   using Strategy = LayerConfig::GqaStrategy;
   switch (config.gqa_strategy) {
@@ -446,7 +449,8 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& positions,
                                      out.strides[2], t, y_row, m.hidden);
     }
   } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of the layer's activations failed");
+    return Status::Error("memory: allocation of the layer's activations failed",
+                         ErrorKind::kMemory);
   }
   return Status::Ok();
 }

@@ -9,7 +9,6 @@
 namespace flashcte::layer {
 namespace {
 
-std::string Str(int64_t x) { return std::to_string(x); }
 Status error(const std::string& field, const std::string& rule) {
   return Status::Error(field + ": " + rule);
 }
@@ -17,8 +16,8 @@ Status error(const std::string& field, const std::string& rule) {
 Status check_rope(const LayerConfig& c, int64_t head_dim) {
   const int64_t rotary = c.rotary_dim != 0 ? c.rotary_dim : head_dim;
   if (rotary < 2 || rotary > head_dim || rotary % 2 != 0) {
-    return error("rotary_dim",
-                 "must be even and in [2, head_dim = " + Str(head_dim) + "], got " + Str(rotary));
+    return error("rotary_dim", "must be even and in [2, head_dim = " + std::to_string(head_dim) +
+                                   "], got " + std::to_string(rotary));
   }
   if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta)) {
     return error("rope_theta", "must be finite and > 0");
@@ -47,12 +46,12 @@ Status check_weight(const char* name, const std::vector<float>& w, bool wanted, 
     return error(name, std::string("given, but config.") + flag + " is off (leave it empty)");
   }
   if (static_cast<int64_t>(w.size()) != size) {
-    return error(name,
-                 "expected " + Str(size) + " floats, got " + Str(static_cast<int64_t>(w.size())));
+    return error(name, "expected " + std::to_string(size) + " floats, got " +
+                           std::to_string(static_cast<int64_t>(w.size())));
   }
   for (size_t i = 0; i < w.size(); ++i) {
     if (!std::isfinite(w[i]))
-      return error(name, "element " + Str(static_cast<int64_t>(i)) + " is not finite");
+      return error(name, "element " + std::to_string(static_cast<int64_t>(i)) + " is not finite");
   }
   return Status::Ok();
 }
@@ -68,13 +67,13 @@ Status check_config(const LayerConfig& c) {
   if (c.num_heads < 1) return error("num_heads", "must be >= 1");
   if (c.num_kv_heads < 1) return error("num_kv_heads", "must be >= 1");
   if (c.num_heads % c.num_kv_heads != 0) {
-    return error("num_kv_heads", "must divide num_heads (" + Str(c.num_heads) + " % " +
-                                     Str(c.num_kv_heads) + " != 0)");
+    return error("num_kv_heads", "must divide num_heads (" + std::to_string(c.num_heads) + " % " +
+                                     std::to_string(c.num_kv_heads) + " != 0)");
   }
   const int64_t d = head_dim_of(c);
   if (d < 1 || d > 1024) {
-    return error("head_dim",
-                 "must be in [1, 1024] (0 means hidden_size / num_heads), got " + Str(d));
+    return error("head_dim", "must be in [1, 1024] (0 means hidden_size / num_heads), got " +
+                                 std::to_string(d));
   }
   if (c.rope) {
     if (Status s = check_rope(c, d); !s.ok) return s;

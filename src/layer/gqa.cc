@@ -13,8 +13,6 @@
 namespace flashcte::layer {
 namespace {
 
-std::string Str(int64_t x) { return std::to_string(x); }
-
 // NxD pad.py get_number_of_extra_heads.
 int64_t extra_heads(int64_t n, int64_t tp) { return n % tp == 0 ? 0 : tp - n % tp; }
 
@@ -22,15 +20,16 @@ Status check_size(const char* name, const std::vector<float>& v, int64_t expecte
                   const char* shape, bool optional) {
   if (optional && v.empty()) return Status::Ok();
   if (static_cast<int64_t>(v.size()) != expected) {
-    return Status::Error(std::string(name) + ": expected " + shape + " = " + Str(expected) +
-                         " floats, got " + Str(static_cast<int64_t>(v.size())));
+    return Status::Error(std::string(name) + ": expected " + shape + " = " +
+                         std::to_string(expected) + " floats, got " +
+                         std::to_string(static_cast<int64_t>(v.size())));
   }
   return Status::Ok();
 }
 
 Status check_weights(const GqaSharding& s, int64_t hidden, int64_t d, const ProjectionWeights& w) {
-  if (hidden < 1) return Status::Error("hidden_size: must be >= 1, got " + Str(hidden));
-  if (d < 1) return Status::Error("head_dim: must be >= 1, got " + Str(d));
+  if (hidden < 1) return Status::Error("hidden_size: must be >= 1, got " + std::to_string(hidden));
+  if (d < 1) return Status::Error("head_dim: must be >= 1, got " + std::to_string(d));
   const int64_t q_rows = s.num_heads * d, kv_rows = s.num_kv_heads * d;
   const struct {
     const char* name;
@@ -130,22 +129,23 @@ GqaStrategy choose_gqa_strategy(int64_t tp, int64_t num_kv_heads) {
 }
 
 Status plan_gqa_sharding(int64_t tp, int64_t num_heads, int64_t num_kv_heads, GqaSharding* out) {
-  if (tp < 1) return Status::Error("tp: must be >= 1, got " + Str(tp));
+  if (tp < 1) return Status::Error("tp: must be >= 1, got " + std::to_string(tp));
   if (num_kv_heads < 1)
-    return Status::Error("num_kv_heads: must be >= 1, got " + Str(num_kv_heads));
+    return Status::Error("num_kv_heads: must be >= 1, got " + std::to_string(num_kv_heads));
   return plan_gqa_sharding(tp, num_heads, num_kv_heads, choose_gqa_strategy(tp, num_kv_heads), out);
 }
 
 Status plan_gqa_sharding(int64_t tp, int64_t num_heads, int64_t num_kv_heads, GqaStrategy strategy,
                          GqaSharding* out) {
-  if (tp < 1) return Status::Error("tp: must be >= 1, got " + Str(tp));
-  if (num_heads < 1) return Status::Error("num_heads: must be >= 1, got " + Str(num_heads));
+  if (tp < 1) return Status::Error("tp: must be >= 1, got " + std::to_string(tp));
+  if (num_heads < 1)
+    return Status::Error("num_heads: must be >= 1, got " + std::to_string(num_heads));
   if (num_kv_heads < 1)
-    return Status::Error("num_kv_heads: must be >= 1, got " + Str(num_kv_heads));
+    return Status::Error("num_kv_heads: must be >= 1, got " + std::to_string(num_kv_heads));
   // Every query group reads one KV head (section 5's repeat_kv), so KV must divide H.
   if (num_heads % num_kv_heads != 0) {
-    return Status::Error("num_kv_heads: must divide num_heads (" + Str(num_heads) + " % " +
-                         Str(num_kv_heads) + " != 0)");
+    return Status::Error("num_kv_heads: must divide num_heads (" + std::to_string(num_heads) +
+                         " % " + std::to_string(num_kv_heads) + " != 0)");
   }
   GqaSharding s;
   s.strategy = strategy;
@@ -166,7 +166,8 @@ Status plan_gqa_sharding(int64_t tp, int64_t num_heads, int64_t num_kv_heads, Gq
       return Status::Error(
           "num_kv_heads: REPLICATE_TO_TP_DEGREE replicates each KV head tp / num_kv_heads times "
           "and needs tp % num_kv_heads == 0 (tp " +
-          Str(tp) + ", num_kv_heads " + Str(num_kv_heads) + "); use CONVERT_TO_MHA");
+          std::to_string(tp) + ", num_kv_heads " + std::to_string(num_kv_heads) +
+          "); use CONVERT_TO_MHA");
     }
     s.kv_repeats = replicate ? tp / num_kv_heads : num_heads / num_kv_heads;
   }
@@ -175,7 +176,7 @@ Status plan_gqa_sharding(int64_t tp, int64_t num_heads, int64_t num_kv_heads, Gq
   s.kv_heads_per_rank = s.padded_kv_heads / tp;
   s.n_rep = s.heads_per_rank / s.kv_heads_per_rank;
   if (s.padded_kv_heads % tp != 0 || s.n_rep * s.kv_heads_per_rank != s.heads_per_rank) {
-    return Status::Error("num_kv_heads: no shardable head layout for tp " + Str(tp));
+    return Status::Error("num_kv_heads: no shardable head layout for tp " + std::to_string(tp));
   }
   *out = s;
   return Status::Ok();
@@ -204,7 +205,8 @@ int64_t source_kv_head(const GqaSharding& s, int64_t m) {
 
 Status local_heads(const GqaSharding& s, int64_t rank, LocalHeads* out) {
   if (rank < 0 || rank >= s.tp) {
-    return Status::Error("rank: must be in [0, tp) = [0, " + Str(s.tp) + "), got " + Str(rank));
+    return Status::Error("rank: must be in [0, tp) = [0, " + std::to_string(s.tp) + "), got " +
+                         std::to_string(rank));
   }
   const int64_t h = s.heads_per_rank, kv = s.kv_heads_per_rank;
   out->query_heads = query_sources(s, rank * h, h);

@@ -13,11 +13,7 @@
 #include "src/core/pages.h"
 
 namespace flashcte {
-namespace {
-
-std::string Str(int64_t x) { return std::to_string(x); }
-
-}  // namespace
+namespace {}  // namespace
 
 void KvCache::Free::operator()(uint8_t* p) const { std::free(p); }
 
@@ -36,8 +32,9 @@ Status KvCache::allocate(int64_t rows, int64_t kv_heads, int64_t slots, int64_t 
   int64_t elements = rows;
   for (int64_t factor : {kv_heads, slots, head_dim}) {
     if (elements > limit / factor) {
-      return Status::Error("max_len: a cache of " + Str(rows) + " x " + Str(kv_heads) + " x " +
-                           Str(slots) + " x " + Str(head_dim) + " elements does not fit in memory");
+      return Status::Error("max_len: a cache of " + std::to_string(rows) + " x " +
+                           std::to_string(kv_heads) + " x " + std::to_string(slots) + " x " +
+                           std::to_string(head_dim) + " elements does not fit in memory");
     }
     elements *= factor;
   }
@@ -57,7 +54,7 @@ Status KvCache::allocate(int64_t rows, int64_t kv_heads, int64_t slots, int64_t 
       }
     }
   } catch (const std::bad_alloc&) {
-    return Status::Error("max_len: allocation of the cache (2 x " + Str(elements) +
+    return Status::Error("max_len: allocation of the cache (2 x " + std::to_string(elements) +
                          " elements) failed");
   }
   return Status::Ok();
@@ -66,8 +63,8 @@ Status KvCache::allocate(int64_t rows, int64_t kv_heads, int64_t slots, int64_t 
 Status KvCache::create(int64_t batch, int64_t kv_heads, int64_t max_len, int64_t head_dim,
                        DType dtype, KvCache* cache) {
   if (cache == nullptr) return Status::Error("cache: must not be null");
-  if (batch < 1) return Status::Error("batch: must be >= 1, got " + Str(batch));
-  if (max_len < 1) return Status::Error("max_len: must be >= 1, got " + Str(max_len));
+  if (batch < 1) return Status::Error("batch: must be >= 1, got " + std::to_string(batch));
+  if (max_len < 1) return Status::Error("max_len: must be >= 1, got " + std::to_string(max_len));
   KvCache fresh;
   if (Status s = allocate(batch, kv_heads, max_len, head_dim, dtype, &fresh); !s.ok) return s;
   fresh.batch_ = batch;
@@ -80,12 +77,13 @@ Status KvCache::create(int64_t batch, int64_t kv_heads, int64_t max_len, int64_t
 Status KvCache::create_paged(int64_t batch, int64_t num_blocks, int64_t block_size,
                              int64_t kv_heads, int64_t head_dim, DType dtype, KvCache* cache) {
   if (cache == nullptr) return Status::Error("cache: must not be null");
-  if (batch < 1) return Status::Error("batch: must be >= 1, got " + Str(batch));
+  if (batch < 1) return Status::Error("batch: must be >= 1, got " + std::to_string(batch));
   if (num_blocks < 1 || num_blocks > std::numeric_limits<int32_t>::max()) {
     return Status::Error("num_blocks: must be in [1, 2^31 - 1] (int32 block tables), got " +
-                         Str(num_blocks));
+                         std::to_string(num_blocks));
   }
-  if (block_size < 1) return Status::Error("block_size: must be >= 1, got " + Str(block_size));
+  if (block_size < 1)
+    return Status::Error("block_size: must be >= 1, got " + std::to_string(block_size));
   KvCache fresh;
   if (Status s = allocate(num_blocks, kv_heads, block_size, head_dim, dtype, &fresh); !s.ok) {
     return s;
@@ -113,25 +111,27 @@ int64_t KvCache::capacity(int64_t b) const {
 Status KvCache::assign(int64_t b, const std::vector<int32_t>& pages, int64_t length) {
   if (!paged()) return Status::Error("cache: a dense cache has no pages to assign");
   if (b < 0 || b >= batch_) {
-    return Status::Error("b: must be in [0, batch = " + Str(batch_) + "), got " + Str(b));
+    return Status::Error("b: must be in [0, batch = " + std::to_string(batch_) + "), got " +
+                         std::to_string(b));
   }
   std::vector<int32_t> sorted = pages;
   std::sort(sorted.begin(), sorted.end());
   for (size_t i = 0; i < pages.size(); ++i) {
     if (pages[i] < 0 || pages[i] >= num_blocks_) {
-      return Status::Error("pages: [" + Str(static_cast<int64_t>(i)) + "] = " + Str(pages[i]) +
-                           " must be in [0, num_blocks = " + Str(num_blocks_) + ")");
+      return Status::Error("pages: [" + std::to_string(static_cast<int64_t>(i)) +
+                           "] = " + std::to_string(pages[i]) +
+                           " must be in [0, num_blocks = " + std::to_string(num_blocks_) + ")");
     }
     if (i > 0 && sorted[i] == sorted[i - 1]) {
-      return Status::Error("pages: page " + Str(sorted[i]) +
+      return Status::Error("pages: page " + std::to_string(sorted[i]) +
                            " is named twice; a sequence's slots are distinct");
     }
   }
   const int64_t slots = static_cast<int64_t>(pages.size()) * block_size_;
   if (length < 0 || length > slots) {
-    return Status::Error("length: must be in [0, " + Str(slots) + "], the slots of " +
-                         Str(static_cast<int64_t>(pages.size())) + " pages of " + Str(block_size_) +
-                         ", got " + Str(length));
+    return Status::Error("length: must be in [0, " + std::to_string(slots) + "], the slots of " +
+                         std::to_string(static_cast<int64_t>(pages.size())) + " pages of " +
+                         std::to_string(block_size_) + ", got " + std::to_string(length));
   }
   pages_[static_cast<size_t>(b)] = pages;
   lengths_[static_cast<size_t>(b)] = length;

@@ -13,7 +13,6 @@
 namespace flashcte::reference {
 namespace {
 
-std::string Str(int64_t x) { return std::to_string(x); }
 Status error(const std::string& field, const std::string& rule) {
   return Status::Error(field + ": " + rule);
 }
@@ -68,8 +67,9 @@ int64_t rotary_dim_of(const LayerConfig& c) {
 Status check_rope(const LayerConfig& c) {
   const int64_t d = head_dim_of(c), rd = rotary_dim_of(c);
   if (rd < 2 || rd > d || rd % 2 != 0) {
-    return error("rotary_dim", "must be even and in [2, head_dim = " + Str(d) + "], got " +
-                                   Str(rd) + (c.rotary_dim == 0 ? " (the head_dim)" : ""));
+    return error("rotary_dim", "must be even and in [2, head_dim = " + std::to_string(d) +
+                                   "], got " + std::to_string(rd) +
+                                   (c.rotary_dim == 0 ? " (the head_dim)" : ""));
   }
   if (!(c.rope_theta > 0)) return error("rope_theta", "must be > 0");
   if (c.rope_scaling) {
@@ -94,12 +94,12 @@ Status check_config(const LayerConfig& c) {
   if (c.num_heads < 1) return error("num_heads", "must be >= 1");
   if (c.num_kv_heads < 1) return error("num_kv_heads", "must be >= 1");
   if (c.num_heads % c.num_kv_heads != 0) {
-    return error("num_kv_heads", "must divide num_heads (" + Str(c.num_heads) + " % " +
-                                     Str(c.num_kv_heads) + " != 0)");
+    return error("num_kv_heads", "must divide num_heads (" + std::to_string(c.num_heads) + " % " +
+                                     std::to_string(c.num_kv_heads) + " != 0)");
   }
   if (head_dim_of(c) < 1) {
     return error("head_dim", "must be >= 1 (0 means hidden_size / num_heads, here " +
-                                 Str(head_dim_of(c)) + ")");
+                                 std::to_string(head_dim_of(c)) + ")");
   }
   if (c.rope) {
     if (Status s = check_rope(c); !s.ok) return s;
@@ -124,7 +124,7 @@ Status check_part(const char* name, const std::vector<float>& v, bool on, int64_
     return error(name, std::string("given, but config.") + flag + " is off (leave it empty)");
   }
   if (on && n != size) {
-    return error(name, "expected " + Str(size) + " floats, got " + Str(n));
+    return error(name, "expected " + std::to_string(size) + " floats, got " + std::to_string(n));
   }
   return Status::Ok();
 }
@@ -213,32 +213,35 @@ Status read_positions(const TensorView& positions, int64_t batch, int64_t tokens
     return error("positions", "must be an int64 tensor of shape (batch, T)");
   }
   if (positions.shape[0] != batch || positions.shape[1] != tokens) {
-    return error("positions", "shape (" + Str(positions.shape[0]) + ", " + Str(positions.shape[1]) +
-                                  ") differs from x's (batch, T) = (" + Str(batch) + ", " +
-                                  Str(tokens) + ")");
+    return error("positions", "shape (" + std::to_string(positions.shape[0]) + ", " +
+                                  std::to_string(positions.shape[1]) +
+                                  ") differs from x's (batch, T) = (" + std::to_string(batch) +
+                                  ", " + std::to_string(tokens) + ")");
   }
   pos->resize(batch * tokens);
   const auto* data = static_cast<const int64_t*>(positions.data);
   for (int64_t b = 0; b < batch; ++b) {
-    const std::string row = "row " + Str(b);
+    const std::string row = "row " + std::to_string(b);
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t p = data[b * positions.strides[0] + t * positions.strides[1]];
       (*pos)[b * tokens + t] = p;
-      if (p < 0) return error("positions", row + " has a negative position " + Str(p));
+      if (p < 0) return error("positions", row + " has a negative position " + std::to_string(p));
       if (p >= cache.max_len) {
-        return error("positions", row + " reaches position " + Str(p) + ", past the cache's " +
-                                      "max_len " + Str(cache.max_len));
+        return error("positions", row + " reaches position " + std::to_string(p) +
+                                      ", past the cache's " + "max_len " +
+                                      std::to_string(cache.max_len));
       }
       if (t == 0 && p > cache.lengths[b]) {
-        return error("positions", row + " starts at " + Str(p) + " but the cache holds " +
-                                      Str(cache.lengths[b]) + " tokens of it: slots " +
-                                      Str(cache.lengths[b]) + ".." + Str(p - 1) +
-                                      " would be skipped");
+        return error("positions", row + " starts at " + std::to_string(p) +
+                                      " but the cache holds " + std::to_string(cache.lengths[b]) +
+                                      " tokens of it: slots " + std::to_string(cache.lengths[b]) +
+                                      ".." + std::to_string(p - 1) + " would be skipped");
       }
       const int64_t prev = t > 0 ? (*pos)[b * tokens + t - 1] : p;
       if (t > 0 && p != prev && p != prev + 1) {
-        return error("positions", row + " goes from " + Str(prev) + " to " + Str(p) + " at token " +
-                                      Str(t) + ": each token is the previous + 1, or repeats it");
+        return error("positions", row + " goes from " + std::to_string(prev) + " to " +
+                                      std::to_string(p) + " at token " + std::to_string(t) +
+                                      ": each token is the previous + 1, or repeats it");
       }
     }
   }
@@ -251,14 +254,14 @@ Status check_inputs(const LayerConfig& c, const TensorView& x, const LayerCache&
     return error("x", "must be a float32, bfloat16 or float16 tensor (batch, T, hidden_size)");
   }
   if (x.shape[2] != c.hidden_size) {
-    return error("x",
-                 "last dim " + Str(x.shape[2]) + " differs from hidden_size " + Str(c.hidden_size));
+    return error("x", "last dim " + std::to_string(x.shape[2]) + " differs from hidden_size " +
+                          std::to_string(c.hidden_size));
   }
   const int64_t d = head_dim_of(c);
   if (cache.kv_heads != c.num_kv_heads || cache.head_dim != d) {
-    return error("cache", "holds " + Str(cache.kv_heads) + " KV heads of dim " +
-                              Str(cache.head_dim) + ", the layer has " + Str(c.num_kv_heads) +
-                              " of dim " + Str(d));
+    return error("cache", "holds " + std::to_string(cache.kv_heads) + " KV heads of dim " +
+                              std::to_string(cache.head_dim) + ", the layer has " +
+                              std::to_string(c.num_kv_heads) + " of dim " + std::to_string(d));
   }
   const int64_t size = cache.batch * cache.kv_heads * cache.max_len * cache.head_dim;
   if (static_cast<int64_t>(cache.k.size()) != size ||
@@ -269,11 +272,12 @@ Status check_inputs(const LayerConfig& c, const TensorView& x, const LayerCache&
                  "head_dim); build it with make_layer_cache");
   }
   if (x.shape[0] != cache.batch) {
-    return error("x", "batch " + Str(x.shape[0]) + " differs from the cache's " + Str(cache.batch));
+    return error("x", "batch " + std::to_string(x.shape[0]) + " differs from the cache's " +
+                          std::to_string(cache.batch));
   }
   for (int64_t b = 0; b < cache.batch; ++b) {
     if (cache.lengths[b] < 0 || cache.lengths[b] > cache.max_len) {
-      return error("cache", "lengths[" + Str(b) + "] outside [0, max_len]");
+      return error("cache", "lengths[" + std::to_string(b) + "] outside [0, max_len]");
     }
   }
   return Status::Ok();
@@ -438,7 +442,7 @@ Status apply_rope(const LayerConfig& c, int64_t position, std::vector<double>* h
   std::vector<double> cos, sin;
   if (Status s = rope_cos_sin(c, position, &cos, &sin); !s.ok) return s;
   if (static_cast<int64_t>(head->size()) != head_dim_of(c)) {
-    return error("head", "must hold head_dim = " + Str(head_dim_of(c)) + " values");
+    return error("head", "must hold head_dim = " + std::to_string(head_dim_of(c)) + " values");
   }
   rotate(cos, sin, c.dtype, head->data());
   return Status::Ok();

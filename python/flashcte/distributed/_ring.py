@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .. import _flashcte
 from .._attention import _call
-from .._flash_attn import _window
+from .. import _fa_args
 from .._tensors import Tensor, dtype_name, transpose
 from . import _comm
 from ._allgather import _torch_tensor
@@ -99,7 +99,7 @@ class _Problem:
         if s < 1:
             raise ValueError("q: every rank must hold at least one token")
         self.scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-        self.left, self.right = _window(window_size, causal)
+        self.left, self.right = _fa_args.window(window_size, causal)
         self.shape = (b, s, h, d, hk, self.v.shape[3])
 
     def common(self, layout: str) -> dict:
