@@ -14,13 +14,6 @@
 
 #include "tools/commands.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#define FLASHCTE_X86 1
-#else
-#define FLASHCTE_X86 0
-#endif
-
 namespace flashcte::tools {
 namespace {
 
@@ -126,28 +119,13 @@ std::string ReExec(const std::vector<std::pair<const char*, const char*>>& chang
 }  // namespace
 
 CpuIsa DetectCpuIsa() {
+  const internal::CpuFeatures& cpu = internal::cpu_features();
   CpuIsa isa;
-#if FLASHCTE_X86
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx)) {
-    char vendor[13] = {};
-    std::memcpy(vendor, &ebx, 4);
-    std::memcpy(vendor + 4, &edx, 4);
-    std::memcpy(vendor + 8, &ecx, 4);
-    if (std::strcmp(vendor, "GenuineIntel") == 0) isa.vendor = CpuVendor::kIntel;
-    if (std::strcmp(vendor, "AuthenticAMD") == 0 || std::strcmp(vendor, "HygonGenuine") == 0) {
-      isa.vendor = CpuVendor::kAmd;
-    }
-  }
-  // The compiler's checks include the OS's XCR0 state bits, so an AVX-512 instruction that
-  // would fault (a hypervisor hiding zmm state) reads as absent.
-  __builtin_cpu_init();
-  isa.avx = __builtin_cpu_supports("avx");
-  isa.avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  isa.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  isa.avx512_bf16 = isa.avx512 && __builtin_cpu_supports("avx512bf16");
-#endif
+  isa.vendor = cpu.vendor;
+  isa.avx = cpu.avx;
+  isa.avx2_fma = cpu.avx2_fma;
+  isa.avx512 = cpu.avx512;
+  isa.avx512_bf16 = cpu.avx512_bf16;
   return isa;
 }
 

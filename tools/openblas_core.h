@@ -12,9 +12,11 @@
 
 #include <string>
 
+#include "src/core/cpu.h"
+
 namespace flashcte::tools {
 
-enum class CpuVendor { kOther, kIntel, kAmd };  // AMD includes Hygon (Zen cores)
+using internal::CpuVendor;
 
 struct CpuIsa {
   CpuVendor vendor = CpuVendor::kOther;
@@ -24,7 +26,7 @@ struct CpuIsa {
   bool avx512_bf16 = false;  // AVX512_BF16 as well
 };
 
-// This CPU, from CPUID (and XCR0, through the compiler's feature checks).
+// This CPU, from the library's probe (src/core/cpu.h).
 CpuIsa DetectCpuIsa();
 
 // "AVX-512 F/BW/DQ/VL + AVX512_BF16", "AVX2+FMA", ...

@@ -25,6 +25,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Must come after foreach_target.h.
 #include "hwy/highway.h"
+#include "src/core/cpu.h"
 #include "src/simd/tile-inl.h"
 #include "tools/commands.h"
 #include "tools/json.h"
@@ -183,12 +184,8 @@ __attribute__((target("avx512f,avx512bf16"))) float Bf16DotChains(int64_t iters)
   return _mm512_reduce_add_ps(sum);
 }
 
-// CPUID leaf 7 subleaf 1 EAX bit 5, with the OS saving zmm state (GCC's and clang's check
-// include XCR0).
-bool HasBf16Dot() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512f");
-}
+// src/core/cpu.h: AVX512_BF16 with the OS saving zmm state.
+bool HasBf16Dot() { return internal::cpu_features().avx512_bf16; }
 #endif
 
 std::vector<Probe> Probes(std::vector<PeakResult>* unavailable) {

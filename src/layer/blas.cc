@@ -6,6 +6,8 @@
 #include <mutex>
 #include <string>
 
+#include "src/core/cpu.h"
+
 namespace flashcte::layer {
 namespace {
 
@@ -49,16 +51,10 @@ struct OpenBlas {
 // Zen 4 and Xeon measurements: the modern sets are within 2-3% of each other where the ISA
 // allows them, an older one costs up to 5x). Empty: leave OpenBLAS's own choice.
 const char* best_core_for_cpu() {
-#if defined(__x86_64__) || defined(_M_X64)
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  if (avx512 && __builtin_cpu_supports("avx512bf16")) return "Cooperlake";
-  if (avx512) return "SkylakeX";
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return __builtin_cpu_is("amd") ? "Zen" : "Haswell";
-  }
-#endif
+  const internal::CpuFeatures& cpu = internal::cpu_features();
+  if (cpu.avx512_bf16) return "Cooperlake";
+  if (cpu.avx512) return "SkylakeX";
+  if (cpu.avx2_fma) return cpu.vendor == internal::CpuVendor::kAmd ? "Zen" : "Haswell";
   return "";
 }
 

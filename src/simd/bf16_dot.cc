@@ -22,13 +22,13 @@
 #include <utility>
 
 #include "hwy/detect_targets.h"
+#include "src/core/cpu.h"
 #include "src/simd/decode_bf16-inl.h"
 #include "src/simd/exp_common.h"
 #include "src/simd/ops.h"
 #include "src/simd/row_blocks.h"
 
 #if HWY_ARCH_X86
-#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -290,35 +290,17 @@ FLASHCTE_AVX512_BF16 float exp_sum(const float* s, int64_t n, float bias, uint16
   return total;
 }
 
-// CPUID: AVX-512 F, BW, VL (leaf 7.0 EBX bits 16, 30, 31), VNNI (leaf 7.0 ECX bit 11: the int8
-// decode kernels, decode_bf16-inl.h; every CPU with BF16 has it) and BF16 (leaf 7.1 EAX bit 5),
-// and the OS saving the opmask and zmm state (XCR0 bits 1, 2, 5, 6, 7).
+// The native kernels need AVX-512 with VNNI (the int8 decode kernels, decode_bf16-inl.h; every
+// CPU with BF16 has it) and BF16 (src/core/cpu.h).
 bool native_available() {
-  unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) return false;  // OSXSAVE
-  uint32_t xcr0_lo, xcr0_hi;
-  __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-  constexpr uint32_t kZmmState = (1u << 1) | (1u << 2) | (1u << 5) | (1u << 6) | (1u << 7);
-  if ((xcr0_lo & kZmmState) != kZmmState) return false;
-  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-  constexpr uint32_t kF = 1u << 16, kBw = 1u << 30, kVl = 1u << 31;
-  if ((ebx & (kF | kBw | kVl)) != (kF | kBw | kVl) || !(ecx & (1u << 11))) return false;
-  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
-  return (eax & (1u << 5)) != 0;
+  const internal::CpuFeatures& cpu = internal::cpu_features();
+  return cpu.avx512_vnni && cpu.avx512_bf16;
 }
 
 // The automatic choice: native on AMD, widening elsewhere. Measured with back-to-back zmm
 // instructions, one thread: AMD EPYC (Zen 4) vdpbf16ps 234 GFLOP/s against 117 for float32 FMA;
 // an Intel Xeon with AVX512_BF16 (issue 11) 168 against 345 (two threads), where widening wins.
-bool native_pays() {
-  unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
-  char vendor[13] = {};
-  std::memcpy(vendor, &ebx, 4);
-  std::memcpy(vendor + 4, &edx, 4);
-  std::memcpy(vendor + 8, &ecx, 4);
-  return std::string(vendor) == "AuthenticAMD";
-}
+bool native_pays() { return internal::cpu_features().vendor == internal::CpuVendor::kAmd; }
 
 constexpr Bf16DotOps kNativeOps = [] {
   Bf16DotOps t{};
