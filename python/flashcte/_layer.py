@@ -8,7 +8,7 @@ sequence run on the decode kernel, longer ones (prefill, chunked prefill) on att
 the cached tokens before the chunk as its prior.
 
 This module checks shapes, converts the weights to float32 once and allocates outputs in the
-caller's framework; the native layer (python/src/bindings.cc) copies the weights into the C++
+caller's framework; the native layer (python/src/layer.cc) copies the weights into the C++
 layer, and runs forward with the GIL released.
 """
 
