@@ -44,18 +44,11 @@ __all__ = [
     "scaled_dot_product_attention",
 ]
 
-_SCHEMA = (
-    "(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
-    "int window_left=-1, int window_right=-1, bool bottom_right=True, float softcap=0., "
-    "Tensor? key_bias=None, Tensor? sinks=None, Tensor? alibi_slopes=None, "
-    "Tensor? bound_min=None, Tensor? bound_max=None, int? num_threads=None) -> (Tensor, Tensor)"
-)
-
-
 # ---- the operator -----------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flashcte::flash_attn", mutates_args=(), schema=_SCHEMA)
+# The schemas are inferred from the annotations (torch.library.custom_op).
+@torch.library.custom_op("flashcte::flash_attn", mutates_args=())
 def _flash_attn_op(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -245,20 +238,9 @@ def flash_attn(
 
 # ---- flash_attn_with_kvcache: the serving call, caches mutated in place -------------------------
 
-_KVCACHE_SCHEMA = (
-    "(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, Tensor? v=None, "
-    "Tensor? rotary_cos=None, Tensor? rotary_sin=None, Tensor? cache_seqlens=None, "
-    "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, Tensor? block_table=None, "
-    "float? softmax_scale=None, bool causal=False, int window_left=-1, int window_right=-1, "
-    "float softcap=0., bool rotary_interleaved=True, Tensor? alibi_slopes=None, "
-    "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None, int? num_threads=None) -> (Tensor, Tensor)"
-)
-
-
 @torch.library.custom_op(
     "flashcte::flash_attn_with_kvcache",
     mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"),
-    schema=_KVCACHE_SCHEMA,
 )
 def _kvcache_op(
     q: torch.Tensor,
