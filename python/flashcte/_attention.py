@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _flashcte
@@ -127,6 +127,7 @@ def attention_cte(
 
     The GIL is released while the kernel runs.
     """
+    options = dict(locals())  # the parameters, before any other local: OPTIONS picks the options
     qt = Tensor("q", q)
     kt = Tensor("k", k)
     vt = Tensor("v", v)
@@ -147,29 +148,9 @@ def attention_cte(
         out,
         neg_max=neg_max,
         sum_recip=sum_recip,
-        scale=scale,
-        causal_mask=causal_mask,
         k_prior=k_prior,
         v_prior=v_prior,
-        prior_used_len=prior_used_len,
-        sink=sink,
-        sliding_window=sliding_window,
-        tp_q=tp_q,
-        tp_k=tp_k,
-        tp_out=tp_out,
-        cache_softmax=cache_softmax,
-        cp_offset=cp_offset,
-        global_cp_deg=global_cp_deg,
-        cp_strided_q_slicing=cp_strided_q_slicing,
-        bound_min=bound_min,
-        bound_max=bound_max,
-        num_threads=num_threads,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        key_bias=key_bias,
-        window_left=window_left,
-        window_right=window_right,
-        bottom_right=bottom_right,
+        **{name: options[name] for name in OPTIONS if name in options},
     )
     if cache_softmax:
         return give_back(qt, out), give_back(qt, neg_max), give_back(qt, sum_recip)
@@ -185,32 +166,16 @@ def _call(
     neg_max: Any = None,
     sum_recip: Any = None,
     lse: Any = None,
-    scale: float = 1.0,
-    causal_mask: bool = True,
     k_prior: Any = None,
     v_prior: Any = None,
-    prior_used_len: Any = None,
-    sink: Any = None,
-    sliding_window: int = 0,
-    tp_q: bool = True,
-    tp_k: bool = False,
-    tp_out: bool = False,
-    cache_softmax: bool = False,
-    cp_offset: int | None = None,
-    global_cp_deg: int | None = None,
-    cp_strided_q_slicing: bool = False,
-    bound_min: Any = None,
-    bound_max: Any = None,
-    num_threads: int | None = None,
-    tiles: Sequence[int] = (),
-    softcap: float | None = 0.0,
-    alibi_slopes: Any = None,
-    key_bias: Any = None,
-    window_left: int = -1,
-    window_right: int = -1,
-    bottom_right: bool = False,
+    **options: Any,
 ) -> None:
-    """One native call with already normalised q/k/v and caller-allocated outputs."""
+    """One native call with already normalised q/k/v, caller-allocated outputs and the options
+    by their names in :data:`OPTIONS` (an option not given keeps ``flashcte::Options``'
+    default)."""
+    unknown = sorted(options.keys() - OPTIONS.keys())
+    if unknown:
+        raise TypeError(f"attention_cte: unknown options {unknown}")
     kp = Tensor("k_prior", k_prior) if k_prior is not None else None
     vp = Tensor("v_prior", v_prior) if v_prior is not None else None
     tensors = [qt, kt, vt, kp, vp]
@@ -227,29 +192,8 @@ def _call(
         lse=lse,
         k_prior=native(kp),
         v_prior=native(vp),
-        prior_used_len=int_list("prior_used_len", prior_used_len),
-        sink=None if sink is None else float32_array("sink", sink),
-        scale=_float("scale", scale),
-        causal_mask=bool(causal_mask),
-        sliding_window=_int("sliding_window", sliding_window),
-        tp_q=bool(tp_q),
-        tp_k=bool(tp_k),
-        tp_out=bool(tp_out),
-        cache_softmax=bool(cache_softmax),
-        cp_offset=None if cp_offset is None else _int("cp_offset", cp_offset),
-        global_cp_deg=None if global_cp_deg is None else _int("global_cp_deg", global_cp_deg),
-        cp_strided_q_slicing=bool(cp_strided_q_slicing),
-        bound_min=None if bound_min is None else index_array("bound_min", bound_min),
-        bound_max=None if bound_max is None else index_array("bound_max", bound_max),
-        num_threads=0 if num_threads is None else _int("num_threads", num_threads, 32),
-        tiles=[int(t) for t in tiles],
-        softcap=0.0 if softcap is None else _float("softcap", softcap),
-        alibi_slopes=None if alibi_slopes is None else float32_array("alibi_slopes", alibi_slopes),
-        key_bias=None if key_bias is None else float32_array("key_bias", key_bias),
-        window_left=_int("window_left", window_left),
-        window_right=_int("window_right", window_right),
-        bottom_right=bool(bottom_right),
         bf16_bits=bf16_bits,
+        **{name: OPTIONS[name](name, value) for name, value in options.items()},
     )
 
 
@@ -270,3 +214,39 @@ def _float(name: str, x: Any) -> float:
         return float(x)
     except (TypeError, ValueError):
         raise TypeError(f"{name}: must be a float, got {x!r}") from None
+
+
+def _optional(convert: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    return lambda name, x: None if x is None else convert(name, x)
+
+
+def _bool(name: str, x: Any) -> bool:
+    return bool(x)
+
+
+# attention_cte's options by their library names (flashcte::Options), each with the conversion of
+# a Python value into what the binding takes: the one place an option is named here besides
+# attention_cte's signature. None keeps the library's default where the library has no None.
+OPTIONS: dict[str, Callable[[str, Any], Any]] = {
+    "scale": _float,
+    "causal_mask": _bool,
+    "prior_used_len": int_list,
+    "sink": _optional(float32_array),
+    "sliding_window": _int,
+    "tp_q": _bool,
+    "tp_k": _bool,
+    "tp_out": _bool,
+    "cache_softmax": _bool,
+    "cp_offset": _optional(_int),
+    "global_cp_deg": _optional(_int),
+    "cp_strided_q_slicing": _bool,
+    "bound_min": _optional(index_array),
+    "bound_max": _optional(index_array),
+    "num_threads": lambda name, x: 0 if x is None else _int(name, x, 32),
+    "softcap": lambda name, x: 0.0 if x is None else _float(name, x),
+    "alibi_slopes": _optional(float32_array),
+    "key_bias": _optional(float32_array),
+    "window_left": _int,
+    "window_right": _int,
+    "bottom_right": _bool,
+}
