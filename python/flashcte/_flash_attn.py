@@ -29,9 +29,9 @@ from ._attention import _call
 from ._kvcache import _kv8_format, varlen_over_cache
 from ._tensors import (
     Tensor,
-    argument_names,
     empty,
     give_back,
+    in_names,
     is_bf16_numpy,
     native,
     transpose,
@@ -134,7 +134,7 @@ def fa_call(
     over k and v as full caches (nothing appended, so they are only read), which sends up to 16
     queries per sequence to the decode kernel and more to attention_cte. Its messages name the
     caches; here they are k and v."""
-    with argument_names(_fa_args.KV_NAMES):
+    try:
         _flashcte.flash_attn_with_kvcache(
             q=native(qt),
             k_cache=native(kt),
@@ -151,6 +151,8 @@ def fa_call(
             sinks=sinks,
             num_threads=0 if num_threads is None else int(num_threads),
         )
+    except (TypeError, ValueError) as e:
+        raise in_names(e, _fa_args.KV_NAMES) from None
 
 
 def flash_attn_func(

@@ -18,9 +18,9 @@ from . import _fa_args, _flashcte
 from ._tensors import (
     NUMPY,
     Tensor,
-    argument_names,
     empty,
     give_back,
+    in_names,
     is_bf16_numpy,
     native,
     torch_module,
@@ -292,7 +292,7 @@ def varlen_over_cache(
     ``out``, when given, is written in place (and returned). 8-bit caches take ``k_scale`` /
     ``v_scale`` as :func:`flash_attn_with_kvcache` (read only). Errors name the arguments as
     this function does, or as the caller spells them (``names``: {this name: the caller's})."""
-    with argument_names(names or {}):
+    try:
         qt = Tensor("q", q)
         if qt.ndim != 3:
             raise ValueError(f"q: must have rank 3 (total_q, heads, head_dim), got shape {qt.shape}")
@@ -337,6 +337,8 @@ def varlen_over_cache(
         if return_softmax_lse:
             return o, give_back(qt, lse)
         return o
+    except (TypeError, ValueError) as e:
+        raise in_names(e, names or {}) from None
 
 
 def quantize_kv(src: ArrayLike, dst: ArrayLike, scale: ArrayLike) -> tuple[ArrayLike, ArrayLike]:

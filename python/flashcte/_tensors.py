@@ -15,10 +15,9 @@ Outputs are allocated in the kind of ``q``: numpy in, numpy out; torch in, torch
 
 from __future__ import annotations
 
-import contextlib
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,19 +38,16 @@ def torch_module():
     return sys.modules.get("torch")
 
 
-@contextlib.contextmanager
-def argument_names(names: Mapping[str, str]) -> Iterator[None]:
-    """Errors raised inside, in the caller's names for the arguments: the library's messages
-    ("<argument>: <rule>") name the native call's arguments, and an entry point that spells them
-    otherwise (paged_attention's ``key_cache`` for ``k_cache``) gives ``{native name: its
-    name}``; each name is replaced as a whole word, wherever the message has it."""
-    try:
-        yield
-    except (TypeError, ValueError) as e:
-        if not names:
-            raise
-        words = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
-        raise type(e)(words.sub(lambda m: names[m.group(1)], str(e))) from None
+def in_names(e: TypeError | ValueError, names: Mapping[str, str]) -> TypeError | ValueError:
+    """`e` in the caller's names for the arguments: the library's messages ("<argument>: <rule>")
+    name the native call's arguments, and an entry point that spells them otherwise
+    (paged_attention's ``key_cache`` for ``k_cache``) re-raises with ``{native name: its name}``;
+    each name is replaced as a whole word, wherever the message has it. A try/except at the call
+    rather than a context manager: nothing is spent on a call that succeeds."""
+    if not names:
+        return e
+    words = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+    return type(e)(words.sub(lambda m: names[m.group(1)], str(e)))
 
 
 def kind_of(name: str, x: Any) -> str:
