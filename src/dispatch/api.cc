@@ -7,6 +7,7 @@
 #include "src/core/problem.h"
 #include "src/dispatch/batch.h"
 #include "src/dispatch/contiguous.h"
+#include "src/dispatch/guarded.h"
 #include "src/dispatch/validate.h"
 #include "src/kernel/attention.h"
 #include "src/schedule/region.h"
@@ -67,7 +68,7 @@ MutableTensorView MutableTensorView::contiguous(void* data, DType dtype,
 
 Status attention_cte(const TensorView& q, const TensorView& k, const TensorView& v,
                      const Outputs& outputs, const Options& options) {
-  try {
+  return internal::guarded("scratch or plan buffers", [&]() -> Status {
     if (q.rank == 4) {
       std::vector<internal::Problem> problems;
       Status s = internal::validate_batch(q, k, v, outputs, options, &problems);
@@ -81,18 +82,13 @@ Status attention_cte(const TensorView& q, const TensorView& k, const TensorView&
     if (!s.ok) return s;
     internal::run_all(internal::AttentionKernel(problem));
     return Status::Ok();
-  } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of scratch or plan buffers failed",
-                         ErrorKind::kMemory);
-  } catch (const std::exception& e) {
-    return Status::Error(std::string("internal: ") + e.what(), ErrorKind::kInternal);
-  }
+  });
 }
 
 Status plan_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                       const Options& options, PlanSummary* summary) {
   if (summary == nullptr) return Status::Error("summary: must not be null");
-  try {
+  return internal::guarded("plan buffers", [&]() -> Status {
     // A shape-only out view so validation can check it like a real call.
     internal::Problem p;
     Outputs outputs;
@@ -124,9 +120,7 @@ Status plan_attention(const TensorView& q, const TensorView& k, const TensorView
     r.work_items = kernel.num_items() * r.kv_splits;
     r.threads = internal::resolve_threads(p.threads, r.work_items);
     return Status::Ok();
-  } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of plan buffers failed", ErrorKind::kMemory);
-  }
+  });
 }
 
 std::string simd_target() { return simd::ops().target; }

@@ -7,6 +7,7 @@
 
 #include "flashcte/decode.h"
 #include "src/dispatch/decode_validate.h"
+#include "src/dispatch/guarded.h"
 #include "src/kernel/decode.h"
 #include "src/schedule/decode_schedule.h"
 
@@ -15,19 +16,14 @@ namespace flashcte {
 Status decode_attention(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                         const TensorView& positions, const DecodeOutputs& outputs,
                         const DecodeOptions& options) {
-  try {
+  return internal::guarded("decode scratch or partial states", [&]() -> Status {
     internal::DecodeProblem problem;
     Status s =
         internal::validate_decode(q, k_cache, v_cache, positions, outputs, options, &problem);
     if (!s.ok) return s;
     internal::run_decode(internal::DecodeKernel(problem));
     return Status::Ok();
-  } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of decode scratch or partial states failed",
-                         ErrorKind::kMemory);
-  } catch (const std::exception& e) {
-    return Status::Error(std::string("internal: ") + e.what(), ErrorKind::kInternal);
-  }
+  });
 }
 
 }  // namespace flashcte

@@ -91,16 +91,7 @@ Status check_inputs(const TensorView& q, const TensorView& k, const TensorView& 
 Status check_block_table_shape(const TensorView& t, int64_t block_size, DecodeProblem* p,
                                Extent* extent) {
   FLASHCTE_RETURN_IF_ERROR(
-      check_tensor("block_table", t, 2, "(batch, max_blocks_per_seq)", extent));
-  if (t.dtype != DType::kInt32) {
-    return Status::DtypeError(std::string("block_table: dtype must be int32, got ") +
-                              dtype_name(t.dtype));
-  }
-  FLASHCTE_RETURN_IF_ERROR(expect_axis("block_table", t, 0, p->batch, "q's batch"));
-  if (__builtin_mul_overflow(t.shape[1], block_size, &p->max_len)) {
-    return error("block_table: " + to_string(t.shape[1]) + " pages of " + to_string(block_size) +
-                 " slots are more slots than fit in 64 bits");
-  }
+      check_block_table(t, p->batch, "q's batch", block_size, &p->max_len, extent));
   for (KvSource* src : {&p->k, &p->v}) {
     src->block_size = block_size;
     src->pages_per_sequence = t.shape[1];

@@ -379,17 +379,8 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
     }
     const TensorView& t = o.block_table;
     FLASHCTE_RETURN_IF_ERROR(
-        check_tensor("block_table", t, 2, "(batch, max_blocks_per_seq)", &e.table));
-    if (t.dtype != DType::kInt32) {
-      return Status::DtypeError(std::string("block_table: dtype must be int32, got ") +
-                                dtype_name(t.dtype));
-    }
-    FLASHCTE_RETURN_IF_ERROR(expect_axis("block_table", t, 0, s.batch, "q's batch"));
+        check_block_table(t, s.batch, "q's batch", s.row_slots, &s.capacity, &e.table));
     s.pages_per_sequence = t.shape[1];
-    if (__builtin_mul_overflow(t.shape[1], s.row_slots, &s.capacity)) {
-      return error("block_table: " + to_string(t.shape[1]) + " pages of " + to_string(s.row_slots) +
-                   " slots are more than fit in 64 bits");
-    }
   } else {
     s.capacity = s.row_slots;
     if (o.cache_batch_idx.present()) {

@@ -11,6 +11,7 @@
 
 #include "flashcte/merge.h"
 #include "src/core/convert.h"
+#include "src/dispatch/guarded.h"
 #include "src/dispatch/views.h"
 #include "src/kernel/softmax_state.h"
 
@@ -152,7 +153,7 @@ Status validate(const TensorView& out_a, const TensorView& lse_a, const TensorVi
 Status merge_attn_states(const TensorView& out_a, const TensorView& lse_a, const TensorView& out_b,
                          const TensorView& lse_b, const MutableTensorView& out,
                          const MutableTensorView& lse) {
-  try {
+  return internal::guarded("the merge's row buffers", [&]() -> Status {
     FLASHCTE_RETURN_IF_ERROR(validate(out_a, lse_a, out_b, lse_b, out, lse));
     const int k = out_a.rank - 2;
     const int64_t outer = k == 2 ? out_a.shape[0] : 1;
@@ -192,12 +193,7 @@ Status merge_attn_states(const TensorView& out_a, const TensorView& lse_a, const
       }
     }
     return Status::Ok();
-  } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of the merge's row buffers failed",
-                         ErrorKind::kMemory);
-  } catch (const std::exception& e) {
-    return Status::Error(std::string("internal: ") + e.what(), ErrorKind::kInternal);
-  }
+  });
 }
 
 }  // namespace flashcte

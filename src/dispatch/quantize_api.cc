@@ -12,6 +12,7 @@
 #include "flashcte/kvcache.h"
 #include "src/core/convert.h"
 #include "src/core/kv8.h"
+#include "src/dispatch/guarded.h"
 #include "src/dispatch/views.h"
 
 namespace flashcte {
@@ -88,7 +89,7 @@ Status check(const TensorView& src, const MutableTensorView& dst, const MutableT
 
 Status quantize_kv(const TensorView& src, const MutableTensorView& dst,
                    const MutableTensorView& scale) {
-  try {
+  return internal::guarded("a row buffer", [&]() -> Status {
     Call c;
     FLASHCTE_RETURN_IF_ERROR(check(src, dst, scale, &c));
     const int64_t n = c.tokens * c.heads;
@@ -130,11 +131,7 @@ Status quantize_kv(const TensorView& src, const MutableTensorView& dst,
                       dst.strides[2]);
     }
     return Status::Ok();
-  } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of a row buffer failed", ErrorKind::kMemory);
-  } catch (const std::exception& e) {
-    return Status::Error(std::string("internal: ") + e.what(), ErrorKind::kInternal);
-  }
+  });
 }
 
 }  // namespace flashcte

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "flashcte/kvcache.h"
+#include "src/dispatch/guarded.h"
 #include "src/dispatch/kvcache.h"
 #include "src/dispatch/views.h"
 #include "src/kernel/attention.h"
@@ -83,18 +84,8 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
   }
   int64_t capacity = page_slots;
   if (paged) {
-    const TensorView& t = o.block_table;
     FLASHCTE_RETURN_IF_ERROR(
-        check_tensor("block_table", t, 2, "(batch, max_blocks_per_seq)", &etable));
-    if (t.dtype != DType::kInt32) {
-      return Status::DtypeError(std::string("block_table: dtype must be int32, got ") +
-                                dtype_name(t.dtype));
-    }
-    FLASHCTE_RETURN_IF_ERROR(expect_axis("block_table", t, 0, c->batch, "the batch"));
-    if (__builtin_mul_overflow(t.shape[1], page_slots, &capacity)) {
-      return error("block_table: " + to_string(t.shape[1]) + " pages of " + to_string(page_slots) +
-                   " slots are more than fit in 64 bits");
-    }
+        check_block_table(o.block_table, c->batch, "the batch", page_slots, &capacity, &etable));
   } else {
     FLASHCTE_RETURN_IF_ERROR(expect_axis("k_cache", k_cache, 0, c->batch, "the batch"));
   }
@@ -227,7 +218,7 @@ Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
                                  const VarlenKvCacheOptions& options) {
   using internal::entry;
   using internal::rows_of;
-  try {
+  return internal::guarded("the call's scratch", [&]() -> Status {
     internal::Varlen c;
     Status s = internal::check_call(q, k_cache, v_cache, out, lse, options, &c);
     if (!s.ok) return s;
@@ -300,11 +291,7 @@ Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
     internal::run_kernels(internal::addresses(prefill_kernels), internal::addresses(decode_kernels),
                           options.num_threads, options.profile);
     return Status::Ok();
-  } catch (const std::bad_alloc&) {
-    return Status::Error("memory: allocation of the call's scratch failed", ErrorKind::kMemory);
-  } catch (const std::exception& e) {
-    return Status::Error(std::string("internal: ") + e.what(), ErrorKind::kInternal);
-  }
+  });
 }
 
 }  // namespace flashcte

@@ -253,6 +253,22 @@ Status read_bound(const char* name, const TensorView& view, int64_t row, int64_t
 
 }  // namespace
 
+Status check_block_table(const TensorView& table, int64_t batch, const char* what,
+                         int64_t page_slots, int64_t* capacity, Extent* extent) {
+  FLASHCTE_RETURN_IF_ERROR(
+      check_tensor("block_table", table, 2, "(batch, max_blocks_per_seq)", extent));
+  if (table.dtype != DType::kInt32) {
+    return Status::DtypeError(std::string("block_table: dtype must be int32, got ") +
+                              dtype_name(table.dtype));
+  }
+  FLASHCTE_RETURN_IF_ERROR(expect_axis("block_table", table, 0, batch, what));
+  if (__builtin_mul_overflow(table.shape[1], page_slots, capacity)) {
+    return Status::Error("block_table: " + std::to_string(table.shape[1]) + " pages of " +
+                         std::to_string(page_slots) + " slots are more slots than fit in 64 bits");
+  }
+  return Status::Ok();
+}
+
 Status read_int32_vector(const char* name, const TensorView& view, const char* layout, int64_t n,
                          const char* what, std::vector<int64_t>* values, Extent* extent) {
   if (!view.present()) return Status::Error(std::string(name) + ": is required");

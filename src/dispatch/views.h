@@ -126,6 +126,13 @@ Status read_batch_vector(const char* name, const TensorView& view, int64_t batch
 Status read_int32_vector(const char* name, const TensorView& view, const char* layout, int64_t n,
                          const char* what, std::vector<int64_t>* values, Extent* extent);
 
+// A block table's shape: block_table (batch, max_blocks_per_seq) int32, `batch` rows (`what`
+// names them in the message, e.g. "q's batch"); *capacity is the slots a row's pages hold
+// (max_blocks_per_seq x page_slots), refused when it overflows 64 bits. Fills `extent`. The
+// pages' values are each caller's to check: they depend on the slots each sequence reads.
+Status check_block_table(const TensorView& table, int64_t batch, const char* what,
+                         int64_t page_slots, int64_t* capacity, Extent* extent);
+
 // Reads an (Sq, 1) or (Sq,) view of int32, int64 or float32 holding integers into int64.
 Status read_bounds(const char* name, const TensorView& view, int64_t seqlen_q,
                    std::vector<int64_t>* values);

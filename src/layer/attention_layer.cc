@@ -365,7 +365,8 @@ Status AttentionLayer::create(const LayerConfig& config, const LayerWeights& wei
     }
     layer->reset(new AttentionLayer(std::make_unique<Impl>(config, weights)));
   } catch (const std::bad_alloc&) {
-    return Status::Error("weights: allocation of the layer's weight copies failed");
+    return Status::Error("weights: allocation of the layer's weight copies failed",
+                         ErrorKind::kMemory);
   }
   return Status::Ok();
 }

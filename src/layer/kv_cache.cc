@@ -54,8 +54,9 @@ Status KvCache::allocate(int64_t rows, int64_t kv_heads, int64_t slots, int64_t 
       }
     }
   } catch (const std::bad_alloc&) {
-    return Status::Error("max_len: allocation of the cache (2 x " + std::to_string(elements) +
-                         " elements) failed");
+    return Status::Error(
+        "max_len: allocation of the cache (2 x " + std::to_string(elements) + " elements) failed",
+        ErrorKind::kMemory);
   }
   return Status::Ok();
 }
