@@ -228,28 +228,14 @@ Status check_outputs(const DecodeOutputs& outputs, DecodeProblem* p, Extents* e)
 
 // No output overlaps an input or the other output.
 Status check_aliasing(const Extents& e) {
-  const struct {
-    const char* name;
-    Extent extent;
-  } inputs[] = {{"q", e.q},
-                {"k_cache", e.k},
-                {"v_cache", e.v},
-                {"positions", e.positions},
-                {"block_table", e.block_table},
-                {"sink", e.sink},
-                {"k_scale", e.k_scale},
-                {"v_scale", e.v_scale}},
-    outs[] = {{"out", e.out}, {"lse", e.lse}};
-  for (const auto& o : outs) {
-    for (const auto& in : inputs) {
-      if (overlaps(o.extent, in.extent)) {
-        return error(std::string(o.name) + ": overlaps the input " + in.name +
-                     "; outputs must not alias inputs");
-      }
-    }
-  }
-  if (overlaps(e.out, e.lse)) return error("lse: overlaps the output out");
-  return Status::Ok();
+  return check_disjoint({{"out", e.out}, {"lse", e.lse}}, {{"q", e.q},
+                                                           {"k_cache", e.k},
+                                                           {"v_cache", e.v},
+                                                           {"positions", e.positions},
+                                                           {"block_table", e.block_table},
+                                                           {"sink", e.sink},
+                                                           {"k_scale", e.k_scale},
+                                                           {"v_scale", e.v_scale}});
 }
 
 }  // namespace

@@ -563,39 +563,20 @@ Status read_statistics(const Outputs& outputs, const Options& options, Problem* 
 
 // Aliasing: no output may overlap an input or another output.
 Status check_aliasing(const ViewExtents& extents) {
-  struct NamedExtent {
-    const char* name;
-    Extent extent;
-  };
-  const NamedExtent inputs[] = {{"q", extents.q},
-                                {"k", extents.k},
-                                {"v", extents.v},
-                                {"k_prior", extents.k_prior},
-                                {"v_prior", extents.v_prior},
-                                {"k_prior_scale", extents.k_prior_scale},
-                                {"v_prior_scale", extents.v_prior_scale},
-                                {"sink", extents.sink},
-                                {"alibi_slopes", extents.alibi_slopes},
-                                {"key_bias", extents.key_bias}};
-  const NamedExtent outputs[] = {{"out", extents.out},
-                                 {"neg_max", extents.neg_max},
-                                 {"sum_recip", extents.sum_recip},
-                                 {"lse", extents.lse}};
-  for (size_t i = 0; i < std::size(outputs); ++i) {
-    for (const NamedExtent& input : inputs) {
-      if (overlaps(outputs[i].extent, input.extent)) {
-        return Status::Error(std::string(outputs[i].name) + ": overlaps the input " + input.name +
-                             "; outputs must not alias inputs");
-      }
-    }
-    for (size_t j = i + 1; j < std::size(outputs); ++j) {
-      if (overlaps(outputs[i].extent, outputs[j].extent)) {
-        return Status::Error(std::string(outputs[j].name) + ": overlaps the output " +
-                             outputs[i].name);
-      }
-    }
-  }
-  return Status::Ok();
+  return check_disjoint({{"out", extents.out},
+                         {"neg_max", extents.neg_max},
+                         {"sum_recip", extents.sum_recip},
+                         {"lse", extents.lse}},
+                        {{"q", extents.q},
+                         {"k", extents.k},
+                         {"v", extents.v},
+                         {"k_prior", extents.k_prior},
+                         {"v_prior", extents.v_prior},
+                         {"k_prior_scale", extents.k_prior_scale},
+                         {"v_prior_scale", extents.v_prior_scale},
+                         {"sink", extents.sink},
+                         {"alibi_slopes", extents.alibi_slopes},
+                         {"key_bias", extents.key_bias}});
 }
 
 // Execution settings: num_threads and the tile sizes.

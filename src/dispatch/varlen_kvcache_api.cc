@@ -136,30 +136,16 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
     if (view.present()) FLASHCTE_RETURN_IF_ERROR(check_view(name, view, false, extent));
   }
   // The per-sequence calls check their own rows; across sequences only this sees the whole.
-  struct Named {
-    const char* name;
-    Extent extent;
-  };
-  const Named inputs[] = {{"q", eq},
-                          {"k_cache", ek},
-                          {"v_cache", ev},
-                          {"cu_seqlens_q", ecu},
-                          {"seqused_k", eused},
-                          {"block_table", etable},
-                          {"alibi_slopes", ealibi},
-                          {"sinks", esinks},
-                          {"k_scale", ekscale},
-                          {"v_scale", evscale}};
-  for (const Named& w : {Named{"out", eout}, Named{"lse", e_lse}}) {
-    for (const Named& in : inputs) {
-      if (overlaps(w.extent, in.extent)) {
-        return error(std::string(w.name) + ": overlaps the input " + in.name +
-                     ", which the call reads while it writes " + w.name);
-      }
-    }
-  }
-  if (overlaps(eout, e_lse)) return error("lse: overlaps the output out");
-  return Status::Ok();
+  return check_disjoint({{"out", eout}, {"lse", e_lse}}, {{"q", eq},
+                                                          {"k_cache", ek},
+                                                          {"v_cache", ev},
+                                                          {"cu_seqlens_q", ecu},
+                                                          {"seqused_k", eused},
+                                                          {"block_table", etable},
+                                                          {"alibi_slopes", ealibi},
+                                                          {"sinks", esinks},
+                                                          {"k_scale", ekscale},
+                                                          {"v_scale", evscale}});
 }
 
 // Rows [first, first + rows) of a (total, ...) view as a view of batch 1 with one more axis,

@@ -253,6 +253,24 @@ Status read_bound(const char* name, const TensorView& view, int64_t row, int64_t
 
 }  // namespace
 
+Status check_disjoint(std::initializer_list<NamedExtent> written,
+                      std::initializer_list<NamedExtent> read) {
+  for (auto w = written.begin(); w != written.end(); ++w) {
+    for (const NamedExtent& r : read) {
+      if (overlaps(w->extent, r.extent)) {
+        return Status::Error(std::string(w->name) + ": overlaps the input " + r.name +
+                             ", which the call reads while it writes " + w->name);
+      }
+    }
+    for (auto earlier = written.begin(); earlier != w; ++earlier) {
+      if (overlaps(w->extent, earlier->extent)) {
+        return Status::Error(std::string(w->name) + ": overlaps the output " + earlier->name);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 Status check_block_table(const TensorView& table, int64_t batch, const char* what,
                          int64_t page_slots, int64_t* capacity, Extent* extent) {
   FLASHCTE_RETURN_IF_ERROR(

@@ -5,6 +5,7 @@
 #define FLASHCTE_SRC_DISPATCH_VIEWS_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -125,6 +126,18 @@ Status read_batch_vector(const char* name, const TensorView& view, int64_t batch
 // names the axis, e.g. "(batch,)". Fills `extent` with the bytes it addresses.
 Status read_int32_vector(const char* name, const TensorView& view, const char* layout, int64_t n,
                          const char* what, std::vector<int64_t>* values, Extent* extent);
+
+// A named argument's bytes, for the aliasing rules.
+struct NamedExtent {
+  const char* name;
+  Extent extent;
+};
+
+// What a call writes touches nothing it reads, nor anything else it writes: "<w>: overlaps the
+// input <r>, which the call reads while it writes <w>", or "<w>: overlaps the output <earlier
+// w>". Absent arguments have empty extents.
+Status check_disjoint(std::initializer_list<NamedExtent> written,
+                      std::initializer_list<NamedExtent> read);
 
 // A block table's shape: block_table (batch, max_blocks_per_seq) int32, `batch` rows (`what`
 // names them in the message, e.g. "q's batch"); *capacity is the slots a row's pages hold
