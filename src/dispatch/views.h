@@ -127,6 +127,11 @@ Status read_batch_vector(const char* name, const TensorView& view, int64_t batch
 Status read_int32_vector(const char* name, const TensorView& view, const char* layout, int64_t n,
                          const char* what, std::vector<int64_t>* values, Extent* extent);
 
+// The sequence and channel axes of attention_cte's q, k and k_prior: (bs, S, d) when transposed
+// (tp_q, tp_k), else (bs, d, S).
+inline int seq_axis(bool transposed) { return transposed ? 1 : 2; }
+inline int channel_axis(bool transposed) { return transposed ? 2 : 1; }
+
 // A named argument's bytes, for the aliasing rules.
 struct NamedExtent {
   const char* name;
