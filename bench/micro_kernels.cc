@@ -16,12 +16,12 @@
 #include <vector>
 
 #include "src/core/kv8.h"
-#include "src/simd/bf16_dot.h"
+#include "src/simd/native_ops.h"
 #include "src/simd/ops.h"
 
 namespace {
 
-using flashcte::simd::Bf16DotOps;
+using flashcte::simd::NativeOps;
 using flashcte::simd::Ops;
 
 constexpr int64_t kRows = 48, kKeys = 256;
@@ -82,7 +82,7 @@ std::vector<uint16_t> random_bf16(size_t n, uint64_t seed) {
   return h;
 }
 
-void QkNative(benchmark::State& state, const Bf16DotOps* dot) {
+void QkNative(benchmark::State& state, const NativeOps* dot) {
   const int64_t d = state.range(0), ld = flashcte::simd::leading_dim(kKeys);
   const std::vector<uint16_t> q = random_bf16(kRows * d, 5), k = random_bf16(d * ld, 6);
   std::vector<float> s(kRows * ld), row_max(kRows, -1e30f);
@@ -96,7 +96,7 @@ void QkNative(benchmark::State& state, const Bf16DotOps* dot) {
                          benchmark::Counter::kIs1000);
 }
 
-void PvNative(benchmark::State& state, const Bf16DotOps* dot) {
+void PvNative(benchmark::State& state, const NativeOps* dot) {
   const int64_t dv = state.range(0), dv_pad = flashcte::simd::padded(dv);
   const int64_t ldv = flashcte::simd::odd_cache_lines(dv_pad), ldp = kKeys;
   const std::vector<uint16_t> p = random_bf16(kRows * ldp, 7), v = random_bf16(kKeys * ldv, 8);
@@ -140,7 +140,7 @@ std::vector<unsigned char> decode_rows(flashcte::DType dtype, int64_t d, uint64_
 }
 
 // range(0): rows; range(1): the cache's DType.
-void DecodeQkBf16(benchmark::State& state, const Bf16DotOps* dot) {
+void DecodeQkBf16(benchmark::State& state, const NativeOps* dot) {
   const auto dtype = static_cast<flashcte::DType>(state.range(1));
   const int64_t rows = state.range(0), d = kDecodeD, ld = flashcte::simd::leading_dim(kDecodeSlots);
   const std::vector<uint16_t> q = random_bf16(rows * d, 9);
@@ -155,7 +155,7 @@ void DecodeQkBf16(benchmark::State& state, const Bf16DotOps* dot) {
   set_ns_per_slot(state);
 }
 
-void DecodePvBf16(benchmark::State& state, const Bf16DotOps* dot) {
+void DecodePvBf16(benchmark::State& state, const NativeOps* dot) {
   const auto dtype = static_cast<flashcte::DType>(state.range(1));
   const int64_t rows = state.range(0), d = kDecodeD, ldp = kDecodeSlots;
   std::vector<float> p(rows * ldp);
@@ -183,7 +183,7 @@ void Register() {
     benchmark::RegisterBenchmark(("pv_f32/" + name).c_str(), PvFloat, target)->Arg(64)->Arg(128);
   }
   flashcte::simd::set_bf16_dot_policy_for_test(flashcte::simd::Bf16Dot::kNative);
-  const Bf16DotOps* dot = flashcte::simd::bf16_dot_for(flashcte::simd::ops());
+  const NativeOps* dot = flashcte::simd::native_ops_for(flashcte::simd::ops());
   flashcte::simd::set_bf16_dot_policy_for_test(flashcte::simd::Bf16Dot::kAuto);
   if (dot) {
     benchmark::RegisterBenchmark("qk_bf16_native", QkNative, dot)->Arg(64)->Arg(128);

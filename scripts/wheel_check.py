@@ -132,7 +132,7 @@ def check_simd(flashcte, flags: set, vendor: str) -> None:
         return
     runs = {policy: bf16_run(policy) for policy in ("native", "widen", "auto")}
     assert runs["native"] != runs["widen"], "FLASHCTE_BF16_DOT=native ran the widening kernels"
-    auto = "native" if vendor == "AuthenticAMD" else "widen"  # src/simd/bf16_dot.cc native_pays
+    auto = "native" if vendor == "AuthenticAMD" else "widen"  # src/simd/native_ops.cc native_pays
     assert runs["auto"] == runs[auto], f"the automatic bfloat16 path is not {auto} on {vendor}"
     print(f"bfloat16: native vdpbf16ps and widened kernels both run and agree with float64; "
           f"automatic choice {auto} ({vendor})")

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "flashcte/kvcache.h"
-#include "src/simd/bf16_dot.h"
+#include "src/simd/native_ops.h"
 #include "src/simd/ops.h"
 #include "tests/test_util.h"
 
@@ -333,12 +333,12 @@ TEST(Plan, AutomaticTilesFollowTheGroupAndHeadDims) {
   }
 }
 
-// bfloat16 where it runs on the native vdpbf16ps kernels (simd::bf16_dot_for: AVX512_BF16 on
+// bfloat16 where it runs on the native vdpbf16ps kernels (simd::native_ops_for: AVX512_BF16 on
 // AMD): MHA blocks up to 768 rows, and KV tiles of up to 512 keys (the pairs take half the bytes);
 // elsewhere (widened to float32, e.g. capped at AVX2) the float32 tiles: MHA blocks of 768 rows
 // on 16-lane targets, 384 on 8-lane ones.
 TEST(Plan, AutomaticTilesOfTheNativeBf16Path) {
-  const bool native = simd::bf16_dot_for(simd::ops()) != nullptr;
+  const bool native = simd::native_ops_for(simd::ops()) != nullptr;
   const bool wide = simd::ops().lanes >= 16;
   struct Want {
     int64_t bs, bs_kv, d, q_block, kv_tile, widened_q_block, widened_kv_tile;

@@ -7,7 +7,7 @@
 // detection (which is what is being checked):
 //   AVX3            avx512f (with avx512bw, avx512vl, avx512dq, avx512cd: Highway's AVX3)
 //   native kernels  avx512_bf16 and avx512_vnni with AVX3: the vdpbf16ps prefill and decode kernels
-//                   and the int8 vpdpwssd decode kernels, one table (src/simd/bf16_dot.h) that
+//                   and the int8 vpdpwssd decode kernels, one table (src/simd/native_ops.h) that
 //                   the library offers only where both extensions are present
 // Not required, though the CPU may have it:
 //   - under FLASHCTE_SIMD_TARGET capped below AVX3 (scripts/test.sh's AVX2 run): the cap is the

@@ -36,7 +36,7 @@
 #include <tuple>
 #include <vector>
 
-#include "src/simd/bf16_dot.h"
+#include "src/simd/native_ops.h"
 #include "src/simd/ops.h"
 #include "tests/test_util.h"
 
@@ -225,7 +225,7 @@ class TargetOverride {
   TargetOverride& operator=(const TargetOverride&) = delete;
 };
 
-// Likewise for the bfloat16 matmul policy (src/simd/bf16_dot.h).
+// Likewise for the bfloat16 matmul policy (src/simd/native_ops.h).
 class Bf16PolicyOverride {
  public:
   explicit Bf16PolicyOverride(simd::Bf16Dot policy) { simd::set_bf16_dot_policy_for_test(policy); }
@@ -240,7 +240,7 @@ class Bf16PolicyOverride {
 std::vector<simd::Bf16Dot> bf16_policies(DType dtype) {
   if (dtype != DType::kBFloat16) return {simd::Bf16Dot::kAuto};
   const Bf16PolicyOverride native(simd::Bf16Dot::kNative);
-  if (simd::bf16_dot_for(simd::ops()) == nullptr) return {simd::Bf16Dot::kAuto};
+  if (simd::native_ops_for(simd::ops()) == nullptr) return {simd::Bf16Dot::kAuto};
   return {simd::Bf16Dot::kNative, simd::Bf16Dot::kWiden};
 }
 

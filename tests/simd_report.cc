@@ -19,7 +19,7 @@
 //       AVX3 bfloat16 matmuls: native vdpbf16ps run (automatic choice); widened to float32 run
 //     AVX3 (AVX-512): compiled, NOT run: this CPU lacks AVX-512      (on a CPU without it)
 // On aarch64 each run target also runs a bfloat16 call, which is widened to float32 there (the
-// native kernels, bf16_dot.h, are x86 only):
+// native kernels, native_ops.h, are x86 only):
 //     SVE2 bfloat16 matmuls: widened to float32 run (no native BFDOT/BFMMLA kernels built)
 // Then the fast paths this CPU requires a test run to exercise (tests/cpu_requirements.h: AVX3
 // where /proc/cpuinfo lists AVX-512, the native kernels where it also lists avx512_bf16 and
@@ -43,7 +43,7 @@
 #include <vector>
 
 #include "flashcte/flashcte.h"
-#include "src/simd/bf16_dot.h"
+#include "src/simd/native_ops.h"
 #include "src/simd/ops.h"
 #include "tests/cpu_requirements.h"
 
@@ -137,15 +137,15 @@ bool smoke_call(flashcte::DType dtype, std::string* why) {
   return true;
 }
 
-// For an AVX-512 target: which of the two bfloat16 matmul paths ran (src/simd/bf16_dot.h), as a
+// For an AVX-512 target: which of the two bfloat16 matmul paths ran (src/simd/native_ops.h), as a
 // line of the report. Native needs AVX512_BF16; the automatic policy picks it on AMD only.
 std::string bf16_line(const std::string& target, bool* ok, bool* native_ran) {
   namespace simd = flashcte::simd;
   std::string line = "    " + target + " bfloat16 matmuls: ";
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
-  const bool auto_native = simd::bf16_dot_for(simd::ops()) != nullptr;
+  const bool auto_native = simd::native_ops_for(simd::ops()) != nullptr;
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
-  const bool native = simd::bf16_dot_for(simd::ops()) != nullptr;
+  const bool native = simd::native_ops_for(simd::ops()) != nullptr;
   std::string why;
   if (native) {
     if (smoke_call(flashcte::DType::kBFloat16, &why)) {
@@ -176,7 +176,7 @@ std::string bf16_line(const std::string& target, bool* ok, bool* native_ran) {
 std::string arm_bf16_line(const std::string& target, bool* ok) {
   std::string line = "    " + target + " bfloat16 matmuls: ";
   std::string why;
-  if (flashcte::simd::bf16_dot_for(flashcte::simd::ops()) != nullptr) {
+  if (flashcte::simd::native_ops_for(flashcte::simd::ops()) != nullptr) {
     why = "a native kernel table was offered";
   } else if (smoke_call(flashcte::DType::kBFloat16, &why)) {
     return line + "widened to float32 run (no native BFDOT/BFMMLA kernels built)";

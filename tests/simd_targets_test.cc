@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "src/simd/bf16_dot.h"
+#include "src/simd/native_ops.h"
 #include "src/simd/ops.h"
 #include "tests/cpu_requirements.h"
 #include "tests/test_util.h"
@@ -69,7 +69,7 @@ TEST(SimdTargets, EveryTargetMatchesReference) {
 // inputs, are the Poisons and Numerics tests', which run under the automatic policy.)
 TEST(SimdTargets, BothBf16PathsMatchReference) {
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
-  const bool native = simd::bf16_dot_for(simd::ops()) != nullptr;
+  const bool native = simd::native_ops_for(simd::ops()) != nullptr;
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
   if (!native) {
     FLASHCTE_SKIP_UNLESS_REQUIRED(FastPath::kNativeKernels,

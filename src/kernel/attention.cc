@@ -8,7 +8,7 @@
 //   out = O * (1 / l): one reciprocal per row, at the end.
 //
 // bfloat16 inputs run either on float32 blocks (widened at packing, the Ops table's FMA kernels)
-// or, where simd::bf16_dot_for says so, on bfloat16 pairs and vdpbf16ps (simd/bf16_dot.h), per
+// or, where simd::native_ops_for says so, on bfloat16 pairs and vdpbf16ps (simd/native_ops.h), per
 // section: a section with a NaN, Inf or subnormal value widens.
 //
 // Bytes per FLOP: a section's K and V are packed once (4 (d + dv) bytes per key read for float32
@@ -32,7 +32,7 @@
 #include "src/kernel/scratch.h"
 #include "src/kernel/section.h"
 #include "src/kernel/softmax_state.h"
-#include "src/simd/bf16_dot.h"
+#include "src/simd/native_ops.h"
 
 namespace flashcte::internal {
 
@@ -173,7 +173,8 @@ void attend_packed_section(const Problem& problem, const simd::Ops& ops, const I
 AttentionKernel::AttentionKernel(const Problem& problem)
     : problem_(problem),
       tiles_(resolve_tiles(
-          problem, problem.dtype == DType::kBFloat16 && simd::bf16_dot_for(simd::ops()) != nullptr,
+          problem,
+          problem.dtype == DType::kBFloat16 && simd::native_ops_for(simd::ops()) != nullptr,
           simd::ops().lanes)),
       ops_(simd::ops()) {}
 
@@ -211,9 +212,9 @@ void AttentionKernel::run(int64_t item_index, int64_t kv_begin, int64_t kv_end,
   const int64_t blocks = num_q_blocks(problem, tiles_);
   const ItemShape item = item_shape(problem, tiles_, item_index / blocks, item_index % blocks);
   plan_item(problem, tiles_, item, kv_begin, kv_end, scratch);
-  // bfloat16 inputs run on the native kernels where the policy says so (simd/bf16_dot.h).
-  const simd::Bf16DotOps* dot =
-      problem.dtype == DType::kBFloat16 ? simd::bf16_dot_for(ops_) : nullptr;
+  // bfloat16 inputs run on the native kernels where the policy says so (simd/native_ops.h).
+  const simd::NativeOps* dot =
+      problem.dtype == DType::kBFloat16 ? simd::native_ops_for(ops_) : nullptr;
   ensure_scratch(problem, item, dot != nullptr, scratch);
 
   // Q resident: every head's rows packed once; each head's state seeded with its sink (splits
@@ -228,7 +229,7 @@ void AttentionKernel::run(int64_t item_index, int64_t kv_begin, int64_t kv_end,
         .seed(sink_logit(problem, b, partial != nullptr));
   }
   // The native kernels would flush a subnormal query: such items widen.
-  const simd::Bf16DotOps* item_dot = q_subnormal ? nullptr : dot;
+  const simd::NativeOps* item_dot = q_subnormal ? nullptr : dot;
   for (const SectionWork& section : scratch.plan.sections) {
     const PackedSection packed =
         pack_section(problem, ops_, item_dot, item.kv_batch, section, item.ldk, item.ldv, scratch);

@@ -15,10 +15,10 @@
 // cache holds a slot's heads side by side: decode_schedule.cc), each with its own scratch, block
 // by block with the heads in turn, so a block's stretch of memory is read in one go.
 //
-// bfloat16 inputs run on the native vdpbf16ps kernels where simd::bf16_dot_for says so (the
+// bfloat16 inputs run on the native vdpbf16ps kernels where simd::native_ops_for says so (the
 // policy attention_cte follows: AMD Zen 4/5 yes, Intel widens), with Q also packed as bfloat16;
 // so does a bfloat16 q against 8-bit caches: fp8 codes convert exactly to bfloat16, and int8 ones
-// run on integer dot products with Q and P quantized to int16 (decode_bf16-inl.h).
+// run on integer dot products with Q and P quantized to int16 (decode_native-inl.h).
 //
 // A row only ever reads the scores, and P.V only the V rows, of the slots it attends: slots past
 // a token's position (the later new tokens of a chunk) or before its window may hold anything,
@@ -42,7 +42,7 @@
 #include "src/kernel/output.h"
 #include "src/kernel/scratch.h"
 #include "src/kernel/softmax_state.h"
-#include "src/simd/bf16_dot.h"
+#include "src/simd/native_ops.h"
 
 namespace flashcte::internal {
 namespace {
@@ -66,11 +66,11 @@ constexpr int64_t kBlockSlots = 64;
 constexpr int64_t kStartPrefetchBytes = 8192;
 
 // The geometry of one pair's rows in scratch, whether it runs on the native bfloat16 kernels
-// (vdpbf16ps: bfloat16 inputs where simd::bf16_dot_for says so, as attention_cte), and how far
+// (vdpbf16ps: bfloat16 inputs where simd::native_ops_for says so, as attention_cte), and how far
 // ahead the kernels prefetch its K and V (further where an item reads several heads in turn).
 struct PairShape {
   int64_t b, kv_head, rows, ldq, ldq2, lds, ldo, prefetch_bytes;
-  const simd::Bf16DotOps* native;  // the native kernels, or null
+  const simd::NativeOps* native;  // the native kernels, or null
 };
 
 struct DecodeScratch {
@@ -98,9 +98,9 @@ PairShape pair_shape(const DecodeProblem& p, const simd::Ops& ops, int64_t pair,
   // A bfloat16 q against caches the native kernels read as they are: bfloat16, or 8-bit codes
   // (fp8 values are bfloat16 values; int8 runs on the integer kernels).
   const auto native_cache = [](DType t) { return t == DType::kBFloat16 || kv8::is_8bit(t); };
-  const simd::Bf16DotOps* native =
+  const simd::NativeOps* native =
       p.dtype == DType::kBFloat16 && native_cache(p.k.dtype) && native_cache(p.v.dtype)
-          ? simd::bf16_dot_for(ops)
+          ? simd::native_ops_for(ops)
           : nullptr;
   return {pair / p.kv_heads,
           pair % p.kv_heads,

@@ -1,5 +1,5 @@
 // Packing: the Q rows, K and V tiles of a work item from the caller's tensors (any dtype, any
-// strides) into the micro-kernels' layouts (src/simd/ops.h, bf16_dot.h).
+// strides) into the micro-kernels' layouts (src/simd/ops.h, native_ops.h).
 #include "src/kernel/pack.h"
 
 #include <algorithm>
@@ -193,7 +193,7 @@ bool pack_q(const Problem& problem, const simd::Ops& ops, int64_t b, int64_t row
   return subnormal;
 }
 
-// The section's packed float32 K and V again as bfloat16 pairs (simd/bf16_dot.h), exactly (they
+// The section's packed float32 K and V again as bfloat16 pairs (simd/native_ops.h), exactly (they
 // hold bfloat16 inputs). K pairs run along d, V pairs along the keys: a V pair that straddles the
 // edge of a run of packed tiles takes zeros for the key outside it, so every pair MM2 can read is
 // finite where its P is zero.
@@ -317,9 +317,9 @@ const float* v_in_place(const Problem& problem, int64_t kv_b, int64_t begin, int
   return rows;
 }
 
-PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
-                           const simd::Bf16DotOps* dot, int64_t kv_b, const SectionWork& section,
-                           int64_t ldk, int64_t ldv, Scratch& scratch) {
+PackedSection pack_section(const Problem& problem, const simd::Ops& ops, const simd::NativeOps* dot,
+                           int64_t kv_b, const SectionWork& section, int64_t ldk, int64_t ldv,
+                           Scratch& scratch) {
   const TileWork* tiles = scratch.plan.tiles.data() + section.first_tile;
   const int64_t num_tiles = section.end_tile - section.first_tile;
   // An 8-bit prior's dequantized values (code x scale) are not bfloat16 values in general, but

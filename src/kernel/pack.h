@@ -2,7 +2,7 @@
 // layouts, once per item (Q) or per section (K, V), against O(rows x tile x d) arithmetic.
 //   float32 (every dtype widened): Q [rows][d] scaled, K [d][ldk] transposed, V [keys][ldv]
 //     (float32 V already in that layout is read in place)
-//   bfloat16 pairs for the native kernels (src/simd/bf16_dot.h): Q2, K2, V2; from the float32
+//   bfloat16 pairs for the native kernels (src/simd/native_ops.h): Q2, K2, V2; from the float32
 //     blocks (pack_pairs) or, for bfloat16 tensors in the usual layouts, straight from the
 //     tensors (pack_pairs_directly), which skips the float32 pass
 #ifndef FLASHCTE_SRC_KERNEL_PACK_H_
@@ -15,12 +15,12 @@
 #include "src/kernel/plan.h"
 #include "src/kernel/scratch.h"
 #include "src/kernel/section.h"
-#include "src/simd/bf16_dot.h"
+#include "src/simd/native_ops.h"
 #include "src/simd/ops.h"
 
 namespace flashcte::internal {
 
-// Head dims rounded up to whole bfloat16 pairs (simd/bf16_dot.h).
+// Head dims rounded up to whole bfloat16 pairs (simd/native_ops.h).
 inline int64_t pair_dim(int64_t d) { return (d + 1) / 2 * 2; }
 
 // Calls body(begin, end) for each run of consecutive tiles [begin, end) that touch, as offsets
@@ -68,9 +68,9 @@ bool pack_pairs_directly(const Problem& problem, const simd::Ops& ops, int64_t k
 // native bfloat16 kernels when `dot` is non-null and the section's values allow it, else float32
 // blocks. The native kernels flush subnormal inputs, and a NaN or Inf value needs the float32
 // path's per-row exact MM2 (section.cc): such sections widen.
-PackedSection pack_section(const Problem& problem, const simd::Ops& ops,
-                           const simd::Bf16DotOps* dot, int64_t kv_b, const SectionWork& section,
-                           int64_t ldk, int64_t ldv, Scratch& scratch);
+PackedSection pack_section(const Problem& problem, const simd::Ops& ops, const simd::NativeOps* dot,
+                           int64_t kv_b, const SectionWork& section, int64_t ldk, int64_t ldv,
+                           Scratch& scratch);
 
 }  // namespace flashcte::internal
 

@@ -27,8 +27,8 @@ TileConfig resolve_tiles(const Problem& problem, bool native_bf16, int64_t lanes
 // Query rows resident at once in one recurrence (the score buffer's height). A work item's
 // q_block rows share each packed K/V tile; they are computed kSubBlockRows at a time so that the
 // scores stay small. 48 = 8 register blocks of the 6-row float32 micro-kernels, and 12 of the
-// native bfloat16 QK's 4 rows and 6 of its PV's 8 (bf16_dot.cc); a sub-block of 48 x 256 scores is
-// 48 KiB, L1/L2 resident.
+// native bfloat16 QK's 4 rows and 6 of its PV's 8 (native_ops.cc); a sub-block of 48 x 256 scores
+// is 48 KiB, L1/L2 resident.
 constexpr int64_t kSubBlockRows = 48;
 
 // The rows [row0, row0 + rows) of query block `q_block`.

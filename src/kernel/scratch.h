@@ -58,7 +58,7 @@ struct Scratch {
   LineAligned<float> o;  // [group][q_block][ldo]
   // The softmax state's rows (SoftmaxState): [group][q_block] each.
   LineAligned<float> neg_max, sum, alpha;
-  // The native bfloat16 path (simd/bf16_dot.h): the same blocks as bfloat16 pairs.
+  // The native bfloat16 path (simd/native_ops.h): the same blocks as bfloat16 pairs.
   LineAligned<uint16_t> q2;  // [group][q_block][d2]  unscaled
   LineAligned<uint32_t> k2;  // [d2 / 2][ldk]
   LineAligned<uint32_t> v2;  // [section / 2 + 1][ldv]

@@ -7,7 +7,7 @@
 //   exp   P = exp(S + neg_max), summed as it goes: the bias is the shift, no subtract pass;
 //   MM2   O = alpha * O + P.V, the rescale folded into MM2's first tile.
 // Register tiles and bytes per FLOP are those of the micro-kernels (src/simd/mm1-inl.h,
-// mm2-inl.h, bf16_dot.cc); this file adds O(rows) work per tile.
+// mm2-inl.h, native_ops.cc); this file adds O(rows) work per tile.
 #ifndef FLASHCTE_SRC_KERNEL_SECTION_H_
 #define FLASHCTE_SRC_KERNEL_SECTION_H_
 
@@ -16,7 +16,7 @@
 #include "src/core/problem.h"
 #include "src/kernel/plan.h"
 #include "src/kernel/softmax_state.h"
-#include "src/simd/bf16_dot.h"
+#include "src/simd/native_ops.h"
 #include "src/simd/ops.h"
 
 namespace flashcte::internal {
@@ -30,7 +30,7 @@ struct PackedSection {
   int64_t ldk = 0, ldv = 0;
   bool v_nonfinite = false;  // V holds a NaN or Inf: masked tiles contract row by row
   // Non-null: the section runs on the native bfloat16 kernels over K2 and V2 (bfloat16 pairs).
-  const simd::Bf16DotOps* dot = nullptr;
+  const simd::NativeOps* dot = nullptr;
   const uint32_t* k2 = nullptr;
   const uint32_t* v2 = nullptr;
   // An 8-bit prior on the native path: K2 and V2 hold its codes (bfloat16 values), and column j

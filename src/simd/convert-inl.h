@@ -1,7 +1,7 @@
 // Conversions for the packers, once per element of a K/V tile or a Q block: bfloat16 / float16
 // runs to float32 (2 or 4 bytes in, 4 out per element), and an 8-bit cache's codes (their
 // values, unscaled: the packer applies the scale), and float32 that holds bfloat16 values to
-// the native bf16 kernels' layouts (bf16_dot.h): narrowed rows, and pairs of rows interleaved.
+// the native bf16 kernels' layouts (native_ops.h): narrowed rows, and pairs of rows interleaved.
 // And the way back for the output rows, once per element of the output: float32 rounded to the
 // output's dtype.
 // Width contract W4 (ops.h): whole vectors while n allows, then one lane at a time.
@@ -199,7 +199,7 @@ HWY_INLINE void PairStep(D /* d */, const uint16_t* lo, const uint16_t* hi, uint
 }
 
 // dst[i] = lo[i] | hi[i] << 16 for i < n: two rows of bfloat16 bits as the native kernels' pairs
-// (bf16_dot.h), a null row read as zeros; returns whether any value read is non-finite or
+// (native_ops.h), a null row read as zeros; returns whether any value read is non-finite or
 // subnormal.
 bool PairBf16(const uint16_t* lo, const uint16_t* hi, int64_t n, uint32_t* dst) {
   const DF df;

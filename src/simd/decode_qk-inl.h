@@ -1,7 +1,7 @@
 // Decode's first matmul, QK (decode_pv-inl.h has the second, PV): a few query rows against K and
 // V rows read in place from a KV cache of float32, bfloat16, float16 or an 8-bit format
 // (src/kernel/decode.h). Nothing is packed: cache rows are converted to float32 in registers as
-// they are loaded. decode_bf16-inl.h has the native AVX512_BF16 versions for bfloat16 caches.
+// they are loaded. decode_native-inl.h has the native AVX512_BF16 versions for bfloat16 caches.
 //
 // QK (DecodeQk): S[r][j] = scale * Q[r] . K[j]. The cache is (key, d) row-major, so each score is
 // a dot product along d. Register tile: R rows x K keys of N-lane accumulators with R * K = N
@@ -17,7 +17,7 @@
 // (prefetcht1). A core's demand misses and L1 prefetches are capped by its L1 miss buffers (~15
 // GB/s here); requests into L2 let the 2 cores approach the memory's read bandwidth
 // (decode_rows.h has the measurement). The rows kL1PrefetchRows ahead are also requested into L1
-// (prefetcht0), which a paged cache needs at every page boundary (decode_bf16-inl.h).
+// (prefetcht0), which a paged cache needs at every page boundary (decode_native-inl.h).
 //
 // Bytes per FLOP: each cached K or V element is read once per call and feeds 2 FLOPs per query
 // row (group * T rows of one KV head). At 4 rows (32/8 heads, T = 1) that is 0.25 B/FLOP for

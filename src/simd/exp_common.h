@@ -1,5 +1,5 @@
 // What the exp-and-sum of softmax-inl.h (where the method is explained) shares with the native
-// bfloat16 one of bf16_dot.cc, so that both compute the same P and the same sum bit for bit: the
+// bfloat16 one of native_ops.cc, so that both compute the same P and the same sum bit for bit: the
 // exp's constants, and the order in which a vector of partial sums is added up.
 #ifndef FLASHCTE_SRC_SIMD_EXP_COMMON_H_
 #define FLASHCTE_SRC_SIMD_EXP_COMMON_H_

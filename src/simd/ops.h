@@ -9,7 +9,7 @@
 //   softmax-inl.h      row max, the fused exp-and-sum
 //   elementwise-inl.h  softcap, ALiBi, key bias, the finiteness check
 //   convert-inl.h      bfloat16 / float16 to float32, float32 to the native bf16 layouts
-//   bf16_dot.cc        the native bfloat16 MM1 and MM2 (AVX512_BF16 intrinsics), and when to
+//   native_ops.cc        the native bfloat16 MM1 and MM2 (AVX512_BF16 intrinsics), and when to
 //                      use them
 //   ops.cc             the per-target table and the run-time dispatch
 //
@@ -145,7 +145,7 @@ struct Ops {
   // half::float_to_f16's bits (NaNs quieted).
   void (*from_float)(const float* src, DType dtype, int64_t n, void* dst);
 
-  // For the native bfloat16 kernels (bf16_dot.h), from float32 that holds bfloat16 values
+  // For the native bfloat16 kernels (native_ops.h), from float32 that holds bfloat16 values
   // (packed from bfloat16 inputs, or P rounded by exp_sum; then both are exact):
   //   narrow_bf16      dst[i] = bf16(src[i]) for i < n
   //   interleave_bf16  dst[i] = the pair (bf16(lo[i]), bf16(hi[i])), low half first, for i < n;
@@ -179,8 +179,8 @@ struct Ops {
                     int64_t d, float scale, float* s, int64_t lds);
   void (*decode_pv)(const float* p, int64_t ldp, int64_t rows, int64_t n, DecodeRows v, DType dtype,
                     int64_t dv, const float* alpha, float* o, int64_t ldo);
-  // The native bfloat16 kernels of prefill and decode are not here: bf16_dot_for(*this)
-  // (bf16_dot.h) gives them where the CPU runs them and the policy wants them.
+  // The native bfloat16 kernels of prefill and decode are not here: native_ops_for(*this)
+  // (native_ops.h) gives them where the CPU runs them and the policy wants them.
 };
 
 // The table for the best target Highway supports on this CPU (respecting

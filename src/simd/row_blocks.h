@@ -2,8 +2,8 @@
 // compile-time constant (its accumulators are indexed by constants only), so rows [0, rows) are
 // covered by full blocks of kR and then one block of the remaining 1..kR-1 rows, each block's
 // height passed to the body as a type. Target-independent: the Highway kernels (mm1-inl.h,
-// mm2-inl.h, decode_pv-inl.h) and the native bfloat16 ones (bf16_dot.cc) share it. Always inlined,
-// so the loop takes the target of the kernel it is written in.
+// mm2-inl.h, decode_pv-inl.h) and the native bfloat16 ones (native_ops.cc) share it. Always
+// inlined, so the loop takes the target of the kernel it is written in.
 #ifndef FLASHCTE_SRC_SIMD_ROW_BLOCKS_H_
 #define FLASHCTE_SRC_SIMD_ROW_BLOCKS_H_
 

@@ -43,7 +43,7 @@ static_assert(kPadFloats >= kMaxLanes, "W2: qk's overrun past cols must fit in t
 // wider MM1 tiles, which did not pay: on the 2-core AMD EPYC Zen 4, fp32 MHA S=4096 d=128, 2
 // threads, separate builds in interleaved process pairs against 6 x 2 vectors, 4 x 4 measured
 // 0.997 (8 pairs), 6 x 4 1.004 (14 pairs); 8 x 3 0.80 (its 8 rows exceed the unroll pragmas and
-// the accumulators go to the stack). The native bfloat16 MM1 does gain from 4 x 4 (bf16_dot.cc).
+// the accumulators go to the stack). The native bfloat16 MM1 does gain from 4 x 4 (native_ops.cc).
 inline constexpr int64_t kRows = 6;
 
 // x rounded to bfloat16, to nearest even, as a float32 with the low half zero; finite x only (a

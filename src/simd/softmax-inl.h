@@ -115,7 +115,7 @@ HWY_INLINE hn::Vec<D> ExpStep(D d, float* p, hn::Vec<D> bias) {
 }
 
 // The lanes are summed in sum_lanes' order (exp_common.h), which the native bf16 exp-and-sum
-// (bf16_dot.cc) shares.
+// (native_ops.cc) shares.
 template <bool kRoundBf16>
 float ExpSumImpl(float* s, int64_t n, float bias) {
   const DF df;

@@ -20,7 +20,7 @@
 
 #include "src/core/half.h"
 #include "src/core/kv8.h"
-#include "src/simd/bf16_dot.h"
+#include "src/simd/native_ops.h"
 #include "src/simd/ops.h"
 #include "tests/cpu_requirements.h"
 #include "tests/simd/tester.h"
@@ -154,15 +154,15 @@ struct QkCase {
     q.seal();
     const std::vector<unsigned char> k_before = k.snapshot();
     if (native) {
-      simd::bf16_dot_for(ops)->decode_qk(q2.data(), ldq2, rows, k.rows(), dtype, n, d, scale,
-                                         s.data(), s.ld());
+      simd::native_ops_for(ops)->decode_qk(q2.data(), ldq2, rows, k.rows(), dtype, n, d, scale,
+                                           s.data(), s.ld());
     } else {
       ops.decode_qk(q.data(), q.ld(), rows, k.rows(), dtype, n, d, scale, s.data(), s.ld());
     }
     Reference ref(rows, n);
     for (int64_t r = 0; r < rows; ++r) {
       // The native int8 kernel quantizes Q's row to int16, steps of largest |q| / 16383 or finer
-      // (decode_bf16-inl.h, qk_int_max): half a step of error per element, times |k|.
+      // (decode_native-inl.h, qk_int_max): half a step of error per element, times |k|.
       double step = 0;
       if (native && dtype == DType::kInt8) {
         for (int64_t x = 0; x < d; ++x) step = std::max(step, std::fabs(qx[r * d + x]) / 16383);
@@ -225,7 +225,7 @@ struct PvCase {
     Reference ref(rows, dv);
     for (int64_t r = 0; r < rows; ++r) {
       // The native int8 kernel quantizes P's row to int16 per 64 keys, steps of their largest
-      // P / 32767 (decode_bf16-inl.h, pack_p_int16): half a step of error per P, times |v|.
+      // P / 32767 (decode_native_pv-inl.h, pack_p_int16): half a step of error per P, times |v|.
       std::vector<double> step(static_cast<size_t>(n), 0.0);
       if (native && dtype == DType::kInt8) {
         for (int64_t j0 = 0; j0 < n; j0 += 64) {
@@ -248,8 +248,8 @@ struct PvCase {
       }
     }
     if (native) {
-      simd::bf16_dot_for(ops)->decode_pv(p.data(), p.ld(), rows, n, v.rows(), dtype, dv,
-                                         with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
+      simd::native_ops_for(ops)->decode_pv(p.data(), p.ld(), rows, n, v.rows(), dtype, dv,
+                                           with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
     } else {
       ops.decode_pv(p.data(), p.ld(), rows, n, v.rows(), dtype, dv,
                     with_alpha ? alpha.data() : nullptr, o.data(), o.ld());
@@ -390,7 +390,7 @@ TEST(SimdDecode, NoLoadPastTheLastRow) {
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
   for_each_target([&](const simd::Ops& ops) {
     for (DType dtype : kDtypes) {
-      const simd::Bf16DotOps* native = simd::bf16_dot_for(ops);
+      const simd::NativeOps* native = simd::native_ops_for(ops);
       const bool has_native =
           native != nullptr && std::find(std::begin(kNativeDtypes), std::end(kNativeDtypes),
                                          dtype) != std::end(kNativeDtypes);
@@ -448,7 +448,7 @@ TEST(SimdDecode, NoLoadPastTheLastRow) {
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
 }
 
-// The native bfloat16 kernels (decode_bf16-inl.h) where this CPU runs them: the AVX-512 targets
+// The native bfloat16 kernels (decode_native-inl.h) where this CPU runs them: the AVX-512 targets
 // of a CPU with AVX512_BF16, whatever the policy says (the tests force it on), on bfloat16 and
 // 8-bit caches (every finite code, CacheRows::set). Sizes at the edges of their 32-element pairs
 // and 16-lane vectors.
@@ -457,7 +457,7 @@ TEST(SimdDecodeBf16Native, QkAndPvAtEveryEdge) {
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
   std::vector<std::string> ran;
   for_each_target([&](const simd::Ops& ops) {
-    if (simd::bf16_dot_for(ops) == nullptr) return;
+    if (simd::native_ops_for(ops) == nullptr) return;
     ran.emplace_back(ops.target);
     for (DType dtype : kNativeDtypes) {
       for (int64_t d : {1, 15, 16, 17, 31, 32, 33, 63, 64, 80, 128, 257}) {
@@ -489,7 +489,7 @@ TEST(SimdDecodeBf16Native, QkAndPvAtEveryEdge) {
   }
 }
 
-// The native int8 kernels' int16 steps at their limits (decode_bf16-inl.h): QK at d = 1024 with
+// The native int8 kernels' int16 steps at their limits (decode_native-inl.h): QK at d = 1024 with
 // every product at its largest (32767 * -128 would overflow the int32 sums; the step doubles),
 // a zero query row and rows holding NaN or an infinity; PV with a zero P row, a row too small
 // to quantize (dropped: O = alpha O), and a row holding NaN (its O all NaN).
@@ -497,7 +497,7 @@ TEST(SimdDecodeInt8Native, StepsAtTheirLimits) {
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
   std::vector<std::string> ran;
   for_each_target([&](const simd::Ops& ops) {
-    if (simd::bf16_dot_for(ops) == nullptr) return;
+    if (simd::native_ops_for(ops) == nullptr) return;
     ran.emplace_back(ops.target);
     constexpr int64_t d = 1024, n = 5, rows = 4;
     CacheRows k(DType::kInt8, n, d, d);
@@ -509,8 +509,8 @@ TEST(SimdDecodeInt8Native, StepsAtTheirLimits) {
     q[2 * d + 7] = half::float_to_bf16(std::numeric_limits<float>::quiet_NaN());  // NaN
     q[3 * d + 9] = half::float_to_bf16(-std::numeric_limits<float>::infinity());  // infinity
     std::vector<float> s(rows * n, 1.0f);
-    simd::bf16_dot_for(ops)->decode_qk(q.data(), d, rows, k.rows(), DType::kInt8, n, d, 0.5f,
-                                       s.data(), n);
+    simd::native_ops_for(ops)->decode_qk(q.data(), d, rows, k.rows(), DType::kInt8, n, d, 0.5f,
+                                         s.data(), n);
     for (int64_t j = 0; j < n; ++j) {
       EXPECT_EQ(s[j], 0.5f * -128.0f * d) << j;
       EXPECT_EQ(s[n + j], 0.0f) << j;
@@ -533,8 +533,8 @@ TEST(SimdDecodeInt8Native, StepsAtTheirLimits) {
       p[2 * keys + j] = j == 66 ? std::numeric_limits<float>::quiet_NaN() : 0.5f;
       p[3 * keys + j] = 0.25f;
     }
-    simd::bf16_dot_for(ops)->decode_pv(p.data(), keys, rows, keys, v.rows(), DType::kInt8, dv,
-                                       alpha.data(), o.data(), dv);
+    simd::native_ops_for(ops)->decode_pv(p.data(), keys, rows, keys, v.rows(), DType::kInt8, dv,
+                                         alpha.data(), o.data(), dv);
     for (int64_t c = 0; c < dv; ++c) {
       EXPECT_EQ(o[c], 1.5f) << c;
       EXPECT_EQ(o[dv + c], 0.75f) << c;

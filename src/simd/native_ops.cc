@@ -1,4 +1,4 @@
-// The native bfloat16 matmuls (bf16_dot.h) on vdpbf16ps, and the policy that decides where they
+// The native bfloat16 matmuls (native_ops.h) on vdpbf16ps, and the policy that decides where they
 // run.
 //
 // Register tiles: R rows x W zmm accumulators (16 W float32 lanes of S or O per row); per step
@@ -11,7 +11,7 @@
 // Every function that runs AVX-512 instructions carries FLASHCTE_AVX512_BF16, so no AVX-512 code
 // reaches the rest of the build, and nothing here runs unless native_available() said the CPU has
 // it.
-#include "src/simd/bf16_dot.h"
+#include "src/simd/native_ops.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -23,7 +23,7 @@
 
 #include "hwy/detect_targets.h"
 #include "src/core/cpu.h"
-#include "src/simd/decode_bf16-inl.h"
+#include "src/simd/decode_native_pv-inl.h"
 #include "src/simd/exp_common.h"
 #include "src/simd/ops.h"
 #include "src/simd/row_blocks.h"
@@ -290,7 +290,7 @@ FLASHCTE_AVX512_BF16 float exp_sum(const float* s, int64_t n, float bias, uint16
   return total;
 }
 
-// The native kernels need AVX-512 with VNNI (the int8 decode kernels, decode_bf16-inl.h; every
+// The native kernels need AVX-512 with VNNI (the int8 decode kernels, decode_native-inl.h; every
 // CPU with BF16 has it) and BF16 (src/core/cpu.h).
 bool native_available() {
   const internal::CpuFeatures& cpu = internal::cpu_features();
@@ -302,8 +302,8 @@ bool native_available() {
 // an Intel Xeon with AVX512_BF16 (issue 11) 168 against 345 (two threads), where widening wins.
 bool native_pays() { return internal::cpu_features().vendor == internal::CpuVendor::kAmd; }
 
-constexpr Bf16DotOps kNativeOps = [] {
-  Bf16DotOps t{};
+constexpr NativeOps kNativeOps = [] {
+  NativeOps t{};
   t.lanes = kLanes;
   t.qk_rows = kQkRows;
   t.qk_cols = kQkCols;
@@ -312,8 +312,8 @@ constexpr Bf16DotOps kNativeOps = [] {
   t.qk = &qk;
   t.pv = &pv;
   t.exp_sum = &exp_sum;
-  t.decode_qk = &decode_bf16::Qk;
-  t.decode_pv = &decode_bf16::Pv;
+  t.decode_qk = &decode_native::Qk;
+  t.decode_pv = &decode_native::Pv;
   return t;
 }();
 
@@ -334,7 +334,7 @@ Bf16Dot policy_from_env() {
 
 }  // namespace
 
-const Bf16DotOps* bf16_dot_for(const Ops& ops) {
+const NativeOps* native_ops_for(const Ops& ops) {
 #if HWY_ARCH_X86
   static const bool available = native_available();
   static const bool pays = native_pays();

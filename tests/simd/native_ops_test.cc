@@ -1,9 +1,9 @@
-// Testers of the native bfloat16 matmuls (src/simd/bf16_dot.h) where the CPU runs them: sizes
+// Testers of the native bfloat16 matmuls (src/simd/native_ops.h) where the CPU runs them: sizes
 // relative to the 16 float32 lanes of a zmm vector, row counts on both sides of the register
 // block, canaries around every buffer (tester.h), against a float64 reference. Inputs are random
 // bfloat16 values; the canaries read as bfloat16 pairs hold a NaN, so a read past the contract
 // poisons a result.
-#include "src/simd/bf16_dot.h"
+#include "src/simd/native_ops.h"
 
 #include <gtest/gtest.h>
 
@@ -27,9 +27,9 @@ namespace flashcte::test {
 namespace {
 
 // The native kernels regardless of the automatic policy, or null where the CPU lacks them.
-const simd::Bf16DotOps* native() {
+const simd::NativeOps* native() {
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
-  const simd::Bf16DotOps* dot = simd::bf16_dot_for(simd::ops());
+  const simd::NativeOps* dot = simd::native_ops_for(simd::ops());
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
   return dot;
 }
@@ -69,7 +69,7 @@ std::vector<int64_t> column_counts(int64_t lanes, int64_t panel_cols) {
   return cols;
 }
 
-void run_qk(const simd::Bf16DotOps& dot, int64_t rows, int64_t cols, int64_t d, bool fused_max,
+void run_qk(const simd::NativeOps& dot, int64_t rows, int64_t cols, int64_t d, bool fused_max,
             std::mt19937& rng) {
   std::ostringstream where;
   where << "native qk: rows " << rows << ", cols " << cols << ", d " << d
@@ -116,7 +116,7 @@ void run_qk(const simd::Bf16DotOps& dot, int64_t rows, int64_t cols, int64_t d, 
   EXPECT_EQ(k.unchanged(), "") << "K written";
 }
 
-void run_pv(const simd::Bf16DotOps& dot, int64_t rows, int64_t n, int64_t dv, bool with_alpha,
+void run_pv(const simd::NativeOps& dot, int64_t rows, int64_t n, int64_t dv, bool with_alpha,
             std::mt19937& rng) {
   std::ostringstream where;
   where << "native pv: rows " << rows << ", n " << n << ", dv " << dv << " (dv_pad "
@@ -172,7 +172,7 @@ void run_pv(const simd::Bf16DotOps& dot, int64_t rows, int64_t n, int64_t dv, bo
   }
 
 TEST(SimdBf16DotQk, EveryHeadDimAndColumnEdge) {
-  const simd::Bf16DotOps* dot = native();
+  const simd::NativeOps* dot = native();
   SKIP_WITHOUT_NATIVE(dot);
   std::mt19937 rng(11);
   std::vector<int64_t> dims;
@@ -188,7 +188,7 @@ TEST(SimdBf16DotQk, EveryHeadDimAndColumnEdge) {
 }
 
 TEST(SimdBf16DotQk, EveryRowCountAndMaxMode) {
-  const simd::Bf16DotOps* dot = native();
+  const simd::NativeOps* dot = native();
   SKIP_WITHOUT_NATIVE(dot);
   std::mt19937 rng(12);
   for (int64_t rows : row_counts(dot->qk_rows)) {
@@ -201,7 +201,7 @@ TEST(SimdBf16DotQk, EveryRowCountAndMaxMode) {
 }
 
 TEST(SimdBf16DotPv, EveryValueDimAndKeyEdge) {
-  const simd::Bf16DotOps* dot = native();
+  const simd::NativeOps* dot = native();
   SKIP_WITHOUT_NATIVE(dot);
   std::mt19937 rng(13);
   std::vector<int64_t> dims;
@@ -219,7 +219,7 @@ TEST(SimdBf16DotPv, EveryValueDimAndKeyEdge) {
 }
 
 TEST(SimdBf16DotPv, EveryRowCountAndAlphaMode) {
-  const simd::Bf16DotOps* dot = native();
+  const simd::NativeOps* dot = native();
   SKIP_WITHOUT_NATIVE(dot);
   std::mt19937 rng(14);
   for (int64_t rows : row_counts(dot->pv_rows)) {
@@ -235,7 +235,7 @@ TEST(SimdBf16DotPv, EveryRowCountAndAlphaMode) {
 // its own: the same P bits and the same sum bit for bit at every edge length (masked tail),
 // nothing written past n; -inf gives 0, NaN stays NaN.
 TEST(SimdBf16DotExpSum, MatchesThePortablePassBitForBit) {
-  const simd::Bf16DotOps* dot = native();
+  const simd::NativeOps* dot = native();
   SKIP_WITHOUT_NATIVE(dot);
   const simd::Ops& ops = simd::ops();
   std::mt19937 rng(15);
@@ -296,13 +296,13 @@ TEST(SimdBf16DotExpSum, MatchesThePortablePassBitForBit) {
 // The policy: native under kNative, never under kWiden, and never with a table narrower than
 // AVX-512 (the float32 kernels of AVX2 and below widen bfloat16 whatever the CPU has).
 TEST(SimdBf16Dot, PolicyAndTargets) {
-  const simd::Bf16DotOps* dot = native();
+  const simd::NativeOps* dot = native();
   SKIP_WITHOUT_NATIVE(dot);
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kWiden);
-  EXPECT_EQ(simd::bf16_dot_for(simd::ops()), nullptr);
+  EXPECT_EQ(simd::native_ops_for(simd::ops()), nullptr);
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kNative);
   for_each_target([&](const simd::Ops& ops) {
-    EXPECT_EQ(simd::bf16_dot_for(ops) != nullptr, ops.lanes == 16) << ops.target;
+    EXPECT_EQ(simd::native_ops_for(ops) != nullptr, ops.lanes == 16) << ops.target;
   });
   simd::set_bf16_dot_policy_for_test(simd::Bf16Dot::kAuto);
 }
