@@ -44,7 +44,11 @@ struct KvCacheOptions {
   TensorView cache_leftpad;
   // A paged cache: (batch, max_blocks_per_seq) int32, the caches then (num_blocks,
   // page_block_size, kv_heads, d), any page_block_size >= 1. Slot j of sequence b is row
-  // j % page_block_size of page block_table[b, j / page_block_size].
+  // j % page_block_size of page block_table[b, j / page_block_size]. The entries of the pages
+  // holding a slot that a query row sees or the append writes must be in [0, num_blocks); the
+  // others are not looked at (pages an engine freed before a sliding window may hold anything),
+  // except that a chunk of more than 16 queries reads whole tiles: every page of its slots
+  // [0, cache_seqlens[b] + seqlen_new).
   TensorView block_table;
   // 8-bit caches (k_cache / v_cache of int8, float8_e4m3fn or float8_e5m2): the float32
   // dequantization scales, cache element c standing for c x scale; required with an 8-bit cache

@@ -757,6 +757,29 @@ def pages_read(lengths, leftpad, table, page):
             yield b, col
 
 
+def pages_seen(lengths, new, leftpad, sq, window, causal, page):
+    """(sequence, table column) of the pages flash_attn_with_kvcache must find in range: those
+    holding a slot some query row sees (kvcache.h: rows bottom-right aligned over slots
+    [leftpad, length + new), within the window) or the append writes. A page of the other used
+    slots is left open: the library may look at it (a prefill reads whole tiles) or not (no query
+    row, or before a window)."""
+    try:
+        left, right = (int(x) for x in window)
+    except (TypeError, ValueError):  # refused by window_contract
+        left, right = -1, -1
+    right = 0 if causal else right
+    for b, n in enumerate(lengths):
+        n, first = int(n) + new, int(leftpad[b]) if leftpad is not None else 0
+        cols = {slot // page for slot in range(n - new, n)}
+        for i in range(sq):
+            diagonal = n - sq + i
+            hi = n if right < 0 else min(n, diagonal + right + 1)
+            lo = first if left < 0 else max(first, diagonal - left)
+            cols.update(range(lo // page, -(-hi // page)) if lo < hi else ())
+        for col in sorted(cols):
+            yield b, col
+
+
 def kvcache_contract(kw: dict) -> tuple[Contract, dict]:
     """flash_attn_with_kvcache's documented contract on `kw` (kvcache.h, _kvcache.py's docstring);
     returns it and what the reference needs (shapes, formats, lengths)."""
@@ -847,14 +870,18 @@ def kvcache_contract(kw: dict) -> tuple[Contract, dict]:
     elif bad_rows.any():
         c.leave_open("cache_batch_idx out of range for a sequence that uses no slot")
     if table is not None and not c.refused:
-        read = set(pages_read(lengths + new, leftpad, table, rows))
+        window = kw.get("window_size", (-1, -1))
+        seen = set(pages_seen(lengths, new, leftpad, sq, window, kw.get("causal"), rows))
+        used = set(pages_read(lengths + new, leftpad, table, rows))
         named = {}
         for b in range(batch):
             for col in range(table.shape[1]):
                 p = int(table[b, col])
                 if not 0 <= p < kc.shape[0]:
-                    if (b, col) in read:
+                    if (b, col) in seen:
                         c.refuse(f"block_table[{b}, {col}] = {p} is read and out of range")
+                    elif (b, col) in used:
+                        c.leave_open(f"block_table[{b}, {col}] = {p} is out of range, used, seen by no query")
                     else:
                         c.leave_open(f"block_table[{b}, {col}] = {p} is out of range, not read")
                 named.setdefault(p, []).append((b, col))
