@@ -116,6 +116,66 @@ def main() -> None:
 
     calls["AttentionLayer"] = layer
 
+    # Chunks of more than 16 queries per sequence over caches with every option the prefill
+    # kernel takes from them (inputs drawn when the call runs, after the calls above).
+    def kvcache_prefill_options():
+        ck, cv = r(4, 120, 2, 64), r(4, 120, 2, 64)
+        out, lse = flashcte.flash_attn_with_kvcache(
+            r(3, 24, 4, 64), ck, cv, r(3, 24, 2, 64), r(3, 24, 2, 64),
+            cache_seqlens=np.array([30, 40, 60], np.int32),
+            cache_batch_idx=np.array([2, 0, 3], np.int32),
+            cache_leftpad=np.array([0, 5, 10], np.int32),
+            causal=True, window_size=(20, 0), softcap=4.0,
+            alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4], np.float32), return_softmax_lse=True,
+        )
+        return out, lse, ck, cv
+
+    calls["kvcache_prefill_options"] = kvcache_prefill_options
+
+    def kvcache_paged_int8_per_token():
+        blocks, page = r(30, 8, 2, 64), 8
+        ck, cv = np.empty(blocks.shape, np.int8), np.empty(blocks.shape, np.int8)
+        ks, vs = np.empty((30, 8, 2), np.float32), np.empty((30, 8, 2), np.float32)
+        flashcte.quantize_kv(blocks.reshape(-1, 2, 64), ck.reshape(-1, 2, 64), ks.reshape(-1, 2))
+        flashcte.quantize_kv(r(240, 2, 64), cv.reshape(-1, 2, 64), vs.reshape(-1, 2))
+        table = rng.permutation(30)[:28].astype(np.int32).reshape(2, 14)
+        out = flashcte.flash_attn_with_kvcache(
+            r(2, 20, 4, 64), ck, cv, r(2, 20, 2, 64), r(2, 20, 2, 64),
+            cache_seqlens=np.array([50, 3], np.int32), block_table=table, causal=True,
+            k_scale=ks, v_scale=vs,
+        )
+        return out, ck, cv, ks, vs
+
+    calls["kvcache_paged_int8_per_token"] = kvcache_paged_int8_per_token
+    if E4M3 is not None:
+
+        def paged_attention_prefill_options():
+            # Quantized as (num_blocks, block_size, kv_heads, d), passed in vLLM's HND layout.
+            ck, cv = np.empty((40, 16, 2, 64), E4M3), np.empty((40, 16, 2, 64), E4M3)
+            ks, vs = np.array([0.03, 0.05], np.float32), np.array([0.04, 0.02], np.float32)
+            flashcte.quantize_kv(r(640, 2, 64), ck.reshape(-1, 2, 64), ks)
+            flashcte.quantize_kv(r(640, 2, 64), cv.reshape(-1, 2, 64), vs)
+            ck, cv = ck.transpose(0, 2, 1, 3).copy(), cv.transpose(0, 2, 1, 3).copy()
+            return flashcte.paged_attention(
+                r(70, 4, 64), ck, cv, table, np.array([100, 60, 40], np.int32),
+                np.array([0, 30, 31, 70], np.int32), 0.125, window=(50, 0), softcap=3.0,
+                alibi_slopes=np.array([0.1, 0.2, 0.3, 0.4], np.float32), sinks=r(4),
+                k_scale=ks, v_scale=vs,
+            )
+
+        calls["paged_attention_prefill_options"] = paged_attention_prefill_options
+
+        def kvcache_prefill_bf16():
+            ck, cv = r(2, 100, 2, 64, dtype=BF16), r(2, 100, 2, 64, dtype=BF16)
+            out = flashcte.flash_attn_with_kvcache(
+                r(2, 33, 4, 64, dtype=BF16), ck, cv, r(2, 33, 2, 64, dtype=BF16),
+                r(2, 33, 2, 64, dtype=BF16), cache_seqlens=np.array([40, 0], np.int32),
+                causal=True,
+            )
+            return out, ck, cv
+
+        calls["kvcache_prefill_bf16"] = kvcache_prefill_bf16
+
     print(f"simd_target {flashcte.simd_target()}")
     for name, fn in calls.items():
         out = fn()

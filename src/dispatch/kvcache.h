@@ -1,7 +1,8 @@
 // flash_attn_with_kvcache (include/flashcte/kvcache.h) inside the dispatch layer: the validator
-// turns the call into the decode kernel's problem (each query row's slot range from the cache
-// lengths, the bottom-right causal alignment, the window and the left padding) and the append
-// that precedes it; kvcache_api.cc applies the append and runs the kernel.
+// turns the call into a request, the decode kernel's problem (each query row's slot range from the
+// cache lengths, the bottom-right causal alignment, the window and the left padding), the append
+// that precedes it and the masks a longer chunk's prefill kernel takes; kvcache_api.cc applies the
+// append and routes each sequence to its kernel.
 #ifndef FLASHCTE_SRC_DISPATCH_KVCACHE_H_
 #define FLASHCTE_SRC_DISPATCH_KVCACHE_H_
 
@@ -33,21 +34,30 @@ struct KvAppend {
   bool q_per_token = false;
 };
 
-// Checks every argument (nothing is written before it returns Ok) and fills the decode problem
-// (its K/V sources address the caches, written through them by the append) and the append.
+// A validated flash_attn_with_kvcache call, the one form between the caller's arguments and the
+// kernels: the decode kernel reads `decode` as it is, a longer chunk's sequence becomes the
+// prefill kernel's problem through prefill_problem(), and the append precedes either.
+struct KvCacheRequest {
+  DecodeProblem decode;  // its K/V sources address the caches, written through them by the append
+  KvAppend append;
+  bool paged = false;  // the caches are pages (else rows: cache_batch_idx's, or one per sequence)
+  // What the prefill kernel takes as masks where the decode kernel reads decode.slots:
+  // FlashAttention's window (-1 unbounded; causal is a right bound of 0) and the left padding.
+  int64_t window_left = -1, window_right = -1;
+  std::vector<int64_t> leftpad;  // per sequence; empty without cache_leftpad
+};
+
+// Checks every argument (nothing is written before it returns Ok) and fills the request.
 Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
                         const MutableTensorView& v_cache, const MutableTensorView& out,
                         const MutableTensorView& lse, const KvCacheOptions& options,
-                        DecodeProblem* problem, KvAppend* append);
+                        KvCacheRequest* request);
 
-// Sequence b of a validated call whose queries run on attention_cte: its query heads as the
-// batch, the cache (its pages, or its cache row) as the prior of length seqlen_k with no new
-// keys, FlashAttention's masks as a window relative to bottom-right aligned positions, left
-// padding as packing bounds, the sinks as attention_cte's. The problem reads only the caller's
-// tensors and its own copies.
-Status prefill_problem(const DecodeProblem& p, const KvAppend& a, const MutableTensorView& k_cache,
-                       const MutableTensorView& v_cache, const KvCacheOptions& o, int64_t b,
-                       Problem* problem);
+// Sequence b of a validated request as attention_cte's problem: its query heads as the batch,
+// its pages (or cache row) as the prior of length seqlen_k with no new keys, FlashAttention's
+// masks as a window relative to bottom-right aligned positions, left padding as packing bounds,
+// the sinks as attention_cte's. Nothing is checked again: the request holds validated values.
+Problem prefill_problem(const KvCacheRequest& request, int64_t b);
 
 }  // namespace flashcte::internal
 

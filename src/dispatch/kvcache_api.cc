@@ -17,8 +17,6 @@
 #include "src/core/convert.h"
 #include "src/core/kv8.h"
 #include "src/dispatch/kvcache.h"
-#include "src/dispatch/validate.h"
-#include "src/dispatch/views.h"
 #include "src/kernel/decode.h"
 #include "src/schedule/decode_schedule.h"
 #include "src/schedule/region.h"
@@ -192,110 +190,93 @@ void append(const DecodeProblem& p, const KvAppend& a) {
 
 }  // namespace
 
-Status prefill_problem(const DecodeProblem& p, const KvAppend& a, const MutableTensorView& k_cache,
-                       const MutableTensorView& v_cache, const KvCacheOptions& o, int64_t b,
-                       Problem* problem) {
-  const bool paged = o.block_table.present();
-  const int64_t elem = dtype_size(p.dtype), kv_heads = p.kv_heads;
-  const int64_t seqlen_k = a.start[b] + a.tokens;
-  const auto* q = static_cast<const unsigned char*>(p.q) + b * p.q_strides[0] * elem;
-  const TensorView qv{q,
-                      p.dtype,
-                      3,
-                      {p.q_heads, p.tokens, p.head_dim},
-                      {p.q_strides[1], p.q_strides[2], p.q_strides[3]}};
-  const TensorView none_k{q, p.dtype, 3, {kv_heads, 0, p.head_dim}, {p.head_dim, p.head_dim, 1}};
-  const TensorView none_v{q, p.dtype, 3, {kv_heads, 0, p.value_dim}, {p.value_dim, p.value_dim, 1}};
-  Options opt;
-  opt.tp_k = true;
-  opt.causal_mask = false;
-  opt.bottom_right = true;
-  opt.scale = p.scale;
-  opt.softcap = p.softcap;
-  opt.window_left = o.window_left;
-  opt.window_right = o.causal ? 0 : o.window_right;
-  opt.num_threads = p.threads;
-  opt.prior_used_len = {seqlen_k};
-  // The cache as the prior: its pages with this sequence's row of the table, or its cache row.
-  const int64_t cache_row = !paged && p.k.paged() ? p.k.table[static_cast<size_t>(b)] : b;
-  for (auto [prior, cache] :
-       {std::pair{&opt.k_prior, &k_cache}, std::pair{&opt.v_prior, &v_cache}}) {
-    const auto& st = cache->strides;
-    if (paged) {
-      *prior = {cache->data,
-                cache->dtype,
-                4,
-                {cache->shape[0], cache->shape[2], cache->shape[1], cache->shape[3]},
-                {st[0], st[2], st[1], st[3]}};
-    } else {
-      *prior = {static_cast<const unsigned char*>(cache->data) +
-                    cache_row * st[0] * dtype_size(cache->dtype),
-                cache->dtype,
-                3,
-                {kv_heads, cache->shape[1], cache->shape[3]},
-                {st[2], st[1], st[3]}};
-    }
-  }
-  // An 8-bit cache's scales as the prior's: one per cache or KV head as they are; one per token
-  // as the same slice of the scales as of the cache, without the channel axis.
-  for (auto [prior_scale, scale, per_token] :
-       {std::tuple{&opt.k_prior_scale, &o.k_scale, p.k_token_scale.data != nullptr},
-        std::tuple{&opt.v_prior_scale, &o.v_scale, p.v_token_scale.data != nullptr}}) {
-    if (!scale->present()) continue;
-    const auto& st = scale->strides;
-    if (!per_token) {
-      *prior_scale = as_input(*scale);
-    } else if (paged) {
-      *prior_scale = {scale->data,
-                      DType::kFloat32,
-                      3,
-                      {scale->shape[0], scale->shape[2], scale->shape[1]},
-                      {st[0], st[2], st[1]}};
-    } else {
-      *prior_scale = {static_cast<const float*>(scale->data) + cache_row * st[0],
-                      DType::kFloat32,
-                      2,
-                      {kv_heads, scale->shape[1]},
-                      {st[2], st[1]}};
-    }
-  }
+namespace {
+
+// Sequence b's slots of a cache source (the caches' or their per-token scales') as a source of one
+// sequence, its sequence 0: its row of the page table, or its row of a dense cache
+// (cache_batch_idx's, held as a table of one page per sequence, or b).
+KvSource sequence_source(const KvSource& s, bool paged, int64_t b) {
+  KvSource one = s;
   if (paged) {
-    const TensorView& t = o.block_table;
-    opt.prior_block_table = {static_cast<const int32_t*>(t.data) + b * t.strides[0],
-                             DType::kInt32,
-                             2,
-                             {1, t.shape[1]},
-                             {t.shape[1] * t.strides[1], t.strides[1]}};
+    const auto first = s.table.begin() + b * s.pages_per_sequence;
+    one.table.assign(first, first + s.pages_per_sequence);
+    return one;
   }
-  // Left padding as packing bounds (copied by the validation).
-  std::vector<int64_t> lo_bound, hi_bound;
-  if (o.cache_leftpad.present()) {
-    const TensorView& t = o.cache_leftpad;
-    lo_bound.assign(static_cast<size_t>(p.tokens),
-                    static_cast<const int32_t*>(t.data)[b * t.strides[0]]);
-    hi_bound.assign(lo_bound.size(), seqlen_k);
-    opt.bound_min = TensorView::contiguous(lo_bound.data(), DType::kInt64, {p.tokens});
-    opt.bound_max = TensorView::contiguous(hi_bound.data(), DType::kInt64, {p.tokens});
+  // A sequence that reads no slot has no row in the table (-1): any row serves.
+  const int64_t row = s.paged() ? std::max<int64_t>(s.table[static_cast<size_t>(b)], 0) : b;
+  one.data = static_cast<const unsigned char*>(s.data) + row * s.strides[0] * s.element_bytes();
+  one.block_size = 0;
+  one.pages_per_sequence = 0;
+  one.table.clear();
+  return one;
+}
+
+}  // namespace
+
+Problem prefill_problem(const KvCacheRequest& request, int64_t b) {
+  const DecodeProblem& p = request.decode;
+  const int64_t elem = dtype_size(p.dtype);
+  const int64_t seqlen_k = request.append.start[b] + request.append.tokens;
+  Problem r;
+  r.dtype = p.dtype;
+  // The query heads are the batch, grouped over the KV heads (no query head: nothing to plan).
+  r.batch = p.q_heads;
+  r.kv_batch = p.q_heads > 0 ? p.kv_heads : 0;
+  r.group = p.q_heads > 0 ? p.group : 1;
+  r.seqlen_q = p.tokens;
+  r.head_dim = p.head_dim;
+  r.value_dim = p.value_dim;
+  r.q = {static_cast<const unsigned char*>(p.q) + b * p.q_strides[0] * elem, p.q_strides[1],
+         p.q_strides[2], p.q_strides[3]};
+  // No new keys (Skv = 0): every key is in the prior. The strides are those of an empty
+  // (bs_kv, Skv, d) k and v, for the packing's layout choice.
+  r.seqlen_kv = 0;
+  r.k = {nullptr, p.head_dim, p.head_dim, 1};
+  r.v = {nullptr, p.value_dim, p.value_dim, 1};
+  // The cache as the prior: KV batch h is head h of the sequence's pages or cache row.
+  r.k_prior = sequence_source(p.k, request.paged, b);
+  r.v_prior = sequence_source(p.v, request.paged, b);
+  r.prior_heads = p.kv_heads;
+  r.seqlen_prior = p.max_len;
+  r.prior_used.assign(static_cast<size_t>(p.kv_heads), seqlen_k);
+  r.k_prior_scale = p.k_scale;
+  r.v_prior_scale = p.v_scale;
+  if (p.k_token_scale.data != nullptr) {
+    r.k_prior_token_scale = sequence_source(p.k_token_scale, request.paged, b);
   }
-  if (p.alibi) {
-    opt.alibi_slopes = {
-        p.alibi + b * p.alibi_strides[0], DType::kFloat32, 1, {p.q_heads}, {p.alibi_strides[1]}};
+  if (p.v_token_scale.data != nullptr) {
+    r.v_prior_token_scale = sequence_source(p.v_token_scale, request.paged, b);
   }
-  if (p.sink) opt.sink = {p.sink, DType::kFloat32, 2, {p.q_heads, 1}, {p.sink_stride, 1}};
-  Outputs out;
-  out.out = {static_cast<unsigned char*>(p.out) + b * p.out_strides[0] * elem,
-             p.dtype,
-             3,
-             {p.q_heads, p.tokens, p.value_dim},
-             {p.out_strides[1], p.out_strides[2], p.out_strides[3]}};
-  if (p.lse) {
-    out.lse = {p.lse + b * p.lse_strides[0],
-               DType::kFloat32,
-               2,
-               {p.q_heads, p.tokens},
-               {p.lse_strides[1], p.lse_strides[2]}};
+  r.sink = p.sink;
+  r.sink_stride = p.sink_stride;
+  r.scale = p.scale;
+  r.softcap = p.softcap;
+  if (p.alibi != nullptr) {
+    r.alibi_slopes = p.alibi + b * p.alibi_strides[0];
+    r.alibi_stride = p.alibi_strides[1];
   }
-  return validate(qv, none_k, none_v, out, opt, false, problem);
+  // FlashAttention's masks: a window about the bottom-right aligned diagonal (query i at
+  // seqlen_k - seqlen_q + i, the prior's slots at their own positions), left padding as the
+  // first slot every row may see.
+  const auto bound = [](int64_t w) {
+    return w >= 0 ? std::min(w, Problem::kNoLimit) : Problem::kNoLimit;
+  };
+  r.window_left = bound(request.window_left);
+  r.window_right = bound(request.window_right);
+  r.q_pos_offset = -p.tokens;
+  if (!request.leftpad.empty()) {
+    r.bound_lo.assign(static_cast<size_t>(p.tokens), request.leftpad[static_cast<size_t>(b)]);
+    r.bound_hi.assign(static_cast<size_t>(p.tokens), seqlen_k);
+  }
+  r.out = {static_cast<unsigned char*>(p.out) + b * p.out_strides[0] * elem, p.out_strides[1],
+           p.out_strides[2], p.out_strides[3]};
+  if (p.lse != nullptr) {
+    r.lse.data = p.lse + b * p.lse_strides[0];
+    r.lse.batch_stride = p.lse_strides[1];
+    r.lse.row_stride = p.lse_strides[2];
+  }
+  r.threads = p.threads;
+  return r;
 }
 
 }  // namespace flashcte::internal
@@ -305,14 +286,14 @@ namespace flashcte {
 Status flash_attn_with_kvcache(const TensorView& q, const MutableTensorView& k_cache,
                                const MutableTensorView& v_cache, const MutableTensorView& out,
                                const MutableTensorView& lse, const KvCacheOptions& options) {
-  internal::DecodeProblem problem;
-  internal::KvAppend append;
+  internal::KvCacheRequest request;
   std::vector<unsigned char> saved;
   bool appended = false;
   try {
-    Status s =
-        internal::validate_kvcache(q, k_cache, v_cache, out, lse, options, &problem, &append);
+    Status s = internal::validate_kvcache(q, k_cache, v_cache, out, lse, options, &request);
     if (!s.ok) return s;
+    internal::DecodeProblem& problem = request.decode;
+    const internal::KvAppend& append = request.append;
     std::vector<unsigned char> q_turned;
     if (append.rotary_dim > 0) q_turned = internal::rotated_q(append, &problem);
     s = internal::check_int8_rows(problem, append);
@@ -325,19 +306,16 @@ Status flash_attn_with_kvcache(const TensorView& q, const MutableTensorView& k_c
       return Status::Ok();
     }
     // Longer chunks: one attention_cte problem per sequence, all in one parallel region.
-    std::vector<internal::Problem> prefills(static_cast<size_t>(problem.batch));
+    std::vector<internal::Problem> prefills;
+    prefills.reserve(static_cast<size_t>(problem.batch));
     for (int64_t b = 0; b < problem.batch; ++b) {
-      s = internal::prefill_problem(problem, append, k_cache, v_cache, options, b, &prefills[b]);
-      if (!s.ok) {
-        internal::restore_slots(problem, append, saved);
-        return s;
-      }
+      prefills.push_back(internal::prefill_problem(request, b));
     }
     const std::vector<internal::AttentionKernel> kernels(prefills.begin(), prefills.end());
     internal::run_kernels(internal::addresses(kernels), {}, problem.threads);
     return Status::Ok();
   } catch (const std::exception& e) {
-    if (appended) internal::restore_slots(problem, append, saved);
+    if (appended) internal::restore_slots(request.decode, request.append, saved);
     if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
       return Status::Error(
           "memory: allocation of the call's scratch failed; the caches are as they were",

@@ -21,7 +21,6 @@ using std::to_string;
 
 Status error(const std::string& message) { return Status::Error(message); }
 
-// A (batch,) int32 vector, copied out.
 // The sizes the call is made of.
 struct Shape {
   int64_t batch = 0, seqlen_q = 0, heads = 0, d = 0;
@@ -348,13 +347,15 @@ Status check_aliasing(const Extents& e, bool appending) {
 
 Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
                         const MutableTensorView& v_cache, const MutableTensorView& out,
-                        const MutableTensorView& lse, const KvCacheOptions& o, DecodeProblem* p,
-                        KvAppend* a) {
-  *p = DecodeProblem{};
-  *a = KvAppend{};
+                        const MutableTensorView& lse, const KvCacheOptions& o,
+                        KvCacheRequest* request) {
+  *request = KvCacheRequest{};
+  DecodeProblem* p = &request->decode;
+  KvAppend* a = &request->append;
   Shape s;
   Extents e;
   const bool paged = o.block_table.present();
+  request->paged = paged;
   FLASHCTE_RETURN_IF_ERROR(check_q_and_caches(q, k_cache, v_cache, paged, &s, p, &e));
   FLASHCTE_RETURN_IF_ERROR(check_new_kv(o, s, p->dtype, a, &e));
   FLASHCTE_RETURN_IF_ERROR(check_rotary(o, s, p->dtype, a, &e));
@@ -457,6 +458,9 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
 
   // Each query row's slots: FlashAttention's bottom-right alignment, window and left padding.
   const int64_t left = o.window_left, right = o.causal ? 0 : o.window_right;
+  request->window_left = left;
+  request->window_right = right;
+  if (o.cache_leftpad.present()) request->leftpad = leftpad;
   p->slots.resize(static_cast<size_t>(s.batch * s.seqlen_q));
   p->diagonal.resize(p->slots.size());
   std::vector<Span> read(static_cast<size_t>(s.batch)), written(read.size());

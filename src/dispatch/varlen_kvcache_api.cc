@@ -231,12 +231,11 @@ Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
       o.v_scale = internal::writable(options.v_scale);
       o.alibi_slopes = options.alibi_slopes;
       o.sinks = options.sinks;
-      internal::DecodeProblem p;
-      internal::KvAppend a;
+      internal::KvCacheRequest whole;
       s = internal::validate_kvcache(
           internal::no_rows(q, 0, c.batch), internal::writable(k_cache),
           internal::writable(v_cache), internal::no_rows(out, 0, c.batch),
-          lse.present() ? internal::no_rows(lse, 1, c.batch) : MutableTensorView{}, o, &p, &a);
+          lse.present() ? internal::no_rows(lse, 1, c.batch) : MutableTensorView{}, o, &whole);
       if (!s.ok) return s;
     }
     // Each sequence's problem: decode problems and attention_cte problems, kept until the run.
@@ -264,18 +263,15 @@ Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
       }
       MutableTensorView lse_b;
       if (lse.present()) lse_b = rows_of(lse, 1, first, rows);
-      internal::DecodeProblem p;
-      internal::KvAppend a;
+      internal::KvCacheRequest request;
       s = internal::validate_kvcache(rows_of(q, 0, first, rows), k_b, v_b,
-                                     rows_of(out, 0, first, rows), lse_b, o, &p, &a);
+                                     rows_of(out, 0, first, rows), lse_b, o, &request);
       if (!s.ok) return s.with_suffix(" (sequence " + std::to_string(b) + ")");
       if (rows <= internal::kDecodeMaxQueries) {
-        decodes.push_back(std::move(p));
-        continue;
+        decodes.push_back(std::move(request.decode));
+      } else {
+        prefills.push_back(internal::prefill_problem(request, 0));
       }
-      prefills.emplace_back();
-      s = internal::prefill_problem(p, a, k_b, v_b, o, 0, &prefills.back());
-      if (!s.ok) return s.with_suffix(" (sequence " + std::to_string(b) + ")");
     }
     const std::vector<internal::AttentionKernel> prefill_kernels(prefills.begin(), prefills.end());
     const std::vector<internal::DecodeKernel> decode_kernels(decodes.begin(), decodes.end());
