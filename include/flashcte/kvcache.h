@@ -11,6 +11,7 @@
 #define FLASHCTE_KVCACHE_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -158,6 +159,38 @@ struct VarlenKvCacheOptions {
 Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
                                  const TensorView& v_cache, const MutableTensorView& out,
                                  const MutableTensorView& lse, const VarlenKvCacheOptions& options);
+
+// One layer's tensors of a planned step (run_varlen_kvcache): the arguments of
+// VarlenKvCacheOptions that may differ from layer to layer. Each is given exactly when the plan's
+// was, with the plan's dtype, shape and strides.
+struct VarlenKvCacheLayer {
+  TensorView k_scale;
+  TensorView v_scale;
+  TensorView alibi_slopes;
+  TensorView sinks;
+};
+
+// A serving step's flash_attn_varlen_kvcache planned once and run in every layer (FlashInfer's
+// plan() / run()). plan_varlen_kvcache checks the whole call on one layer's tensors, as
+// flash_attn_varlen_kvcache does, and keeps the step: cu_seqlens_q, seqused_k and the block table
+// (copied: run reads none of them), each sequence's slot ranges and kernel, the scalar options.
+// run_varlen_kvcache takes a layer's q, caches, outputs and VarlenKvCacheLayer, at any address
+// but with the planned dtypes, shapes and strides; checks what may differ (the layouts against
+// the plan, that the outputs overlap nothing read, the scales', slopes' and sinks' values) and
+// runs the kernels. Its result is bitwise flash_attn_varlen_kvcache's on that layer's tensors.
+// Plans are cheap to copy and may be run from several threads at once.
+struct VarlenKvCachePlan {
+  struct State;                        // the validated step (src/dispatch)
+  std::shared_ptr<const State> state;  // null until plan_varlen_kvcache succeeds
+};
+Status plan_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
+                           const TensorView& v_cache, const MutableTensorView& out,
+                           const MutableTensorView& lse, const VarlenKvCacheOptions& options,
+                           VarlenKvCachePlan* plan);
+Status run_varlen_kvcache(const VarlenKvCachePlan& plan, const TensorView& q,
+                          const TensorView& k_cache, const TensorView& v_cache,
+                          const MutableTensorView& out, const MutableTensorView& lse,
+                          const VarlenKvCacheLayer& layer = {});
 
 // quantize_kv: new K or V rows into an 8-bit cache format, for engines that write their own cache
 // (vLLM's reshape_and_cache with an fp8 cache, say). dst * scale stands for src:

@@ -9,6 +9,8 @@ Functions:
     paged_attention: a mixed batch (prefill chunks and decoding sequences) over a paged cache in
         vLLM's shapes, in one call; flash_attn_varlen_func(block_table=...) is the same call in
         FlashAttention's.
+    plan_paged_attention: paged_attention's step planned once and run in every layer
+        (PagedAttentionPlan.run), FlashInfer's plan() / run().
     quantize_kv: K or V rows into an 8-bit cache format (int8, float8_e4m3fn, float8_e5m2)
         with per-tensor, per-head or per-token scales, for engines that write their own cache.
     simd_target: the SIMD instruction set the library dispatched to on this machine.
@@ -18,6 +20,7 @@ Classes:
     AttentionLayer: optimum-neuron's attention layer (projections, RoPE, KV cache write,
         prefill/decode attention, O projection) with weights in torch.nn.Linear layout.
     KvCache: one layer's KV cache, from AttentionLayer.new_cache(batch, max_len).
+    PagedAttentionPlan: a planned serving step, from plan_paged_attention.
 
 Inputs are numpy arrays (float32, float16; bfloat16 through ``ml_dtypes``) or DLPack tensors
 (torch.Tensor in float32, float16, bfloat16), read without copying; outputs come back in the
@@ -31,7 +34,13 @@ from ._attention import attention_cte
 from ._blas import register_scipy_openblas
 from ._flash_attn import flash_attn_func, flash_attn_varlen_func
 from ._flashcte import simd_target, version
-from ._kvcache import flash_attn_with_kvcache, paged_attention, quantize_kv
+from ._kvcache import (
+    PagedAttentionPlan,
+    flash_attn_with_kvcache,
+    paged_attention,
+    plan_paged_attention,
+    quantize_kv,
+)
 from ._layer import AttentionLayer, layer_gemm_backend
 from ._layer_cache import KvCache
 
@@ -44,12 +53,14 @@ del register_scipy_openblas, version
 __all__ = [
     "AttentionLayer",
     "KvCache",
+    "PagedAttentionPlan",
     "attention_cte",
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
     "layer_gemm_backend",
     "paged_attention",
+    "plan_paged_attention",
     "quantize_kv",
     "simd_target",
 ]

@@ -73,6 +73,47 @@ def flash_attn_varlen_kvcache(
     flash_attn_varlen_kvcache into caller-allocated outputs, the caches read only; the other arguments are VarlenKvCacheOptions' fields by name. Raises TypeError/ValueError with the library's message.
     """
 
+class VarlenKvCachePlan:
+    """
+    A serving step of flash_attn_varlen_kvcache planned once (plan_varlen_kvcache), run in every layer (run_varlen_kvcache).
+    """
+
+def plan_varlen_kvcache(
+    *,
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    out: object,
+    lse: object | None,
+    bf16_bits: bool,
+    k_cache_format: str = "",
+    v_cache_format: str = "",
+    **options: object,
+) -> VarlenKvCachePlan:
+    """
+    flash_attn_varlen_kvcache's checks on one layer's tensors (nothing is computed); the step comes back as a VarlenKvCachePlan. Raises TypeError/ValueError with the library's message.
+    """
+
+def run_varlen_kvcache(
+    *,
+    plan: VarlenKvCachePlan,
+    q: object,
+    k_cache: object,
+    v_cache: object,
+    out: object,
+    lse: object | None,
+    bf16_bits: bool,
+    k_cache_format: str = "",
+    v_cache_format: str = "",
+    k_scale: object | None = None,
+    v_scale: object | None = None,
+    alibi_slopes: object | None = None,
+    sinks: object | None = None,
+) -> None:
+    """
+    One layer of a planned step into caller-allocated outputs: its tensors at any address, in the plan's layouts. Raises TypeError/ValueError with the library's message.
+    """
+
 MAX_HEAD_DIM: int
 
 def simd_target() -> str:

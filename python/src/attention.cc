@@ -142,23 +142,77 @@ void flash_attn_with_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cach
   if (!status.ok) raise_status(status);
 }
 
+// The tensors of a mixed batch's call (flash_attn_varlen_kvcache, its plan and its runs): q, the
+// caches (read only; an 8-bit one by its format's name) and the outputs.
+struct VarlenTensors {
+  Imports im;
+  flashcte::TensorView q, k_cache, v_cache;
+  flashcte::MutableTensorView out, lse;
+
+  VarlenTensors(nb::handle q_h, nb::handle k_h, nb::handle v_h, nb::handle out_h, nb::handle lse_h,
+                bool bf16_bits, const std::string& k_format, const std::string& v_format) {
+    im.bf16_bits = bf16_bits;
+    q = im.in("q", q_h);
+    k_cache = im.in("k_cache", k_h, kv8_format("k_cache", k_format));
+    v_cache = im.in("v_cache", v_h, kv8_format("v_cache", v_format));
+    out = im.out("out", out_h);
+    lse = im.out("lse", lse_h);
+  }
+};
+
 // flash_attn_varlen_kvcache (flashcte/kvcache.h) into caller-allocated outputs, the caches only
 // read; every other argument by keyword, as VarlenKvCacheOptions names it.
 void flash_attn_varlen_kvcache(nb::handle q, nb::handle k_cache, nb::handle v_cache, nb::handle out,
                                nb::handle lse, bool bf16_bits, const std::string& k_cache_format,
                                const std::string& v_cache_format, const nb::kwargs& options) {
-  Imports im;
-  im.bf16_bits = bf16_bits;
-  const flashcte::TensorView qv = im.in("q", q);
-  const flashcte::TensorView kc = im.in("k_cache", k_cache, kv8_format("k_cache", k_cache_format));
-  const flashcte::TensorView vc = im.in("v_cache", v_cache, kv8_format("v_cache", v_cache_format));
-  const flashcte::MutableTensorView ov = im.out("out", out), lv = im.out("lse", lse);
+  VarlenTensors t(q, k_cache, v_cache, out, lse, bf16_bits, k_cache_format, v_cache_format);
   flashcte::VarlenKvCacheOptions o;
-  set_options(im, o, options, kVarlenKvCacheOptions, "flash_attn_varlen_kvcache");
+  set_options(t.im, o, options, kVarlenKvCacheOptions, "flash_attn_varlen_kvcache");
   flashcte::Status status;
   {
     nb::gil_scoped_release release;
-    status = flashcte::flash_attn_varlen_kvcache(qv, kc, vc, ov, lv, o);
+    status = flashcte::flash_attn_varlen_kvcache(t.q, t.k_cache, t.v_cache, t.out, t.lse, o);
+  }
+  if (!status.ok) raise_status(status);
+}
+
+// plan_varlen_kvcache (flashcte/kvcache.h): flash_attn_varlen_kvcache's checks on one layer's
+// tensors, the step kept for run_varlen_kvcache.
+flashcte::VarlenKvCachePlan plan_varlen_kvcache(nb::handle q, nb::handle k_cache,
+                                                nb::handle v_cache, nb::handle out, nb::handle lse,
+                                                bool bf16_bits, const std::string& k_cache_format,
+                                                const std::string& v_cache_format,
+                                                const nb::kwargs& options) {
+  VarlenTensors t(q, k_cache, v_cache, out, lse, bf16_bits, k_cache_format, v_cache_format);
+  flashcte::VarlenKvCacheOptions o;
+  set_options(t.im, o, options, kVarlenKvCacheOptions, "plan_varlen_kvcache");
+  flashcte::VarlenKvCachePlan plan;
+  flashcte::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = flashcte::plan_varlen_kvcache(t.q, t.k_cache, t.v_cache, t.out, t.lse, o, &plan);
+  }
+  if (!status.ok) raise_status(status);
+  return plan;
+}
+
+// run_varlen_kvcache (flashcte/kvcache.h): one layer of a planned step into caller-allocated
+// outputs.
+void run_varlen_kvcache(const flashcte::VarlenKvCachePlan& plan, nb::handle q, nb::handle k_cache,
+                        nb::handle v_cache, nb::handle out, nb::handle lse, bool bf16_bits,
+                        const std::string& k_cache_format, const std::string& v_cache_format,
+                        nb::handle k_scale, nb::handle v_scale, nb::handle alibi_slopes,
+                        nb::handle sinks) {
+  VarlenTensors t(q, k_cache, v_cache, out, lse, bf16_bits, k_cache_format, v_cache_format);
+  flashcte::VarlenKvCacheLayer layer;
+  layer.k_scale = t.im.in("k_scale", k_scale);
+  layer.v_scale = t.im.in("v_scale", v_scale);
+  layer.alibi_slopes = t.im.in("alibi_slopes", alibi_slopes);
+  layer.sinks = t.im.in("sinks", sinks);
+  flashcte::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = flashcte::run_varlen_kvcache(plan, t.q, t.k_cache, t.v_cache, t.out, t.lse, layer);
   }
   if (!status.ok) raise_status(status);
 }
@@ -233,6 +287,24 @@ void bind_attention(nb::module_& m) {
         "flash_attn_varlen_kvcache into caller-allocated outputs, the caches read only; the "
         "other arguments are VarlenKvCacheOptions' fields by name. Raises TypeError/ValueError "
         "with the library's message.");
+  nb::class_<flashcte::VarlenKvCachePlan>(
+      m, "VarlenKvCachePlan",
+      "A serving step of flash_attn_varlen_kvcache planned once (plan_varlen_kvcache), run in "
+      "every layer (run_varlen_kvcache).");
+  m.def("plan_varlen_kvcache", &plan_varlen_kvcache, nb::kw_only(), nb::arg("q"),
+        nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"), nb::arg("lse").none(),
+        nb::arg("bf16_bits"), nb::arg("k_cache_format") = "", nb::arg("v_cache_format") = "",
+        nb::arg("options"),
+        "flash_attn_varlen_kvcache's checks on one layer's tensors (nothing is computed); the "
+        "step comes back as a VarlenKvCachePlan. Raises TypeError/ValueError with the library's "
+        "message.");
+  m.def("run_varlen_kvcache", &run_varlen_kvcache, nb::kw_only(), nb::arg("plan"), nb::arg("q"),
+        nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("out"), nb::arg("lse").none(),
+        nb::arg("bf16_bits"), nb::arg("k_cache_format") = "", nb::arg("v_cache_format") = "",
+        nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
+        "One layer of a planned step into caller-allocated outputs: its tensors at any address, "
+        "in the plan's layouts. Raises TypeError/ValueError with the library's message.");
 }
 
 }  // namespace flashcte::python

@@ -177,7 +177,11 @@ Status check_pages(const KvCacheOptions& o, const Shape& s, const std::vector<Sp
   const TensorView& t = s.paged ? o.block_table : o.cache_batch_idx;
   const int64_t page_slots = s.row_slots;
   std::vector<int32_t> table(static_cast<size_t>(s.batch * s.pages_per_sequence), -1);
-  std::map<int32_t, int64_t> references;  // page -> entries that name it
+  // page -> entries that name it, counted only when the call writes (for the check below): a
+  // decode step's table of 8 x 256 pages went through the map in every layer's call otherwise.
+  const bool writes =
+      std::any_of(written.begin(), written.end(), [](const Span& w) { return w.lo < w.hi; });
+  std::map<int32_t, int64_t> references;
   for (int64_t b = 0; b < s.batch; ++b) {
     const Span spans[] = {read[b], written[b]};
     for (int64_t i = 0; i < s.pages_per_sequence; ++i) {
@@ -194,7 +198,7 @@ Status check_pages(const KvCacheOptions& o, const Shape& s, const std::vector<Sp
                      to_string(s.cache_rows) + ")");
       }
       table[static_cast<size_t>(b * s.pages_per_sequence + i)] = page;
-      ++references[page];
+      if (writes) ++references[page];
     }
   }
   for (int64_t b = 0; b < s.batch; ++b) {
@@ -231,15 +235,7 @@ Status check_alibi(const TensorView& t, const Shape& s, DecodeProblem* p, Extent
   }
   p->alibi = static_cast<const float*>(t.data);
   p->alibi_strides = {per_batch ? t.strides[0] : 0, per_batch ? t.strides[1] : t.strides[0]};
-  for (int64_t b = 0; b < (per_batch ? s.batch : 1); ++b) {
-    for (int64_t h = 0; h < s.heads; ++h) {
-      if (!std::isfinite(p->alibi[b * p->alibi_strides[0] + h * p->alibi_strides[1]])) {
-        return error("alibi_slopes: entry (" + (per_batch ? to_string(b) + ", " : "") +
-                     to_string(h) + ") is not finite");
-      }
-    }
-  }
-  return Status::Ok();
+  return check_alibi_values(t);
 }
 
 // sinks (heads,) float32, each finite or -inf (no sink).
@@ -249,14 +245,7 @@ Status check_sinks(const TensorView& t, const Shape& s, DecodeProblem* p, Extent
   FLASHCTE_RETURN_IF_ERROR(expect_axis("sinks", t, 0, s.heads, "q's heads"));
   p->sink = static_cast<const float*>(t.data);
   p->sink_stride = t.strides[0];
-  for (int64_t h = 0; h < s.heads; ++h) {
-    const float sink = p->sink[h * p->sink_stride];
-    if (std::isnan(sink) || sink == std::numeric_limits<float>::infinity()) {
-      return error("sinks: [" + to_string(h) + "] = " + to_string(sink) +
-                   " must not be NaN or +inf (-inf: no sink)");
-    }
-  }
-  return Status::Ok();
+  return check_sink_values(t);
 }
 
 Status check_outputs(const MutableTensorView& out, const MutableTensorView& lse, const Shape& s,
@@ -344,6 +333,31 @@ Status check_aliasing(const Extents& e, bool appending) {
 }
 
 }  // namespace
+
+Status check_alibi_values(const TensorView& t) {
+  const bool per_batch = t.rank == 2;
+  const auto* slopes = static_cast<const float*>(t.data);
+  for (int64_t b = 0; b < (per_batch ? t.shape[0] : 1); ++b) {
+    for (int64_t h = 0; h < t.shape[per_batch ? 1 : 0]; ++h) {
+      if (!std::isfinite(slopes[(per_batch ? b * t.strides[0] : 0) + h * t.strides[t.rank - 1]])) {
+        return error("alibi_slopes: entry (" + (per_batch ? to_string(b) + ", " : "") +
+                     to_string(h) + ") is not finite");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status check_sink_values(const TensorView& t) {
+  for (int64_t h = 0; h < t.shape[0]; ++h) {
+    const float sink = static_cast<const float*>(t.data)[h * t.strides[0]];
+    if (std::isnan(sink) || sink == std::numeric_limits<float>::infinity()) {
+      return error("sinks: [" + to_string(h) + "] = " + to_string(sink) +
+                   " must not be NaN or +inf (-inf: no sink)");
+    }
+  }
+  return Status::Ok();
+}
 
 Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
                         const MutableTensorView& v_cache, const MutableTensorView& out,

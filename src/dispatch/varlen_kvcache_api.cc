@@ -6,10 +6,14 @@
 // flash_attn_with_kvcache call of batch 1 it is, validated by that validator, and its problem goes
 // to the kernel its length calls for: the decode kernel for a few queries, attention_cte for a
 // longer chunk. Every kernel's work runs in one parallel region (src/schedule/region.h), split by
-// estimated cost.
+// estimated cost. plan_varlen_kvcache keeps those problems (the step) and run_varlen_kvcache
+// moves their pointers to another layer's tensors of the same layouts, checking only what may
+// differ between layers.
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <exception>
+#include <memory>
 #include <new>
 #include <string>
 #include <tuple>
@@ -194,89 +198,268 @@ MutableTensorView writable(const TensorView& v) {
   return {const_cast<void*>(v.data), v.dtype, v.rank, v.shape, v.strides};
 }
 
+// Each sequence with query rows as its kernel's problem: a validated mixed batch.
+struct VarlenStep {
+  std::vector<DecodeProblem> decodes;
+  std::vector<Problem> prefills;
+};
+
+// Checks the whole call and fills the step.
+Status plan_step(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                 const MutableTensorView& out, const MutableTensorView& lse,
+                 const VarlenKvCacheOptions& options, VarlenStep* step) {
+  Varlen c;
+  FLASHCTE_RETURN_IF_ERROR(check_call(q, k_cache, v_cache, out, lse, options, &c));
+  const bool paged = options.block_table.present();
+  KvCacheOptions o;
+  o.softmax_scale = options.softmax_scale;
+  o.causal = options.causal;
+  o.window_left = options.window_left;
+  o.window_right = options.window_right;
+  o.softcap = options.softcap;
+  o.num_threads = options.num_threads;
+  // The rules of every sequence's call (dtypes, heads, head dims, the scale, softcap, sinks,
+  // ALiBi, the 8-bit scales, out's dtype and dv) bind a sequence without query rows, and a
+  // batch of none, too: then they are checked once as the whole batch's call of no row. When
+  // every sequence has rows, their own calls check them all (and the mixed call's overhead
+  // stays what it was: the extra pass cost ~2 us of ~97 for 4 sequences, AMD EPYC Zen 4).
+  const bool row_less =
+      c.batch == 0 || std::adjacent_find(c.starts.begin(), c.starts.end()) != c.starts.end();
+  if (row_less) {
+    KvCacheOptions whole = o;
+    whole.cache_seqlens = options.seqused_k;
+    whole.block_table = options.block_table;
+    whole.k_scale = writable(options.k_scale);
+    whole.v_scale = writable(options.v_scale);
+    whole.alibi_slopes = options.alibi_slopes;
+    whole.sinks = options.sinks;
+    KvCacheRequest request;
+    FLASHCTE_RETURN_IF_ERROR(validate_kvcache(
+        no_rows(q, 0, c.batch), writable(k_cache), writable(v_cache), no_rows(out, 0, c.batch),
+        lse.present() ? no_rows(lse, 1, c.batch) : MutableTensorView{}, whole, &request));
+  }
+  step->decodes.reserve(static_cast<size_t>(c.batch));
+  step->prefills.reserve(static_cast<size_t>(c.batch));
+  for (int64_t b = 0; b < c.batch; ++b) {
+    const int64_t first = c.starts[b], rows = c.starts[b + 1] - first;
+    if (rows == 0) continue;
+    const MutableTensorView k_b = writable(paged ? k_cache : entry(k_cache, b));
+    const MutableTensorView v_b = writable(paged ? v_cache : entry(v_cache, b));
+    o.cache_seqlens = entry(options.seqused_k, b);
+    if (paged) o.block_table = entry(options.block_table, b);
+    // An 8-bit cache's scales: one per cache or KV head as they are, one per token as the
+    // cache (row b when dense).
+    for (auto [scale, given] :
+         {std::pair{&o.k_scale, &options.k_scale}, std::pair{&o.v_scale, &options.v_scale}}) {
+      *scale = writable(given->rank == 3 && !paged ? entry(*given, b) : *given);
+    }
+    o.sinks = options.sinks;
+    o.alibi_slopes = options.alibi_slopes;
+    if (o.alibi_slopes.present() && o.alibi_slopes.rank == 2) {
+      o.alibi_slopes = entry(options.alibi_slopes, b);  // (batch, heads): row b
+    }
+    MutableTensorView lse_b;
+    if (lse.present()) lse_b = rows_of(lse, 1, first, rows);
+    KvCacheRequest request;
+    Status s = validate_kvcache(rows_of(q, 0, first, rows), k_b, v_b, rows_of(out, 0, first, rows),
+                                lse_b, o, &request);
+    if (!s.ok) return s.with_suffix(" (sequence " + std::to_string(b) + ")");
+    if (rows <= kDecodeMaxQueries) {
+      step->decodes.push_back(std::move(request.decode));
+    } else {
+      step->prefills.push_back(prefill_problem(request, 0));
+    }
+  }
+  return Status::Ok();
+}
+
+void run_step(const VarlenStep& step, int threads, ThreadProfile* profile) {
+  const std::vector<AttentionKernel> prefill_kernels(step.prefills.begin(), step.prefills.end());
+  const std::vector<DecodeKernel> decode_kernels(step.decodes.begin(), step.decodes.end());
+  run_kernels(addresses(prefill_kernels), addresses(decode_kernels), threads, profile);
+}
+
+// The tensors of a call that a step's pointers address, one set per layer.
+struct LayerTensors {
+  TensorView q, k_cache, v_cache, k_scale, v_scale, alibi_slopes, sinks;
+  MutableTensorView out, lse;
+};
+
+// p, an address inside the tensor that starts at `from`, at the same offset from `to`: a tensor
+// of the same layout. Every pointer of a step is derived from its tensor's data, so the offset is
+// one within that tensor.
+template <class T>
+T* moved(T* p, const void* from, const void* to) {
+  if (p == nullptr) return p;
+  const std::ptrdiff_t offset = static_cast<const unsigned char*>(static_cast<const void*>(p)) -
+                                static_cast<const unsigned char*>(from);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): `to` is writable where T is
+  auto* at = const_cast<unsigned char*>(static_cast<const unsigned char*>(to)) + offset;
+  return static_cast<T*>(static_cast<void*>(at));
+}
+
+// A layer's 8-bit scales read as the step's per-KV-head values (empty: per token or none).
+struct LayerScales {
+  std::vector<float> k, v;
+};
+
+void move_to_layer(const LayerTensors& a, const LayerTensors& b, const LayerScales& scales,
+                   DecodeProblem* p) {
+  p->q = moved(p->q, a.q.data, b.q.data);
+  p->out = moved(p->out, a.out.data, b.out.data);
+  p->lse = moved(p->lse, a.lse.data, b.lse.data);
+  p->k.data = moved(p->k.data, a.k_cache.data, b.k_cache.data);
+  p->v.data = moved(p->v.data, a.v_cache.data, b.v_cache.data);
+  p->k_token_scale.data = moved(p->k_token_scale.data, a.k_scale.data, b.k_scale.data);
+  p->v_token_scale.data = moved(p->v_token_scale.data, a.v_scale.data, b.v_scale.data);
+  p->sink = moved(p->sink, a.sinks.data, b.sinks.data);
+  p->alibi = moved(p->alibi, a.alibi_slopes.data, b.alibi_slopes.data);
+  if (!p->k_scale.empty()) p->k_scale = scales.k;
+  if (!p->v_scale.empty()) p->v_scale = scales.v;
+}
+
+void move_to_layer(const LayerTensors& a, const LayerTensors& b, const LayerScales& scales,
+                   Problem* p) {
+  p->q.data = moved(p->q.data, a.q.data, b.q.data);
+  p->out.data = moved(p->out.data, a.out.data, b.out.data);
+  p->lse.data = moved(p->lse.data, a.lse.data, b.lse.data);
+  p->k_prior.data = moved(p->k_prior.data, a.k_cache.data, b.k_cache.data);
+  p->v_prior.data = moved(p->v_prior.data, a.v_cache.data, b.v_cache.data);
+  p->k_prior_token_scale.data = moved(p->k_prior_token_scale.data, a.k_scale.data, b.k_scale.data);
+  p->v_prior_token_scale.data = moved(p->v_prior_token_scale.data, a.v_scale.data, b.v_scale.data);
+  p->sink = moved(p->sink, a.sinks.data, b.sinks.data);
+  p->alibi_slopes = moved(p->alibi_slopes, a.alibi_slopes.data, b.alibi_slopes.data);
+  if (!p->k_prior_scale.empty()) p->k_prior_scale = scales.k;
+  if (!p->v_prior_scale.empty()) p->v_prior_scale = scales.v;
+}
+
+// A layer's `given` view against the plan's `planned`: given exactly when planned, with its
+// dtype, shape and strides, and data.
+template <class View>
+Status expect_planned(const char* name, const View& planned, const View& given, Extent* extent) {
+  if (planned.present() != given.present()) {
+    return error(std::string(name) + (planned.present() ? ": is required: the plan has one"
+                                                        : ": the plan was made without one"));
+  }
+  if (!planned.present()) return Status::Ok();
+  if (given.dtype != planned.dtype) {
+    return Status::DtypeError(std::string(name) + ": dtype " + dtype_name(given.dtype) +
+                              " differs from the plan's " + dtype_name(planned.dtype));
+  }
+  const auto layout = [](const View& v) {
+    return "shape " + shape_str(v.shape.data(), v.rank) + " and strides " +
+           shape_str(v.strides.data(), v.rank);
+  };
+  if (given.rank != planned.rank ||
+      !std::equal(given.shape.begin(), given.shape.begin() + given.rank, planned.shape.begin()) ||
+      !std::equal(given.strides.begin(), given.strides.begin() + given.rank,
+                  planned.strides.begin())) {
+    return error(std::string(name) + ": " + layout(given) + " differ from the plan's " +
+                 layout(planned) + "; a plan runs layers of the layout it was made with");
+  }
+  return check_view(name, given, false, extent);
+}
+
 }  // namespace
 }  // namespace flashcte::internal
 
 namespace flashcte {
 
+struct VarlenKvCachePlan::State {
+  internal::VarlenStep step;
+  // The tensors the plan was made with: their layouts bind every run; their addresses are where
+  // the step's pointers are moved from (nothing is read through them after planning).
+  internal::LayerTensors tensors;
+  int threads = 0;
+  ThreadProfile* profile = nullptr;
+};
+
 Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
                                  const TensorView& v_cache, const MutableTensorView& out,
                                  const MutableTensorView& lse,
                                  const VarlenKvCacheOptions& options) {
-  using internal::entry;
-  using internal::rows_of;
   return internal::guarded("the call's scratch", [&]() -> Status {
-    internal::Varlen c;
-    Status s = internal::check_call(q, k_cache, v_cache, out, lse, options, &c);
-    if (!s.ok) return s;
-    const bool paged = options.block_table.present();
-    KvCacheOptions o;
-    o.softmax_scale = options.softmax_scale;
-    o.causal = options.causal;
-    o.window_left = options.window_left;
-    o.window_right = options.window_right;
-    o.softcap = options.softcap;
-    o.num_threads = options.num_threads;
-    // The rules of every sequence's call (dtypes, heads, head dims, the scale, softcap, sinks,
-    // ALiBi, the 8-bit scales, out's dtype and dv) bind a sequence without query rows, and a
-    // batch of none, too: then they are checked once as the whole batch's call of no row. When
-    // every sequence has rows, their own calls check them all (and the mixed call's overhead
-    // stays what it was: the extra pass cost ~2 us of ~97 for 4 sequences, AMD EPYC Zen 4).
-    const bool row_less =
-        c.batch == 0 || std::adjacent_find(c.starts.begin(), c.starts.end()) != c.starts.end();
-    if (row_less) {
-      o.cache_seqlens = options.seqused_k;
-      o.block_table = options.block_table;
-      o.k_scale = internal::writable(options.k_scale);
-      o.v_scale = internal::writable(options.v_scale);
-      o.alibi_slopes = options.alibi_slopes;
-      o.sinks = options.sinks;
-      internal::KvCacheRequest whole;
-      s = internal::validate_kvcache(
-          internal::no_rows(q, 0, c.batch), internal::writable(k_cache),
-          internal::writable(v_cache), internal::no_rows(out, 0, c.batch),
-          lse.present() ? internal::no_rows(lse, 1, c.batch) : MutableTensorView{}, o, &whole);
-      if (!s.ok) return s;
+    internal::VarlenStep step;
+    FLASHCTE_RETURN_IF_ERROR(internal::plan_step(q, k_cache, v_cache, out, lse, options, &step));
+    internal::run_step(step, options.num_threads, options.profile);
+    return Status::Ok();
+  });
+}
+
+Status plan_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
+                           const TensorView& v_cache, const MutableTensorView& out,
+                           const MutableTensorView& lse, const VarlenKvCacheOptions& options,
+                           VarlenKvCachePlan* plan) {
+  if (plan == nullptr) return Status::Error("plan: must not be null");
+  return internal::guarded("the plan", [&]() -> Status {
+    auto state = std::make_shared<VarlenKvCachePlan::State>();
+    FLASHCTE_RETURN_IF_ERROR(
+        internal::plan_step(q, k_cache, v_cache, out, lse, options, &state->step));
+    state->tensors = {q,
+                      k_cache,
+                      v_cache,
+                      options.k_scale,
+                      options.v_scale,
+                      options.alibi_slopes,
+                      options.sinks,
+                      out,
+                      lse};
+    state->threads = options.num_threads;
+    state->profile = options.profile;
+    plan->state = std::move(state);
+    return Status::Ok();
+  });
+}
+
+Status run_varlen_kvcache(const VarlenKvCachePlan& plan, const TensorView& q,
+                          const TensorView& k_cache, const TensorView& v_cache,
+                          const MutableTensorView& out, const MutableTensorView& lse,
+                          const VarlenKvCacheLayer& layer) {
+  if (plan.state == nullptr) {
+    return Status::Error("plan: holds no step; make it with plan_varlen_kvcache");
+  }
+  const VarlenKvCachePlan::State& planned = *plan.state;
+  const internal::LayerTensors& was = planned.tensors;
+  const internal::LayerTensors now = {
+      q, k_cache, v_cache, layer.k_scale, layer.v_scale, layer.alibi_slopes, layer.sinks, out, lse};
+  return internal::guarded("the call's scratch", [&]() -> Status {
+    internal::Extent eq, ek, ev, eks, evs, ealibi, esinks, eout, e_lse;
+    FLASHCTE_RETURN_IF_ERROR(internal::expect_planned("q", was.q, now.q, &eq));
+    FLASHCTE_RETURN_IF_ERROR(internal::expect_planned("k_cache", was.k_cache, now.k_cache, &ek));
+    FLASHCTE_RETURN_IF_ERROR(internal::expect_planned("v_cache", was.v_cache, now.v_cache, &ev));
+    FLASHCTE_RETURN_IF_ERROR(internal::expect_planned("k_scale", was.k_scale, now.k_scale, &eks));
+    FLASHCTE_RETURN_IF_ERROR(internal::expect_planned("v_scale", was.v_scale, now.v_scale, &evs));
+    FLASHCTE_RETURN_IF_ERROR(
+        internal::expect_planned("alibi_slopes", was.alibi_slopes, now.alibi_slopes, &ealibi));
+    FLASHCTE_RETURN_IF_ERROR(internal::expect_planned("sinks", was.sinks, now.sinks, &esinks));
+    FLASHCTE_RETURN_IF_ERROR(internal::expect_planned("out", was.out, now.out, &eout));
+    FLASHCTE_RETURN_IF_ERROR(internal::expect_planned("lse", was.lse, now.lse, &e_lse));
+    FLASHCTE_RETURN_IF_ERROR(
+        internal::check_disjoint({{"out", eout}, {"lse", e_lse}}, {{"q", eq},
+                                                                   {"k_cache", ek},
+                                                                   {"v_cache", ev},
+                                                                   {"alibi_slopes", ealibi},
+                                                                   {"sinks", esinks},
+                                                                   {"k_scale", eks},
+                                                                   {"v_scale", evs}}));
+    if (now.alibi_slopes.present()) {
+      FLASHCTE_RETURN_IF_ERROR(internal::check_alibi_values(now.alibi_slopes));
     }
-    // Each sequence's problem: decode problems and attention_cte problems, kept until the run.
-    std::vector<internal::DecodeProblem> decodes;
-    std::vector<internal::Problem> prefills;
-    decodes.reserve(static_cast<size_t>(c.batch));
-    prefills.reserve(static_cast<size_t>(c.batch));
-    for (int64_t b = 0; b < c.batch; ++b) {
-      const int64_t first = c.starts[b], rows = c.starts[b + 1] - first;
-      if (rows == 0) continue;
-      const MutableTensorView k_b = internal::writable(paged ? k_cache : entry(k_cache, b));
-      const MutableTensorView v_b = internal::writable(paged ? v_cache : entry(v_cache, b));
-      o.cache_seqlens = entry(options.seqused_k, b);
-      if (paged) o.block_table = entry(options.block_table, b);
-      // An 8-bit cache's scales: one per cache or KV head as they are, one per token as the
-      // cache (row b when dense).
-      for (auto [scale, given] :
-           {std::pair{&o.k_scale, &options.k_scale}, std::pair{&o.v_scale, &options.v_scale}}) {
-        *scale = internal::writable(given->rank == 3 && !paged ? entry(*given, b) : *given);
-      }
-      o.sinks = options.sinks;
-      o.alibi_slopes = options.alibi_slopes;
-      if (o.alibi_slopes.present() && o.alibi_slopes.rank == 2) {
-        o.alibi_slopes = entry(options.alibi_slopes, b);  // (batch, heads): row b
-      }
-      MutableTensorView lse_b;
-      if (lse.present()) lse_b = rows_of(lse, 1, first, rows);
-      internal::KvCacheRequest request;
-      s = internal::validate_kvcache(rows_of(q, 0, first, rows), k_b, v_b,
-                                     rows_of(out, 0, first, rows), lse_b, o, &request);
-      if (!s.ok) return s.with_suffix(" (sequence " + std::to_string(b) + ")");
-      if (rows <= internal::kDecodeMaxQueries) {
-        decodes.push_back(std::move(request.decode));
-      } else {
-        prefills.push_back(internal::prefill_problem(request, 0));
+    if (now.sinks.present()) FLASHCTE_RETURN_IF_ERROR(internal::check_sink_values(now.sinks));
+    // One scale per cache or KV head is read (and checked) as the step reads it; per token,
+    // the step reads the layer's scales through its pages.
+    internal::LayerScales scales;
+    const int64_t kv_heads = k_cache.shape[2];
+    for (auto [name, view, values] : {std::tuple{"k_scale", &now.k_scale, &scales.k},
+                                      std::tuple{"v_scale", &now.v_scale, &scales.v}}) {
+      if (view->present() && view->rank == 1) {
+        FLASHCTE_RETURN_IF_ERROR(internal::read_scale_entries(name, *view, kv_heads, values));
       }
     }
-    const std::vector<internal::AttentionKernel> prefill_kernels(prefills.begin(), prefills.end());
-    const std::vector<internal::DecodeKernel> decode_kernels(decodes.begin(), decodes.end());
-    internal::run_kernels(internal::addresses(prefill_kernels), internal::addresses(decode_kernels),
-                          options.num_threads, options.profile);
+    internal::VarlenStep step = planned.step;
+    for (internal::DecodeProblem& p : step.decodes) internal::move_to_layer(was, now, scales, &p);
+    for (internal::Problem& p : step.prefills) internal::move_to_layer(was, now, scales, &p);
+    internal::run_step(step, planned.threads, planned.profile);
     return Status::Ok();
   });
 }
