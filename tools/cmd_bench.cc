@@ -1,9 +1,6 @@
-// `flashcte bench`: one configuration, timed for flashcte and, on request, for two peers:
-//   materialized  what a user writes without a flash kernel: per head, OpenBLAS sgemm Q.K^T into
-//                 a full Sq x Skv score matrix, a (vectorized) masked row softmax, sgemm P.V.
-//                 float32 only; bfloat16/float16 inputs are widened once, outside the timing.
-//   sgemm         the roofline: one square OpenBLAS sgemm with about attention's FLOP count, with
-//                 OpenBLAS's best kernels for the CPU (openblas_core.h: may re-exec itself).
+// `flashcte bench`: one configuration, timed for flashcte and, on request, for two peers
+// (bench_impls.h): the materialized matmul-softmax-matmul, and the sgemm roofline with OpenBLAS's
+// best kernels for the CPU (openblas_core.h: may re-exec itself).
 // and, alone, the arithmetic limit of the cores (--impl peak, peak.h): no attention is timed.
 // Attention impls report GFLOP/s over the useful FLOPs, 4*d*heads*(unmasked query-key pairs), so
 // a dense peer that also computes the masked half is charged for it; sgemm reports 2MNK/time.
@@ -26,6 +23,7 @@
 #include "tools/args.h"
 #include "tools/attention_flags.h"
 #include "tools/bench_decode.h"
+#include "tools/bench_impls.h"
 #include "tools/commands.h"
 #include "tools/json.h"
 #include "tools/openblas_core.h"
@@ -34,8 +32,6 @@
 
 #if FLASHCTE_HAVE_OPENBLAS
 #include <cblas.h>
-
-#include "tools/bench_softmax.h"
 #endif
 #include <omp.h>
 
@@ -45,175 +41,11 @@ namespace {
 constexpr char kCommand[] = "bench";
 constexpr int64_t kMaxLength = int64_t{1} << 24;
 
-struct Config {
-  int64_t sq, skv, d, heads, kv_heads;
-  bool causal;
-  DType dtype;
-  int threads;
-  float scale;
-  TileConfig tiles;  // 0: the library's automatic choice
-  OpenBlasSelection openblas;
-};
-
 double PeakRssMiB() {
   struct rusage usage {};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
 }
-
-class Impl {
- public:
-  virtual ~Impl() = default;
-  virtual const char* name() const = 0;
-  // Allocates and fills this impl's buffers.
-  virtual bool Setup(std::string* error) = 0;
-  virtual bool Run(std::string* error) = 0;
-  virtual double Flops() const = 0;
-  // This impl's own fields of the JSON line.
-  virtual void AddJson(Json*) const {}
-  virtual bool UsesOpenBlas() const { return false; }
-};
-
-class FlashImpl : public Impl {
- public:
-  explicit FlashImpl(const Config& c) : c_(c) {}
-  const char* name() const override { return "flashcte"; }
-  bool Setup(std::string*) override {
-    q_ = HostTensor(c_.dtype, {c_.heads, c_.sq, c_.d});
-    k_ = HostTensor(c_.dtype, {c_.kv_heads, c_.d, c_.skv});
-    v_ = HostTensor(c_.dtype, {c_.kv_heads, c_.skv, c_.d});
-    out_ = HostTensor(c_.dtype, {c_.heads, c_.sq, c_.d});
-    FillUniform(&q_, 1, 0.0f, 1.0f);
-    FillUniform(&k_, 2, 0.0f, 1.0f);
-    FillUniform(&v_, 3, 0.0f, 1.0f);
-    options_.scale = c_.scale;
-    options_.causal_mask = c_.causal;
-    options_.num_threads = c_.threads;
-    options_.tiles = c_.tiles;
-    return true;
-  }
-  bool Run(std::string* error) override {
-    Outputs outputs;
-    outputs.out = out_.mutable_view();
-    const Status s = attention_cte(q_.view(), k_.view(), v_.view(), outputs, options_);
-    if (!s.ok) *error = "attention_cte: " + s.message;
-    return s.ok;
-  }
-  double Flops() const override {
-    return 4.0 * c_.d * c_.heads * UnmaskedPairs(c_.sq, c_.skv, c_.causal);
-  }
-  void AddJson(Json* j) const override {
-    (*j)["compute_dtype"] = dtype_name(c_.dtype);
-    (*j)["simd"] = simd_target();
-  }
-
- private:
-  Config c_;
-  HostTensor q_, k_, v_, out_;
-  Options options_;
-};
-
-#if FLASHCTE_HAVE_OPENBLAS
-// The OpenBLAS kernels the process runs with, and why, as JSON fields.
-void AddOpenBlasJson(const OpenBlasSelection& o, Json* j) {
-  (*j)["openblas_core"] = o.used;
-  (*j)["openblas_core_detected"] = o.detected.empty() ? Json() : Json(o.detected);
-  (*j)["openblas_core_overridden"] = o.overridden;
-  (*j)["openblas_core_reason"] = o.reason;
-}
-
-class MaterializedImpl : public Impl {
- public:
-  explicit MaterializedImpl(const Config& c) : c_(c) {}
-  const char* name() const override { return "materialized"; }
-  bool UsesOpenBlas() const override { return true; }
-  bool Setup(std::string*) override {
-    // Same inputs as flashcte (same seeds, rounded to the dtype), then widened to float32.
-    HostTensor q(c_.dtype, {c_.heads, c_.sq, c_.d});
-    HostTensor k(c_.dtype, {c_.kv_heads, c_.d, c_.skv});
-    HostTensor v(c_.dtype, {c_.kv_heads, c_.skv, c_.d});
-    FillUniform(&q, 1, 0.0f, 1.0f);
-    FillUniform(&k, 2, 0.0f, 1.0f);
-    FillUniform(&v, 3, 0.0f, 1.0f);
-    q_ = ToFloat32(q);
-    k_ = ToFloat32(k);
-    v_ = ToFloat32(v);
-    scores_.assign(static_cast<size_t>(c_.sq * c_.skv), 0.0f);
-    out_.assign(static_cast<size_t>(c_.heads * c_.sq * c_.d), 0.0f);
-    return true;
-  }
-  bool Run(std::string*) override {
-    const int64_t group = c_.heads / c_.kv_heads;
-    const int64_t sq = c_.sq, skv = c_.skv, d = c_.d;
-    for (int64_t h = 0; h < c_.heads; ++h) {
-      const float* q = q_.data() + h * sq * d;
-      const float* k = k_.data() + (h / group) * d * skv;  // (d, Skv): the Neuron default layout
-      const float* v = v_.data() + (h / group) * skv * d;
-      float* o = out_.data() + h * sq * d;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, sq, skv, d, c_.scale, q, d, k, skv,
-                  0.0f, scores_.data(), skv);
-      MaskedSoftmaxRows(scores_.data(), sq, skv, skv, c_.causal, c_.threads);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, sq, d, skv, 1.0f, scores_.data(), skv,
-                  v, d, 0.0f, o, d);
-    }
-    return true;
-  }
-  double Flops() const override {
-    return 4.0 * c_.d * c_.heads * UnmaskedPairs(c_.sq, c_.skv, c_.causal);
-  }
-  void AddJson(Json* j) const override {
-    (*j)["compute_dtype"] = "float32";
-    if (c_.dtype != DType::kFloat32) {
-      (*j)["input_conversion"] =
-          std::string(dtype_name(c_.dtype)) + " inputs widened to float32 once, outside the timing";
-    }
-    AddOpenBlasJson(c_.openblas, j);
-  }
-
- private:
-  Config c_;
-  std::vector<float> q_, k_, v_, scores_, out_;
-};
-
-class SgemmImpl : public Impl {
- public:
-  explicit SgemmImpl(const Config& c, double attention_flops) : c_(c) {
-    // A square GEMM of about the attention's useful FLOPs (2n^3 ~ flops), a multiple of 256
-    // within [256, 4096] so it stays in OpenBLAS's steady state and in memory.
-    const double n = std::cbrt(attention_flops / 2.0);
-    n_ = std::clamp<int64_t>(static_cast<int64_t>(n / 256.0) * 256, 256, 4096);
-  }
-  const char* name() const override { return "sgemm"; }
-  bool UsesOpenBlas() const override { return true; }
-  bool Setup(std::string*) override {
-    HostTensor a(DType::kFloat32, {n_, n_}), b(DType::kFloat32, {n_, n_});
-    FillUniform(&a, 4, 0.0f, 1.0f);
-    FillUniform(&b, 5, 0.0f, 1.0f);
-    a_ = ToFloat32(a);
-    b_ = ToFloat32(b);
-    c_out_.assign(static_cast<size_t>(n_ * n_), 0.0f);
-    return true;
-  }
-  bool Run(std::string*) override {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n_, n_, n_, 1.0f, a_.data(), n_,
-                b_.data(), n_, 0.0f, c_out_.data(), n_);
-    return true;
-  }
-  double Flops() const override { return 2.0 * n_ * n_ * n_; }
-  void AddJson(Json* j) const override {
-    (*j)["compute_dtype"] = "float32";
-    (*j)["m"] = n_;
-    (*j)["n"] = n_;
-    (*j)["k"] = n_;
-    AddOpenBlasJson(c_.openblas, j);
-  }
-
- private:
-  Config c_;
-  int64_t n_;
-  std::vector<float> a_, b_, c_out_;
-};
-#endif  // FLASHCTE_HAVE_OPENBLAS
 
 std::vector<FlagSpec> BenchFlagSpecs() {
   return {
@@ -325,9 +157,9 @@ std::string MisplacedFlag(const ParsedFlags& f, const std::string& which) {
 }
 
 // The prefill bench's configuration from the flags; false with a usage error's message.
-bool ReadConfig(const ParsedFlags& f, const std::string& which, int threads, Config* out,
+bool ReadConfig(const ParsedFlags& f, const std::string& which, int threads, BenchConfig* out,
                 std::string* error) {
-  Config& c = *out;
+  BenchConfig& c = *out;
   c.sq = f.integer("sq", 4096);
   c.skv = f.integer("skv", c.sq);
   c.d = f.integer("d", 128);
@@ -395,7 +227,7 @@ bool TimeImpls(const std::vector<std::unique_ptr<Impl>>& impls, int reps,
   return true;
 }
 
-void PrintResults(const Config& c, const std::vector<std::unique_ptr<Impl>>& impls, int reps,
+void PrintResults(const BenchConfig& c, const std::vector<std::unique_ptr<Impl>>& impls, int reps,
                   bool json, const std::vector<std::vector<double>>& ms,
                   const std::vector<double>& rss) {
   if (!json) {
@@ -442,11 +274,11 @@ void PrintResults(const Config& c, const std::vector<std::unique_ptr<Impl>>& imp
 
 // --impl flashcte, materialized, sgemm or all.
 int PrefillBench(const ParsedFlags& f, const std::string& which, int threads, int reps, bool json) {
-  Config c;
+  BenchConfig c;
   std::string error;
   if (!ReadConfig(f, which, threads, &c, &error)) return UsageError(kCommand, error);
   std::vector<std::unique_ptr<Impl>> impls;
-  if (which == "flashcte" || which == "all") impls.push_back(std::make_unique<FlashImpl>(c));
+  if (which == "flashcte" || which == "all") impls.push_back(MakeFlashImpl(c));
 #if FLASHCTE_HAVE_OPENBLAS
   if (which != "flashcte") {
     // Before anything is set up: this may re-execute the program with other OpenBLAS kernels.
@@ -461,10 +293,10 @@ int PrefillBench(const ParsedFlags& f, const std::string& which, int threads, in
   openblas_set_num_threads(c.threads);
   const double attention_flops = 4.0 * c.d * c.heads * UnmaskedPairs(c.sq, c.skv, c.causal);
   if (which == "materialized" || which == "all") {
-    impls.push_back(std::make_unique<MaterializedImpl>(c));
+    impls.push_back(MakeMaterializedImpl(c));
   }
   if (which == "sgemm" || which == "all") {
-    impls.push_back(std::make_unique<SgemmImpl>(c, attention_flops));
+    impls.push_back(MakeSgemmImpl(c, attention_flops));
   }
 #else
   if (which != "flashcte" && which != "all") {

@@ -34,13 +34,8 @@ from ._attention import attention_cte
 from ._blas import register_scipy_openblas
 from ._flash_attn import flash_attn_func, flash_attn_varlen_func
 from ._flashcte import simd_target, version
-from ._kvcache import (
-    PagedAttentionPlan,
-    flash_attn_with_kvcache,
-    paged_attention,
-    plan_paged_attention,
-    quantize_kv,
-)
+from ._kvcache import flash_attn_with_kvcache, quantize_kv
+from ._paged import PagedAttentionPlan, paged_attention, plan_paged_attention
 from ._layer import AttentionLayer, layer_gemm_backend
 from ._layer_cache import KvCache
 

@@ -53,12 +53,6 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
                         const MutableTensorView& lse, const KvCacheOptions& options,
                         KvCacheRequest* request);
 
-// The values flash_attn_with_kvcache reads from alibi_slopes ((heads,) or (batch, heads)
-// float32: each finite) and sinks ((heads,) float32: each finite or -inf), of views whose shapes
-// and dtypes are checked.
-Status check_alibi_values(const TensorView& alibi_slopes);
-Status check_sink_values(const TensorView& sinks);
-
 // Sequence b of a validated request as attention_cte's problem: its query heads as the batch,
 // its pages (or cache row) as the prior of length seqlen_k with no new keys, FlashAttention's
 // masks as a window relative to bottom-right aligned positions, left padding as packing bounds,

@@ -334,31 +334,6 @@ Status check_aliasing(const Extents& e, bool appending) {
 
 }  // namespace
 
-Status check_alibi_values(const TensorView& t) {
-  const bool per_batch = t.rank == 2;
-  const auto* slopes = static_cast<const float*>(t.data);
-  for (int64_t b = 0; b < (per_batch ? t.shape[0] : 1); ++b) {
-    for (int64_t h = 0; h < t.shape[per_batch ? 1 : 0]; ++h) {
-      if (!std::isfinite(slopes[(per_batch ? b * t.strides[0] : 0) + h * t.strides[t.rank - 1]])) {
-        return error("alibi_slopes: entry (" + (per_batch ? to_string(b) + ", " : "") +
-                     to_string(h) + ") is not finite");
-      }
-    }
-  }
-  return Status::Ok();
-}
-
-Status check_sink_values(const TensorView& t) {
-  for (int64_t h = 0; h < t.shape[0]; ++h) {
-    const float sink = static_cast<const float*>(t.data)[h * t.strides[0]];
-    if (std::isnan(sink) || sink == std::numeric_limits<float>::infinity()) {
-      return error("sinks: [" + to_string(h) + "] = " + to_string(sink) +
-                   " must not be NaN or +inf (-inf: no sink)");
-    }
-  }
-  return Status::Ok();
-}
-
 Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
                         const MutableTensorView& v_cache, const MutableTensorView& out,
                         const MutableTensorView& lse, const KvCacheOptions& o,

@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cmath>
+#include <limits>
 #include <utility>
 
 #include "src/core/kv8.h"
@@ -317,6 +318,31 @@ Status read_bounds(const char* name, const TensorView& view, int64_t seqlen_q,
   values->resize(seqlen_q);
   for (int64_t row = 0; row < seqlen_q; ++row) {
     FLASHCTE_RETURN_IF_ERROR(read_bound(name, view, row, &(*values)[row]));
+  }
+  return Status::Ok();
+}
+
+Status check_alibi_values(const TensorView& t) {
+  const bool per_batch = t.rank == 2;
+  const auto* slopes = static_cast<const float*>(t.data);
+  for (int64_t b = 0; b < (per_batch ? t.shape[0] : 1); ++b) {
+    for (int64_t h = 0; h < t.shape[per_batch ? 1 : 0]; ++h) {
+      if (!std::isfinite(slopes[(per_batch ? b * t.strides[0] : 0) + h * t.strides[t.rank - 1]])) {
+        return Status::Error("alibi_slopes: entry (" + (per_batch ? std::to_string(b) + ", " : "") +
+                             std::to_string(h) + ") is not finite");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status check_sink_values(const TensorView& t) {
+  for (int64_t h = 0; h < t.shape[0]; ++h) {
+    const float sink = static_cast<const float*>(t.data)[h * t.strides[0]];
+    if (std::isnan(sink) || sink == std::numeric_limits<float>::infinity()) {
+      return Status::Error("sinks: [" + std::to_string(h) + "] = " + std::to_string(sink) +
+                           " must not be NaN or +inf (-inf: no sink)");
+    }
   }
   return Status::Ok();
 }

@@ -155,6 +155,12 @@ Status check_block_table(const TensorView& table, int64_t batch, const char* wha
 Status read_bounds(const char* name, const TensorView& view, int64_t seqlen_q,
                    std::vector<int64_t>* values);
 
+// The values the KV-cache calls read from alibi_slopes ((heads,) or (batch, heads)
+// float32: each finite) and sinks ((heads,) float32: each finite or -inf), of views whose shapes
+// and dtypes are checked.
+Status check_alibi_values(const TensorView& alibi_slopes);
+Status check_sink_values(const TensorView& sinks);
+
 }  // namespace flashcte::internal
 
 #endif  // FLASHCTE_SRC_DISPATCH_VIEWS_H_

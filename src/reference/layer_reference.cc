@@ -8,16 +8,26 @@
 #include <limits>
 #include <string>
 
+#include "src/reference/layer_common.h"
 #include "src/reference/reference.h"
 
 namespace flashcte::reference {
-namespace {
+namespace layer_detail {
 
 Status error(const std::string& field, const std::string& rule) {
   return Status::Error(field + ": " + rule);
 }
 
 double to_f32(double x) { return round_to_dtype(x, DType::kFloat32); }
+
+int64_t head_dim_of(const LayerConfig& c) {
+  return c.head_dim != 0 || c.num_heads <= 0 ? c.head_dim : c.hidden_size / c.num_heads;
+}
+int64_t rotary_dim_of(const LayerConfig& c) {
+  return c.rotary_dim != 0 ? c.rotary_dim : head_dim_of(c);
+}
+
+namespace {
 
 // The largest finite value of an 8-bit cache format; 0 for any other dtype.
 double largest_code(DType dtype) {
@@ -38,32 +48,7 @@ double largest_code(DType dtype) {
   return 0;
 }
 
-// R8: an 8-bit cache (kv_cache_dtype) holds a written row (one token's K or V of one KV head,
-// after R5) as codes of the format with a float32 scale: the row's largest finite |value| over
-// the format's largest (1 for a row without a finite nonzero value, the smallest float should the
-// quotient underflow), each value / scale rounded to the format; the slot holds code x scale.
-void store_row(DType cache_dtype, const double* row, int64_t d, double* slot) {
-  const double top = largest_code(cache_dtype);
-  if (top == 0) {  // the activation dtype: the values themselves
-    std::copy_n(row, d, slot);
-    return;
-  }
-  double absmax = 0;
-  for (int64_t c = 0; c < d; ++c) {
-    if (std::isfinite(row[c])) absmax = std::max(absmax, std::fabs(row[c]));
-  }
-  double scale = absmax == 0 ? 1.0 : to_f32(absmax / top);
-  if (scale == 0) scale = std::numeric_limits<float>::denorm_min();
-  for (int64_t c = 0; c < d; ++c) slot[c] = round_to_dtype(row[c] / scale, cache_dtype) * scale;
-}
-
-int64_t head_dim_of(const LayerConfig& c) {
-  return c.head_dim != 0 || c.num_heads <= 0 ? c.head_dim : c.hidden_size / c.num_heads;
-}
-int64_t rotary_dim_of(const LayerConfig& c) {
-  return c.rotary_dim != 0 ? c.rotary_dim : head_dim_of(c);
-}
-
+// rotary_dim, rope_theta and the Llama 3 scaling, when the layer has RoPE.
 Status check_rope(const LayerConfig& c) {
   const int64_t d = head_dim_of(c), rd = rotary_dim_of(c);
   if (rd < 2 || rd > d || rd % 2 != 0) {
@@ -88,6 +73,8 @@ Status check_rope(const LayerConfig& c) {
   }
   return Status::Ok();
 }
+
+}  // namespace
 
 Status check_config(const LayerConfig& c) {
   if (c.hidden_size < 1) return error("hidden_size", "must be >= 1");
@@ -114,6 +101,48 @@ Status check_config(const LayerConfig& c) {
     return error("kv_cache_dtype", "must be an 8-bit format or the activation dtype");
   }
   return Status::Ok();
+}
+
+// x' = x*cos + rotate_half(x)*sin over the first rotary_dim = cos.size() channels, with
+// rotate_half(x) = concat(-x[half:], x[:half]) (section 3); later channels pass through. R5.
+void rotate(const std::vector<double>& cos, const std::vector<double>& sin, DType dtype,
+            double* x) {
+  const size_t half = cos.size() / 2;
+  for (size_t i = 0; i < half; ++i) {
+    const double lo = x[i], hi = x[i + half];
+    x[i] = round_to_dtype(lo * cos[i] - hi * sin[i], dtype);
+    x[i + half] = round_to_dtype(hi * cos[i + half] + lo * sin[i + half], dtype);
+  }
+}
+
+}  // namespace layer_detail
+
+using layer_detail::check_config;
+using layer_detail::error;
+using layer_detail::head_dim_of;
+using layer_detail::largest_code;
+using layer_detail::rotate;
+using layer_detail::to_f32;
+
+namespace {
+
+// R8: an 8-bit cache (kv_cache_dtype) holds a written row (one token's K or V of one KV head,
+// after R5) as codes of the format with a float32 scale: the row's largest finite |value| over
+// the format's largest (1 for a row without a finite nonzero value, the smallest float should the
+// quotient underflow), each value / scale rounded to the format; the slot holds code x scale.
+void store_row(DType cache_dtype, const double* row, int64_t d, double* slot) {
+  const double top = largest_code(cache_dtype);
+  if (top == 0) {  // the activation dtype: the values themselves
+    std::copy_n(row, d, slot);
+    return;
+  }
+  double absmax = 0;
+  for (int64_t c = 0; c < d; ++c) {
+    if (std::isfinite(row[c])) absmax = std::max(absmax, std::fabs(row[c]));
+  }
+  double scale = absmax == 0 ? 1.0 : to_f32(absmax / top);
+  if (scale == 0) scale = std::numeric_limits<float>::denorm_min();
+  for (int64_t c = 0; c < d; ++c) slot[c] = round_to_dtype(row[c] / scale, cache_dtype) * scale;
 }
 
 // `v` must have `size` floats when `on`, and be empty otherwise.
@@ -188,20 +217,6 @@ void rms_norm(double* head, const std::vector<double>& weight, int64_t d, double
   mean_square /= static_cast<double>(d);
   const double inv_rms = 1.0 / std::sqrt(mean_square + eps);
   for (int64_t c = 0; c < d; ++c) head[c] = round_to_dtype(head[c] * inv_rms * weight[c], dtype);
-}
-
-// Llama3RotaryEmbedding's remap of one frequency (section 3). The result is kept in float32.
-double llama3_remap(double f, const Llama3RopeScaling& s) {
-  const double pi = std::acos(-1.0);
-  const double orig = static_cast<double>(s.original_max_position_embeddings);
-  const double wavelen = 2 * pi / f;
-  const double lo_wl = orig / s.low_freq_factor;
-  const double hi_wl = orig / s.high_freq_factor;
-  if (wavelen < hi_wl) return f;
-  if (wavelen > lo_wl) return to_f32(f / s.factor);
-  const double smooth =
-      (orig / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
-  return to_f32((1 - smooth) * f / s.factor + smooth * f);
 }
 
 // positions (batch, T) int64, read into a dense vector and checked against the cache (section
@@ -281,18 +296,6 @@ Status check_inputs(const LayerConfig& c, const TensorView& x, const LayerCache&
     }
   }
   return Status::Ok();
-}
-
-// x' = x*cos + rotate_half(x)*sin over the first rotary_dim = cos.size() channels, with
-// rotate_half(x) = concat(-x[half:], x[:half]) (section 3); later channels pass through. R5.
-void rotate(const std::vector<double>& cos, const std::vector<double>& sin, DType dtype,
-            double* x) {
-  const size_t half = cos.size() / 2;
-  for (size_t i = 0; i < half; ++i) {
-    const double lo = x[i], hi = x[i + half];
-    x[i] = round_to_dtype(lo * cos[i] - hi * sin[i], dtype);
-    x[i + half] = round_to_dtype(hi * cos[i + half] + lo * sin[i + half], dtype);
-  }
 }
 
 // One token's activation-dtype Q (heads * d), K and V (kv_heads * d), after norm and RoPE.
@@ -401,50 +404,6 @@ Status make_layer_cache(const LayerConfig& c, int64_t batch, int64_t max_len, La
   cache->k.assign(size, 0.0);  // zero-initialised, as the module's cache (section 7)
   cache->v.assign(size, 0.0);
   cache->lengths.assign(batch, 0);
-  return Status::Ok();
-}
-
-Status rope_inverse_frequencies(const LayerConfig& c, std::vector<double>* inv_freq) {
-  if (Status s = check_config(c); !s.ok) return s;
-  if (!c.rope) return error("rope", "the layer has no RoPE (NoPE)");
-  const int64_t rd = rotary_dim_of(c);
-  inv_freq->resize(rd / 2);
-  // 1 / base^(arange(0, rd, 2).float() / rd), every step in float32 (R4).
-  const double base = to_f32(c.rope_theta);
-  for (int64_t i = 0; i < rd / 2; ++i) {
-    const double exponent = to_f32(static_cast<double>(2 * i) / static_cast<double>(rd));
-    double f = to_f32(1.0 / to_f32(std::pow(base, exponent)));
-    if (c.rope_scaling) f = llama3_remap(f, *c.rope_scaling);
-    (*inv_freq)[i] = f;
-  }
-  return Status::Ok();
-}
-
-Status rope_cos_sin(const LayerConfig& c, int64_t position, std::vector<double>* cos,
-                    std::vector<double>* sin) {
-  std::vector<double> inv_freq;
-  if (Status s = rope_inverse_frequencies(c, &inv_freq); !s.ok) return s;
-  const int64_t half = static_cast<int64_t>(inv_freq.size());
-  cos->resize(2 * half);
-  sin->resize(2 * half);
-  for (int64_t i = 0; i < half; ++i) {
-    // theta = position * inv_freq as a float32 matmul; cos/sin in float32, then cast (R4).
-    const double theta = to_f32(to_f32(static_cast<double>(position)) * inv_freq[i]);
-    const double c_i = round_to_dtype(to_f32(std::cos(theta)), c.dtype);
-    const double s_i = round_to_dtype(to_f32(std::sin(theta)), c.dtype);
-    (*cos)[i] = (*cos)[i + half] = c_i;  // emb = concat(theta, theta)
-    (*sin)[i] = (*sin)[i + half] = s_i;
-  }
-  return Status::Ok();
-}
-
-Status apply_rope(const LayerConfig& c, int64_t position, std::vector<double>* head) {
-  std::vector<double> cos, sin;
-  if (Status s = rope_cos_sin(c, position, &cos, &sin); !s.ok) return s;
-  if (static_cast<int64_t>(head->size()) != head_dim_of(c)) {
-    return error("head", "must hold head_dim = " + std::to_string(head_dim_of(c)) + " values");
-  }
-  rotate(cos, sin, c.dtype, head->data());
   return Status::Ok();
 }
 
