@@ -30,13 +30,20 @@ PAGED_NAMES = {
 
 
 def _nhd_caches(
-    key_cache: ArrayLike, value_cache: ArrayLike, k_scale: Any, v_scale: Any, kv_layout: str
+    query: ArrayLike,
+    key_cache: ArrayLike,
+    value_cache: ArrayLike,
+    k_scale: Any,
+    v_scale: Any,
+    kv_layout: str,
 ) -> tuple[list[Any], list[Any]]:
     """paged_attention's caches and their per-token scales as FlashAttention's (num_blocks,
-    block_size, heads_k, d) views (vLLM's HND transposed, without a copy)."""
+    block_size, heads_k, d) views (vLLM's HND transposed, without a copy). The library reads
+    FlashAttention's layout and would print the transposed shapes, so the rules that relate an
+    HND cache's axes to the other arguments' are checked here, on the shapes the caller passed."""
     if kv_layout not in ("HND", "NHD"):
         raise ValueError(f"kv_layout: must be 'HND' (vLLM) or 'NHD' (FlashAttention), got {kv_layout!r}")
-    caches, scales = [], []
+    caches, scales, shapes = [], [], []
     hnd = kv_layout == "HND"
     for name, cache, cache_scale in (
         ("key_cache", key_cache, k_scale),
@@ -47,8 +54,25 @@ def _nhd_caches(
             layout = "num_blocks, heads_k, block_size" if hnd else "num_blocks, block_size, heads_k"
             raise ValueError(f"{name}: must have rank 4 ({layout}, head_dim), got shape {tuple(arr.shape)}")
         caches.append(transpose(arr, 1, 2) if hnd else arr)
+        shapes.append(tuple(int(n) for n in arr.shape))
         per_token = getattr(cache_scale, "ndim", 0) == 3
         scales.append(transpose(cache_scale, 1, 2) if hnd and per_token else cache_scale)
+    if hnd:
+        k_shape, v_shape = shapes
+        if v_shape[:3] != k_shape[:3]:
+            raise ValueError(
+                f"value_cache: shape {v_shape} must have key_cache's (num_blocks, heads_k, "
+                f"block_size) = {k_shape[:3]}"
+            )
+        d = Tensor("query", query).shape[-1] if getattr(query, "ndim", 0) == 3 else k_shape[3]
+        if k_shape[3] != d:
+            raise ValueError(f"key_cache: shape {k_shape} has head_dim {k_shape[3]}, expected query's {d}")
+        for name, scale, shape in (("k_scale", k_scale, k_shape), ("v_scale", v_scale, v_shape)):
+            if getattr(scale, "ndim", 0) == 3 and tuple(int(n) for n in scale.shape) != shape[:3]:
+                raise ValueError(
+                    f"{name}: shape {tuple(scale.shape)} must be the cache's without its last "
+                    f"axis, {shape[:3]} (one scale per token)"
+                )
     return caches, scales
 
 
@@ -109,7 +133,9 @@ def paged_attention(
 def _paged(plan: bool = False, output: ArrayLike | None = None, **a: Any) -> Any:
     """paged_attention's call, or its plan: the caches as FlashAttention's views, the mixed batch
     by paged_attention's names."""
-    caches, scales = _nhd_caches(a["key_cache"], a["value_cache"], a["k_scale"], a["v_scale"], a["kv_layout"])
+    caches, scales = _nhd_caches(
+        a["query"], a["key_cache"], a["value_cache"], a["k_scale"], a["v_scale"], a["kv_layout"]
+    )
     return varlen_over_cache(
         a["query"],
         caches[0],
@@ -166,7 +192,7 @@ class PagedAttentionPlan:
         :func:`paged_attention` takes them, with this layer's ``alibi_slopes``, ``sinks`` and
         8-bit scales, each given exactly when the plan's was. Returns ``output`` (allocated when
         not given)."""
-        caches, scales = _nhd_caches(key_cache, value_cache, k_scale, v_scale, self._kv_layout)
+        caches, scales = _nhd_caches(query, key_cache, value_cache, k_scale, v_scale, self._kv_layout)
         try:
             qt = Tensor("q", query)
             if qt.ndim != 3:

@@ -131,7 +131,8 @@ def test_a_layer_unlike_the_plan_is_refused_by_name():
     arrays = layer(rng, np.float32, num_blocks)
     plan = flashcte.plan_paged_attention(**arrays, **s, scale=0.2)
     bad = {
-        "key_cache": dict(key_cache=make(rng, (num_blocks + 1, KV_HEADS, PAGE, D), np.float32)),
+        "key_cache": dict(key_cache=make(rng, (num_blocks + 1, KV_HEADS, PAGE, D), np.float32),
+                          value_cache=make(rng, (num_blocks + 1, KV_HEADS, PAGE, D), np.float32)),
         "query": dict(query=np.ascontiguousarray(arrays["query"].transpose(1, 0, 2)).transpose(1, 0, 2)),
         "sinks": dict(sinks=np.array([0.0, np.nan, 0.0, 0.0], np.float32)),
         "alibi_slopes": dict(alibi_slopes=np.array([0.1, np.inf, 0.1, 0.1], np.float32)),

@@ -156,3 +156,26 @@ def test_bad_input_is_refused_by_name(rng, change, argument):
             call[key] = value
     with pytest.raises((ValueError, TypeError), match=f"^{argument}:"):
         flashcte.paged_attention(q, k_cache, v_cache, scale=0.2, kv_layout="NHD", **call)
+
+
+def test_hnd_caches_are_named_in_the_shapes_passed(rng):
+    """vLLM's HND caches run as FlashAttention's NHD views; a refusal still prints the shape the
+    caller passed, not the transposed view."""
+    q = make(rng, (3, 4, 64), "float32")
+    k = make(rng, (10, 2, 16, 64), "float32")
+    call = dict(block_table=np.arange(10, dtype=np.int32).reshape(2, 5),
+                seq_lens=np.array([20, 30], np.int32),
+                query_start_loc=np.array([0, 1, 3], np.int32), scale=0.1)
+    bad = {
+        r"value_cache: shape \(10, 3, 16, 64\) must have key_cache's": make(rng, (10, 3, 16, 64), "float32"),
+        r"value_cache: shape \(10, 2, 8, 64\) must have key_cache's": make(rng, (10, 2, 8, 64), "float32"),
+    }
+    for message, v in bad.items():
+        with pytest.raises(ValueError, match=message):
+            flashcte.paged_attention(q, k, v, **call)
+    with pytest.raises(ValueError, match=r"key_cache: shape \(10, 2, 16, 64\) has head_dim 64, expected query's 32"):
+        flashcte.paged_attention(make(rng, (3, 4, 32), "float32"), k, k, **call)
+    with pytest.raises(ValueError, match=r"k_scale: shape \(10, 16, 2\) must be the cache's without its last axis, \(10, 2, 16\)"):
+        codes = np.zeros((10, 2, 16, 64), np.int8)
+        flashcte.paged_attention(q, codes, codes, **call, k_scale=np.ones((10, 16, 2), np.float32),
+                                 v_scale=np.ones((10, 2, 16), np.float32))
