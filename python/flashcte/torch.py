@@ -17,6 +17,7 @@ run under ``torch.no_grad()`` / ``torch.inference_mode()`` or detach the inputs.
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
@@ -47,9 +48,9 @@ __all__ = [
 # ---- the operator -----------------------------------------------------------------------------
 
 
-# The schemas are inferred from the annotations (torch.library.custom_op).
-@torch.library.custom_op("flashcte::flash_attn", mutates_args=())
-def _flash_attn_op(
+# The op's one signature: its schema is inferred from these annotations (torch.library.custom_op),
+# and the fake and the public flash_attn take theirs from it.
+def _flash_attn_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -127,29 +128,17 @@ def _flash_attn_op(
     return out, lse
 
 
+_flash_attn_op = torch.library.custom_op("flashcte::flash_attn", mutates_args=())(_flash_attn_impl)
+_FLASH_ATTN_SIGNATURE = inspect.signature(_flash_attn_impl)
+
+
 @_flash_attn_op.register_fake
-def _flash_attn_fake(
-    q,
-    k,
-    v,
-    softmax_scale=None,
-    causal=False,
-    window_left=-1,
-    window_right=-1,
-    bottom_right=True,
-    softcap=0.0,
-    key_bias=None,
-    sinks=None,
-    alibi_slopes=None,
-    bound_min=None,
-    bound_max=None,
-    num_threads=None,
-):
-    batch, seqlen_q, heads, _, _, dv = op_shapes(
-        q, k, v, key_bias, sinks, alibi_slopes, bound_min, bound_max
-    )
-    out = q.new_empty((batch, seqlen_q, heads, dv))
-    lse = q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+def _flash_attn_fake(*args, **kwargs):
+    a = _FLASH_ATTN_SIGNATURE.bind(*args, **kwargs).arguments
+    extras = (a.get(name) for name in ("key_bias", "sinks", "alibi_slopes", "bound_min", "bound_max"))
+    batch, seqlen_q, heads, _, _, dv = op_shapes(a["q"], a["k"], a["v"], *extras)
+    out = a["q"].new_empty((batch, seqlen_q, heads, dv))
+    lse = a["q"].new_empty((batch, heads, seqlen_q), dtype=torch.float32)
     return out, lse
 
 
@@ -168,23 +157,7 @@ def _backward(ctx, *grads):  # pragma: no cover - _no_backward refuses first
 _flash_attn_op.register_autograd(_backward, setup_context=_no_backward)
 
 
-def flash_attn(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    softmax_scale: Optional[float] = None,
-    causal: bool = False,
-    window_left: int = -1,
-    window_right: int = -1,
-    bottom_right: bool = True,
-    softcap: float = 0.0,
-    key_bias: Optional[torch.Tensor] = None,
-    sinks: Optional[torch.Tensor] = None,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    bound_min: Optional[torch.Tensor] = None,
-    bound_max: Optional[torch.Tensor] = None,
-    num_threads: Optional[int] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attn(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.flashcte.flash_attn``: attention in FlashAttention's layout.
 
     Args:
@@ -217,23 +190,11 @@ def flash_attn(
     Raises:
         ValueError: non-CPU tensors, shapes; TypeError: dtypes; RuntimeError: autograd.
     """
-    return torch.ops.flashcte.flash_attn(
-        q,
-        k,
-        v,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_left=window_left,
-        window_right=window_right,
-        bottom_right=bottom_right,
-        softcap=softcap,
-        key_bias=key_bias,
-        sinks=sinks,
-        alibi_slopes=alibi_slopes,
-        bound_min=bound_min,
-        bound_max=bound_max,
-        num_threads=num_threads,
-    )
+    return torch.ops.flashcte.flash_attn(*args, **kwargs)
+
+
+# help() and IDEs show the op's signature.
+flash_attn.__signature__ = _FLASH_ATTN_SIGNATURE
 
 
 # ---- flash_attn_with_kvcache: the serving call, caches mutated in place -------------------------
