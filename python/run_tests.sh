@@ -42,7 +42,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # The packages the suite and the incremental build need; the stamp makes re-runs skip pip's
 # resolver when nothing changed.
 REQUIREMENTS=(
-  "scikit-build-core>=0.10"
+  "scikit-build-core>=0.11"
   "nanobind>=2.4,<4"
   "numpy>=1.22"
   "ml_dtypes>=0.2"

@@ -1,6 +1,6 @@
-"""What the installed package says about itself: one version everywhere, and where the layer's
-OpenBLAS comes from without the system's (scripts/test_wheel.sh runs the wheel with the system
-libraries hidden; here only the lookup)."""
+"""What the installed package says about itself: one version everywhere, its license, and where
+the layer's OpenBLAS comes from without the system's (scripts/test_wheel.sh runs the wheel with
+the system libraries hidden; here only the lookup)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,18 @@ def test_one_version():
     assert _flashcte.version() == written.group(1)
     assert flashcte.__version__ == written.group(1)
     assert importlib.metadata.version("flashcte") == written.group(1)
+
+
+def test_apache_2_license():
+    """flashcte is Apache-2.0: the SPDX expression in the metadata (PEP 639), and the license's
+    text in the distribution, the same as the repository's LICENSE."""
+    meta = importlib.metadata.metadata("flashcte")
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert not [c for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]
+    files = importlib.metadata.files("flashcte") or []
+    shipped = [f for f in files if f.name == "LICENSE"]
+    assert shipped, "no LICENSE in the installed distribution"
+    assert shipped[0].read_text() == (ROOT / "LICENSE").read_text()
 
 
 def test_scipy_openblas_lookup_does_not_import_it(tmp_path, monkeypatch):
