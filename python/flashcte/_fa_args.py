@@ -1,7 +1,7 @@
 """FlashAttention's argument conventions, normalized once per call for every entry point that
 takes them (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, paged_attention,
 the torch operators, ring attention): ``window_size``, ``softcap``, ``alibi_slopes``,
-``softmax_scale``, ``cu_seqlens_*`` and ``max_seqlen_*``. It imports nothing of the package but
+``s_aux``, ``softmax_scale``, ``cu_seqlens_*`` and ``max_seqlen_*``. It imports nothing of the package but
 the tensor plumbing, so every caller imports it at the top."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from ._tensors import float32_array, torch_module
 # FlashAttention's calls hand k and v to the library's KV-cache calls as whole caches, which name
 # them k_cache and v_cache.
 KV_NAMES = {"k_cache": "k", "v_cache": "v"}
+# ... and s_aux, FlashAttention 3's (vLLM's) attention sinks, as sinks (attention_cte's sink).
+SINK_NAMES = {"sinks": "s_aux", "sink": "s_aux"}
 
 
 def window(window_size: Any, causal: bool) -> tuple[int, int]:
@@ -41,6 +43,18 @@ def softcap(softcap: Any) -> float:
         return float(softcap)
     except (TypeError, ValueError):
         raise TypeError(f"softcap: must be a float, got {softcap!r}") from None
+
+
+def sinks(s_aux: Any, heads: int | None = None) -> Any:
+    """``s_aux``, one sink logit per query head (FlashAttention 3 as vLLM builds it, and what
+    transformers passes for gpt-oss, whose sinks are parameters of the model's dtype), as float32;
+    with ``heads``, of shape ``(heads,)``. Its values are the library's to check."""
+    if s_aux is None:
+        return None
+    a = float32_array("s_aux", s_aux)
+    if heads is not None and tuple(a.shape) != (heads,):
+        raise ValueError(f"s_aux: shape {tuple(a.shape)} must be (heads,) = ({heads},)")
+    return a
 
 
 def alibi(alibi_slopes: Any, batch: int, heads: int) -> np.ndarray | None:

@@ -124,6 +124,7 @@ def fa_call(
     alibi_slopes: Any,
     sinks: Any,
     num_threads: int | None,
+    names: dict[str, str] = _fa_args.KV_NAMES,
 ) -> None:
     """FlashAttention's call with its arguments normalised, into caller-allocated ``out``
     ``(batch, seqlen_q, heads, dv)`` and ``lse`` ``(batch, heads, seqlen_q)`` or None: the one
@@ -133,7 +134,7 @@ def fa_call(
     The whole batch is one call and one parallel region: the library's flash_attn_with_kvcache
     over k and v as full caches (nothing appended, so they are only read), which sends up to 16
     queries per sequence to the decode kernel and more to attention_cte. Its messages name the
-    caches; here they are k and v."""
+    caches; here they are k and v (``names``: {the library's name: the caller's})."""
     try:
         _flashcte.flash_attn_with_kvcache(
             q=native(qt),
@@ -152,7 +153,7 @@ def fa_call(
             num_threads=0 if num_threads is None else int(num_threads),
         )
     except (TypeError, ValueError) as e:
-        raise in_names(e, _fa_args.KV_NAMES) from None
+        raise in_names(e, names) from None
 
 
 def flash_attn_func(
@@ -166,6 +167,7 @@ def flash_attn_func(
     alibi_slopes: ArrayLike | None = None,
     return_softmax_lse: bool = False,
     *,
+    s_aux: ArrayLike | None = None,
     num_threads: int | None = None,
 ) -> ArrayLike | tuple[ArrayLike, ArrayLike]:
     """FlashAttention's ``flash_attn_func`` on the CPU.
@@ -195,6 +197,11 @@ def flash_attn_func(
             one of the documented bias in every mode.
         return_softmax_lse: also return the log-sum-exp of the final scores (scaled, capped,
             biased).
+        s_aux: ``(heads,)``: an attention sink per query head, FlashAttention 3's argument as
+            vLLM's build has it and transformers passes it for gpt-oss: a logit (not scaled)
+            that joins every row's softmax without a value, so the row's weights sum to less
+            than 1; ``lse`` includes it; -inf: no sink. Any real dtype (converted to float32).
+            Not in FlashAttention 2's call.
         num_threads: OpenMP threads; None for OpenMP's default.
 
     Returns:
@@ -226,7 +233,10 @@ def flash_attn_func(
 
     out = empty(qt, (batch, seqlen_q, heads, dv))
     lse = empty(qt, (batch, heads, seqlen_q), "float32") if return_softmax_lse else None
-    fa_call(qt, kt, vt, out, lse, scale, bool(causal), left, right, cap, slopes, None, num_threads)
+    sink_logits = _fa_args.sinks(s_aux, heads)
+    names = {**_fa_args.KV_NAMES, **_fa_args.SINK_NAMES}
+    fa_call(qt, kt, vt, out, lse, scale, bool(causal), left, right, cap, slopes, sink_logits,
+            num_threads, names)
     if return_softmax_lse:
         return give_back(qt, out), give_back(qt, lse)
     return give_back(qt, out)
@@ -258,6 +268,7 @@ def flash_attn_varlen_func(
     *,
     block_table: ArrayLike | None = None,
     seqused_k: ArrayLike | None = None,
+    s_aux: ArrayLike | None = None,
     num_threads: int | None = None,
 ) -> ArrayLike | tuple[ArrayLike, ArrayLike]:
     """FlashAttention's ``flash_attn_varlen_func`` on the CPU: packed variable-length sequences.
@@ -286,6 +297,8 @@ def flash_attn_varlen_func(
         seqused_k: ``(batch,)`` int32, with ``block_table``: the keys of each sequence in its
             pages (FlashAttention 3's ``seqused_k``; not taken with packed ``k``, where
             ``cu_seqlens_k`` says it).
+        s_aux: ``(heads,)`` attention sinks, as in :func:`flash_attn_func`, every sequence's
+            rows with the same per-head sinks.
 
     Returns:
         ``out`` ``(total_q, heads, dv)``, or ``(out, lse)`` with ``lse`` float32
@@ -329,10 +342,10 @@ def flash_attn_varlen_func(
             window_size,
             softcap,
             alibi_slopes,
-            None,
+            _fa_args.sinks(s_aux),
             return_softmax_lse,
             num_threads,
-            names=_fa_args.KV_NAMES,
+            names={**_fa_args.KV_NAMES, **_fa_args.SINK_NAMES},
         )
     if seqused_k is not None:
         raise ValueError("seqused_k: is taken with block_table (a paged cache) only; cu_seqlens_k gives packed keys")
@@ -359,6 +372,7 @@ def flash_attn_varlen_func(
     left, right = _fa_args.window(window_size, causal)
     cap = _fa_args.softcap(softcap)
     slopes = _fa_args.alibi(alibi_slopes, len_q.size, heads)
+    sink_logits = _fa_args.sinks(s_aux, heads)
     common = {"scale": scale, "tp_k": True, "num_threads": num_threads, "softcap": cap}
 
     packed: tuple[int, bool] | None = (0, False)
@@ -383,19 +397,25 @@ def flash_attn_varlen_func(
         out = empty(qt, (total_q, heads, dv))
         lse = empty(qt, (heads, total_q), "float32") if return_softmax_lse else None
         cp_offset, bottom_right = packed
-        _call(
-            _view(qt, None),
-            _view(kt, None),
-            _view(vt, None),
-            transpose(out, 0, 1),
-            lse=lse,
-            causal_mask=False,
-            bound_min=lo,
-            bound_max=hi,
-            cp_offset=cp_offset or None,
-            bottom_right=bottom_right,
-            **common,
-        )
+        try:
+            _call(
+                _view(qt, None),
+                _view(kt, None),
+                _view(vt, None),
+                transpose(out, 0, 1),
+                lse=lse,
+                causal_mask=False,
+                bound_min=lo,
+                bound_max=hi,
+                cp_offset=cp_offset or None,
+                bottom_right=bottom_right,
+                sink=None if sink_logits is None else sink_logits.reshape(heads, 1),
+                **common,
+            )
+        except (TypeError, ValueError) as e:
+            raise in_names(e, _fa_args.SINK_NAMES) from None
+        if lse is not None and sink_logits is not None:
+            lse[:, int(cu_q[-1]) :] = -math.inf  # rows of no sequence: no sink either
     else:
         # One call for the whole batch all the same (flash_attn_varlen_kvcache, whose ALiBi
         # distances are each sequence's own): packed k and v are a paged cache of one-slot pages,
@@ -417,11 +437,11 @@ def flash_attn_varlen_func(
             window_size,
             softcap,
             slopes,
-            None,
+            sink_logits,
             return_softmax_lse,
             num_threads,
             out=out[:end],
-            names=_fa_args.KV_NAMES,
+            names={**_fa_args.KV_NAMES, **_fa_args.SINK_NAMES},
         )
         lse = None
         if return_softmax_lse:

@@ -195,6 +195,16 @@ def masked_softmax_attention(q, k, v, allowed, scale, softcap=0.0, bias=None):
     return out, lse
 
 
+def fold_sinks(out, lse, sinks):
+    """A sink per head joins each row's softmax without a value: out * l / (l + e^sink),
+    lse -> logaddexp(lse, sink). out (rows, heads, dv), lse (heads, rows), float64."""
+    s = f64(sinks)[:, None]
+    total = np.logaddexp(lse, s)
+    with np.errstate(invalid="ignore"):  # -inf - -inf: a row of no key, no sink
+        share = np.where(np.isneginf(total), 1.0, np.exp(lse - total))
+    return out * share.T[:, :, None], total
+
+
 def fa_alibi_distance(seqlen_q: int, seqlen_k: int) -> np.ndarray:
     """FlashAttention's ALiBi distance |i + Sk - Sq - j| (its documented bias is -slope times
     this; bottom-right aligned like its causal mask)."""
@@ -212,9 +222,10 @@ def flash_attn_ref(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    sinks=None,
 ):
     """q (B, Sq, H, d), k/v (B, Sk, Hk, d): (out (B, Sq, H, dv), lse (B, H, Sq)), float64.
-    alibi_slopes: (H,) or (B, H)."""
+    alibi_slopes: (H,) or (B, H); sinks (H,): folded in as fold_sinks."""
     batch, sq, heads, d = q.shape
     sk, heads_k = k.shape[1], k.shape[2]
     scale = d**-0.5 if softmax_scale is None else softmax_scale
@@ -232,6 +243,8 @@ def flash_attn_ref(
             out[b, :, h], lse[b, h] = masked_softmax_attention(
                 q[b, :, h], k[b, :, hk], v[b, :, hk], allowed, scale, softcap, bias
             )
+        if sinks is not None:
+            out[b], lse[b] = fold_sinks(out[b], lse[b], sinks)
     return out, lse
 
 
@@ -246,9 +259,10 @@ def flash_attn_varlen_ref(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    sinks=None,
 ):
     """Per sequence flash_attn_ref (positions within the sequence); rows outside every sequence
-    are 0 with lse -inf. alibi_slopes: (H,) or (num_sequences, H)."""
+    are 0 with lse -inf. alibi_slopes: (H,) or (num_sequences, H); sinks (H,)."""
     total_q, heads, _d = q.shape
     out = np.zeros((total_q, heads, v.shape[2]))
     lse = np.full((heads, total_q), -np.inf)
@@ -267,6 +281,7 @@ def flash_attn_varlen_ref(
             window_size,
             softcap,
             slopes,
+            sinks,
         )
         out[qs:qe] = o[0]
         lse[:, qs:qe] = l[0]
@@ -424,12 +439,7 @@ def varlen_kvcache_ref(
         )
         o, lse_b = o[0], lse_b[0]
         if sinks is not None:
-            s = f64(sinks)[:, None]
-            total = np.logaddexp(lse_b, s)
-            with np.errstate(invalid="ignore"):  # -inf - -inf: a row of no key, no sink
-                share = np.where(np.isneginf(total), 1.0, np.exp(lse_b - total))
-            o = o * share.T[:, :, None]
-            lse_b = total
+            o, lse_b = fold_sinks(o, lse_b, sinks)
         out[rows] = o
         lse[:, rows] = lse_b
     return out, lse
