@@ -3,6 +3,8 @@
 // write a byte anywhere: every buffer of the call (inputs and outputs, with a margin on both
 // sides of each) holds a canary pattern that is compared before and after. Rows that use fake
 // pointers with huge shapes would crash if validation touched memory before refusing.
+// The call and the row: bad_inputs_call.h; the rows of statistics, aliasing, null data, huge sizes
+// and tiles: bad_inputs_memory_test.cc.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,154 +17,18 @@
 #include <vector>
 
 #include "flashcte/flashcte.h"
+#include "tests/reliability/bad_inputs_call.h"
 #include "tests/test_util.h"
 
 namespace flashcte::test {
 namespace {
 
-// Bytes on each side of every view; a write just past either end of a view lands here.
-constexpr size_t kMargin = 256;
-
-// An owned buffer holding one tensor plus margins, filled with a byte pattern.
-struct Buffer {
-  std::vector<uint8_t> bytes;
-  void* data() { return bytes.data() + kMargin; }
-  void init(size_t elements, int element_size, uint8_t pattern) {
-    bytes.assign(elements * element_size + 2 * kMargin, pattern);
-  }
-};
-
-// An obviously bogus address: if validation ever dereferenced it, the test would crash.
-const void* fake_pointer(uintptr_t n) {
-  return reinterpret_cast<const void*>(uintptr_t{1} << 40 | n << 12);
-}
-
-// One attention_cte call over owned buffers. The default is valid: float32, bs 2, bs_kv 1,
-// Sq = Skv = 8, d = dv = 4, causal, with an lse output. Priors, sink, bounds and statistics are
-// allocated (and valid) but attached only by the with_*() helpers, so a row breaks exactly one
-// thing of a valid configuration.
-struct Call {
-  struct Shape {
-    DType dtype = DType::kFloat32;
-    int64_t bs = 2, bs_kv = 1, sq = 8, skv = 8, d = 4, dv = 4, s_prior = 8;
-  } shape;
-  Buffer q_buf, k_buf, v_buf, kp_buf, vp_buf, sink_buf, bmin_buf, bmax_buf, alibi_buf, kb_buf;
-  Buffer out_buf, nm_buf, sr_buf, lse_buf;
-  TensorView q, k, v;
-  Outputs outputs;
-  Options options;
-
-  Call() { build(); }
-  // Another shape: every buffer and view is rebuilt.
-  void reset(const Shape& s) {
-    shape = s;
-    build();
-  }
-
-  void build() {
-    const Shape& s = shape;
-    const int es = dtype_size(s.dtype);
-    // Inputs: a pattern that is a small finite number in every float dtype (0x3C3C: bf16 0.0115,
-    // f16 1.06; 0x3C3C3C3C: f32 0.0115).
-    q_buf.init(s.bs * s.sq * s.d, es, 0x3C);
-    k_buf.init(s.bs_kv * s.skv * s.d, es, 0x3C);
-    v_buf.init(s.bs_kv * s.skv * s.dv, es, 0x3C);
-    kp_buf.init(s.bs_kv * s.s_prior * s.d, es, 0x3C);
-    vp_buf.init(s.bs_kv * s.s_prior * s.dv, es, 0x3C);
-    sink_buf.init(s.bs, 4, 0x3C);
-    alibi_buf.init(s.bs, 4, 0x3C);
-    kb_buf.init(s.bs * (s.s_prior + s.skv), 4, 0x3C);
-    // Bounds: int32 rows [0, Sq) (all keys); written element-wise below.
-    bmin_buf.init(s.sq, 4, 0);
-    bmax_buf.init(s.sq, 4, 0);
-    for (int64_t i = 0; i < s.sq; ++i) {
-      const int32_t hi = static_cast<int32_t>(s.skv);
-      std::memcpy(static_cast<uint8_t*>(bmax_buf.data()) + 4 * i, &hi, 4);
-    }
-    // Outputs: the canary (0xA5A5A5A5 is a finite float; any write changes some byte).
-    out_buf.init(s.bs * s.sq * s.dv, es, 0xA5);
-    nm_buf.init(s.bs * s.sq, 4, 0xA5);
-    sr_buf.init(s.bs * s.sq, 4, 0xA5);
-    lse_buf.init(s.bs * s.sq, 4, 0xA5);
-
-    q = TensorView::contiguous(q_buf.data(), s.dtype, {s.bs, s.sq, s.d});
-    k = TensorView::contiguous(k_buf.data(), s.dtype, {s.bs_kv, s.d, s.skv});
-    v = TensorView::contiguous(v_buf.data(), s.dtype, {s.bs_kv, s.skv, s.dv});
-    outputs = Outputs{};
-    outputs.out = MutableTensorView::contiguous(out_buf.data(), s.dtype, {s.bs, s.sq, s.dv});
-    outputs.lse = MutableTensorView::contiguous(lse_buf.data(), DType::kFloat32, {s.bs, s.sq});
-    options = Options{};
-  }
-
-  void with_prior() {
-    options.k_prior =
-        TensorView::contiguous(kp_buf.data(), shape.dtype, {shape.bs_kv, shape.d, shape.s_prior});
-    options.v_prior =
-        TensorView::contiguous(vp_buf.data(), shape.dtype, {shape.bs_kv, shape.s_prior, shape.dv});
-  }
-  void with_sink() {
-    options.sink = TensorView::contiguous(sink_buf.data(), DType::kFloat32, {shape.bs, 1});
-  }
-  void with_alibi() {
-    options.alibi_slopes = TensorView::contiguous(alibi_buf.data(), DType::kFloat32, {shape.bs});
-  }
-  // Without a prior the concatenated KV axis is Skv long.
-  void with_key_bias() {
-    options.key_bias =
-        TensorView::contiguous(kb_buf.data(), DType::kFloat32, {shape.bs, shape.skv});
-  }
-  void with_bounds() {
-    options.bound_min = TensorView::contiguous(bmin_buf.data(), DType::kInt32, {shape.sq, 1});
-    options.bound_max = TensorView::contiguous(bmax_buf.data(), DType::kInt32, {shape.sq, 1});
-  }
-  void with_stats() {
-    options.cache_softmax = true;
-    outputs.neg_max =
-        MutableTensorView::contiguous(nm_buf.data(), DType::kFloat32, {shape.bs, shape.sq});
-    outputs.sum_recip =
-        MutableTensorView::contiguous(sr_buf.data(), DType::kFloat32, {shape.bs, shape.sq});
-  }
-  void set_bound(Buffer& b, int64_t row, int32_t value) {
-    std::memcpy(static_cast<uint8_t*>(b.data()) + 4 * row, &value, 4);
-  }
-
-  // Every buffer of the call, margins included.
-  BufferSnapshot snapshot() const {
-    BufferSnapshot snap;
-    for (const auto& [name, b] :
-         {std::pair{"q", &q_buf}, std::pair{"k", &k_buf}, std::pair{"v", &v_buf},
-          std::pair{"k_prior", &kp_buf}, std::pair{"v_prior", &vp_buf},
-          std::pair{"sink", &sink_buf}, std::pair{"bound_min", &bmin_buf},
-          std::pair{"bound_max", &bmax_buf}, std::pair{"alibi_slopes", &alibi_buf},
-          std::pair{"key_bias", &kb_buf}, std::pair{"out", &out_buf}, std::pair{"neg_max", &nm_buf},
-          std::pair{"sum_recip", &sr_buf}, std::pair{"lse", &lse_buf}}) {
-      snap.add(name, b->bytes);
-    }
-    return snap;
-  }
-  Status run() const { return attention_cte(q, k, v, outputs, options); }
-};
-
-struct Row {
-  const char* name;
-  std::function<void(Call&)> setup;  // builds the call (shape changes first, then defects)
-  const char* argument;              // the message must start with "<argument>: "
-  const char* rule;                  // and contain this
-};
-
-Call::Shape with(std::function<void(Call::Shape&)> f) {
-  Call::Shape s;
-  f(s);
-  return s;
-}
-
-constexpr int64_t kBig = int64_t{1} << 40;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Every row: one defect of a valid call.
 std::vector<Row> api_rows() {
-  return {
+  std::vector<Row> rows = {
       // --- presence and rank ---
       {"q_absent", [](Call& c) { c.q = TensorView{}; }, "q", "is required"},
       {"k_absent", [](Call& c) { c.k = TensorView{}; }, "k", "is required"},
@@ -509,170 +375,9 @@ std::vector<Row> api_rows() {
          c.options.bound_min.data = nullptr;
        },
        "bound_min", "data is null"},
-      // --- statistics ---
-      {"cache_softmax_without_neg_max",
-       [](Call& c) {
-         c.with_stats();
-         c.outputs.neg_max = MutableTensorView{};
-       },
-       "neg_max", "is required with cache_softmax"},
-      {"cache_softmax_without_sum_recip",
-       [](Call& c) {
-         c.with_stats();
-         c.outputs.sum_recip = MutableTensorView{};
-       },
-       "sum_recip", "is required with cache_softmax"},
-      {"cache_softmax_without_any_stats", [](Call& c) { c.options.cache_softmax = true; },
-       "neg_max", "is required with cache_softmax"},
-      {"neg_max_without_cache_softmax",
-       [](Call& c) {
-         c.with_stats();
-         c.options.cache_softmax = false;
-       },
-       "neg_max", "without cache_softmax"},
-      {"neg_max_float16",
-       [](Call& c) {
-         c.with_stats();
-         c.outputs.neg_max.dtype = DType::kFloat16;
-       },
-       "neg_max", "dtype must be float32"},
-      {"neg_max_row_major_wrong_length",
-       [](Call& c) {
-         c.with_stats();
-         c.outputs.neg_max.shape[1] = 7;
-       },
-       "neg_max", "must be (bs, Sq)"},
-      {"sum_recip_rank1",
-       [](Call& c) {
-         c.with_stats();
-         c.outputs.sum_recip.rank = 1;
-       },
-       "sum_recip", "must have rank 2 (bs, Sq) or rank 3"},
-      {"neg_max_neuron_layout_sq_not_multiple_of_128",
-       [](Call& c) {
-         c.with_stats();
-         c.outputs.neg_max.rank = 3;
-         c.outputs.neg_max.shape = {2, 128, 0};
-         c.outputs.neg_max.strides = {0, 0, 1};
-       },
-       "neg_max", "multiple of 128"},
-      {"sum_recip_neuron_layout_wrong_shape",
-       [](Call& c) {
-         c.reset(with([](auto& s) { s.sq = 256; }));
-         c.with_stats();
-         // (bs, 64, 4) holds Sq elements per batch but is not (bs, 128, Sq/128).
-         c.outputs.sum_recip =
-             MutableTensorView::contiguous(c.sr_buf.data(), DType::kFloat32, {2, 64, 4});
-       },
-       "sum_recip", "must be (bs, 128, Sq/128)"},
-      {"lse_rank3",
-       [](Call& c) {
-         c.outputs.lse.rank = 3;
-         c.outputs.lse.shape = {2, 8, 1};
-         c.outputs.lse.strides = {8, 1, 1};
-       },
-       "lse", "must have rank 2 (bs, Sq)"},
-      {"lse_wrong_batch", [](Call& c) { c.outputs.lse.shape[0] = 3; }, "lse", "must be (bs, Sq)"},
-      // --- aliasing ---
-      {"out_aliases_q", [](Call& c) { c.outputs.out.data = const_cast<void*>(c.q.data); }, "out",
-       "overlaps the input q"},
-      {"out_overlaps_tail_of_v",
-       [](Call& c) {
-         // The last element of v is the first of out.
-         c.outputs.out.data = static_cast<uint8_t*>(c.v_buf.data()) + (8 * 4 - 1) * 4;
-       },
-       "out", "overlaps the input v"},
-      {"out_aliases_k_prior",
-       [](Call& c) {
-         c.with_prior();
-         c.outputs.out.data = c.kp_buf.data();
-       },
-       "out", "overlaps the input k_prior"},
-      {"lse_aliases_sink",
-       [](Call& c) {
-         c.with_sink();
-         c.outputs.lse.data = c.sink_buf.data();
-       },
-       "lse", "overlaps the input sink"},
-      {"out_aliases_key_bias",
-       [](Call& c) {
-         c.with_key_bias();
-         c.outputs.out.data = c.kb_buf.data();
-       },
-       "out", "overlaps the input key_bias"},
-      {"neg_max_aliases_alibi",
-       [](Call& c) {
-         c.with_alibi();
-         c.with_stats();
-         c.outputs.neg_max.data = c.alibi_buf.data();
-       },
-       "neg_max", "overlaps the input alibi_slopes"},
-      {"lse_aliases_out", [](Call& c) { c.outputs.lse.data = c.out_buf.data(); }, "lse",
-       "overlaps the output out"},
-      {"sum_recip_aliases_neg_max",
-       [](Call& c) {
-         c.with_stats();
-         c.outputs.sum_recip.data = c.nm_buf.data();
-       },
-       "sum_recip", "overlaps the output neg_max"},
-      // --- null data with a non-empty shape ---
-      {"q_null_data", [](Call& c) { c.q.data = nullptr; }, "q", "data is null"},
-      {"v_null_data", [](Call& c) { c.v.data = nullptr; }, "v", "data is null"},
-      {"out_null_data", [](Call& c) { c.outputs.out.data = nullptr; }, "out", "data is null"},
-      {"lse_null_data", [](Call& c) { c.outputs.lse.data = nullptr; }, "lse", "data is null"},
-      // --- sizes past 2^63, on fake pointers ---
-      {"q_elements_overflow",
-       [](Call& c) {
-         c.q = TensorView{fake_pointer(1), DType::kFloat32, 3, {kBig, kBig, 4}, {kBig * 4, 4, 1}};
-       },
-       "q", "more elements than fit in 64 bits"},
-      {"out_elements_overflow",
-       [](Call& c) {
-         c.outputs.out = MutableTensorView{
-             const_cast<void*>(fake_pointer(2)), DType::kFloat32, 3, {2, kBig, kBig}, {1, 1, 1}};
-       },
-       "out", "more elements than fit in 64 bits"},
-      {"k_strides_overflow",
-       [](Call& c) {
-         // (4 - 1) * 2^62 does not fit.
-         c.k.data = fake_pointer(3);
-         c.k.strides = {1, int64_t{1} << 62, 1};
-       },
-       "k", "addresses past 2^63 elements"},
-      {"v_bytes_overflow",
-       [](Call& c) {
-         // The largest element offset, 10 * 2^58, fits in int64; 4 bytes per element do not.
-         c.v = TensorView{fake_pointer(4),
-                          DType::kFloat32,
-                          3,
-                          {1, 8, 4},
-                          {0, int64_t{1} << 58, int64_t{1} << 58}};
-       },
-       "v", "addresses past 2^63 bytes"},
-      {"k_prior_elements_overflow",
-       [](Call& c) {
-         c.with_prior();
-         c.options.k_prior =
-             TensorView{fake_pointer(5), DType::kFloat32, 3, {1, 4, int64_t{1} << 62}, {0, 1, 1}};
-       },
-       "k_prior", "more elements than fit in 64 bits"},
-      // --- tiles ---
-      {"q_block_negative", [](Call& c) { c.options.tiles.q_block = -1; }, "tiles.q_block",
-       "must be in [0, 4096]"},
-      {"q_block_too_large", [](Call& c) { c.options.tiles.q_block = 4097; }, "tiles.q_block",
-       "must be in [0, 4096]"},
-      {"kv_tile_too_large", [](Call& c) { c.options.tiles.kv_tile = 65537; }, "tiles.kv_tile",
-       "must be in [0, 65536]"},
-      {"section_negative", [](Call& c) { c.options.tiles.section = -8; }, "tiles.section",
-       "must be in [0,"},
-      {"section_not_multiple_of_kv_tile",
-       [](Call& c) {
-         c.options.tiles = TileConfig{8, 4, 10, 0};
-       },
-       "tiles.section", "must be a multiple of tiles.kv_tile"},
-      {"section_threshold_negative", [](Call& c) { c.options.tiles.section_threshold = -1; },
-       "tiles.section_threshold", "must be >= 0"},
   };
+  for (Row& r : memory_rows()) rows.push_back(std::move(r));
+  return rows;
 }
 
 // Every valid configuration the rows start from succeeds, so each row's refusal is due to its
