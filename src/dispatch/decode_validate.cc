@@ -159,27 +159,14 @@ Status check_positions(const TensorView& t, int64_t window, DecodeProblem* p, Ex
 // sink and the scalar options.
 Status check_options(const DecodeOptions& o, DecodeProblem* p, Extent* sink_extent) {
   if (o.sink.present()) {
-    const TensorView& t = o.sink;
-    const bool column = t.rank == 2;
-    FLASHCTE_RETURN_IF_ERROR(check_tensor("sink", t, column ? 2 : 1, "(q_heads,)", sink_extent));
-    if (t.dtype != DType::kFloat32) {
-      return Status::DtypeError(std::string("sink: dtype must be float32, got ") +
-                                dtype_name(t.dtype));
-    }
-    if (t.shape[0] != p->q_heads || (column && t.shape[1] != 1)) {
-      return error("sink: shape " + shape_str(t.shape.data(), t.rank) +
-                   " must be (q_heads,) or (q_heads, 1) with q_heads = " + to_string(p->q_heads));
-    }
-    p->sink = static_cast<const float*>(t.data);
-    p->sink_stride = t.strides[0];
-    for (int64_t h = 0; h < p->q_heads; ++h) {
-      const float x = p->sink[h * p->sink_stride];
-      if (std::isnan(x) || x == std::numeric_limits<float>::infinity()) {
-        return error("sink: entry " + to_string(h) + " is " + std::to_string(x) +
-                     "; a sink logit must be finite or -inf (no sink)");
-      }
-    }
+    BatchVector sink;
+    FLASHCTE_RETURN_IF_ERROR(read_batch_vector(
+        "sink", o.sink, p->q_heads, "(q_heads,) or (q_heads, 1)", "q_heads", &sink, sink_extent));
+    p->sink = sink.data;
+    p->sink_stride = sink.stride;
+    FLASHCTE_RETURN_IF_ERROR(check_sink_values("sink", sink.data, sink.stride, p->q_heads));
   }
+
   if (!std::isfinite(o.scale)) return error("scale: must be finite, got " + to_string(o.scale));
   if (!(o.softcap >= 0.0f) || std::isinf(o.softcap)) {
     return error("softcap: must be finite and >= 0 (0 disables it), got " + to_string(o.softcap));

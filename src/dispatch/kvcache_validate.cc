@@ -245,7 +245,7 @@ Status check_sinks(const TensorView& t, const Shape& s, DecodeProblem* p, Extent
   FLASHCTE_RETURN_IF_ERROR(expect_axis("sinks", t, 0, s.heads, "q's heads"));
   p->sink = static_cast<const float*>(t.data);
   p->sink_stride = t.strides[0];
-  return check_sink_values(t);
+  return check_sink_values("sinks", p->sink, p->sink_stride, s.heads);
 }
 
 Status check_outputs(const MutableTensorView& out, const MutableTensorView& lse, const Shape& s,

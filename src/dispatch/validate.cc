@@ -109,18 +109,11 @@ Status read_shapes(const TensorView& q, const TensorView& k, const TensorView& v
 Status read_sink(const Options& options, Problem* problem, ViewExtents* extents) {
   if (!options.sink.present()) return Status::Ok();
   BatchVector sink;
-  FLASHCTE_RETURN_IF_ERROR(
-      read_batch_vector("sink", options.sink, problem->batch, "(bs, 1)", &sink, &extents->sink));
+  FLASHCTE_RETURN_IF_ERROR(read_batch_vector("sink", options.sink, problem->batch, "(bs, 1)", "bs",
+                                             &sink, &extents->sink));
   problem->sink = sink.data;
   problem->sink_stride = sink.stride;
-  for (int64_t b = 0; b < problem->batch; ++b) {
-    const float logit = sink.data[b * sink.stride];
-    if (std::isnan(logit) || logit == std::numeric_limits<float>::infinity()) {
-      return Status::Error("sink: entry " + std::to_string(b) + " is " + std::to_string(logit) +
-                           "; a sink logit must be finite or -inf (no sink)");
-    }
-  }
-  return Status::Ok();
+  return check_sink_values("sink", sink.data, sink.stride, problem->batch);
 }
 
 // scale, and the windows: causal_mask, sliding_window and window_left/window_right all become
@@ -194,7 +187,8 @@ Status read_alibi_slopes(const Options& options, Problem* problem, ViewExtents* 
   if (!options.alibi_slopes.present()) return Status::Ok();
   BatchVector slopes;
   FLASHCTE_RETURN_IF_ERROR(read_batch_vector("alibi_slopes", options.alibi_slopes, problem->batch,
-                                             "(bs,) or (bs, 1)", &slopes, &extents->alibi_slopes));
+                                             "(bs,) or (bs, 1)", "bs", &slopes,
+                                             &extents->alibi_slopes));
   problem->alibi_slopes = slopes.data;
   problem->alibi_stride = slopes.stride;
   for (int64_t b = 0; b < problem->batch; ++b) {

@@ -445,7 +445,11 @@ Status run_varlen_kvcache(const VarlenKvCachePlan& plan, const TensorView& q,
     if (now.alibi_slopes.present()) {
       FLASHCTE_RETURN_IF_ERROR(internal::check_alibi_values(now.alibi_slopes));
     }
-    if (now.sinks.present()) FLASHCTE_RETURN_IF_ERROR(internal::check_sink_values(now.sinks));
+    if (now.sinks.present()) {
+      FLASHCTE_RETURN_IF_ERROR(
+          internal::check_sink_values("sinks", static_cast<const float*>(now.sinks.data),
+                                      now.sinks.strides[0], now.sinks.shape[0]));
+    }
     // One scale per cache or KV head is read (and checked) as the step reads it; per token,
     // the step reads the layer's scales through its pages.
     internal::LayerScales scales;

@@ -207,13 +207,14 @@ Status check_no_self_overlap(const char* name, const MutableTensorView& view) {
 }
 
 Status read_batch_vector(const char* name, const TensorView& view, int64_t batch,
-                         const char* layout, BatchVector* vector, Extent* extent) {
+                         const char* layout, const char* what, BatchVector* vector,
+                         Extent* extent) {
   FLASHCTE_RETURN_IF_ERROR(check_view(name, view, false, extent));
   FLASHCTE_RETURN_IF_ERROR(expect_float32(name, view.dtype));
   const bool column = view.rank == 2 && view.shape[1] == 1;
   if (!(column || view.rank == 1) || view.shape[0] != batch) {
     return Status::Error(std::string(name) + ": shape " + shape_str(view.shape.data(), view.rank) +
-                         " must be " + layout + " with bs = " + std::to_string(batch));
+                         " must be " + layout + " with " + what + " = " + std::to_string(batch));
   }
   vector->data = static_cast<const float*>(view.data);
   vector->stride = view.strides[0];
@@ -336,12 +337,13 @@ Status check_alibi_values(const TensorView& t) {
   return Status::Ok();
 }
 
-Status check_sink_values(const TensorView& t) {
-  for (int64_t h = 0; h < t.shape[0]; ++h) {
-    const float sink = static_cast<const float*>(t.data)[h * t.strides[0]];
-    if (std::isnan(sink) || sink == std::numeric_limits<float>::infinity()) {
-      return Status::Error("sinks: [" + std::to_string(h) + "] = " + std::to_string(sink) +
-                           " must not be NaN or +inf (-inf: no sink)");
+Status check_sink_values(const char* name, const float* sinks, int64_t stride, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float logit = sinks[i * stride];
+    if (std::isnan(logit) || logit == std::numeric_limits<float>::infinity()) {
+      return Status::Error(std::string(name) + ": entry " + std::to_string(i) + " is " +
+                           std::to_string(logit) +
+                           "; a sink logit must be finite or -inf (no sink)");
     }
   }
   return Status::Ok();

@@ -117,9 +117,10 @@ struct BatchVector {
 };
 
 // Reads a float32 view of shape (n,) or (n, 1) with n = `batch`; `layout` names the accepted
-// shapes in the message, e.g. "(bs, 1)". Fills `extent` with the bytes it addresses.
+// shapes in the message, e.g. "(bs, 1)", and `what` the count, e.g. "bs". Fills `extent` with the
+// bytes it addresses.
 Status read_batch_vector(const char* name, const TensorView& view, int64_t batch,
-                         const char* layout, BatchVector* vector, Extent* extent);
+                         const char* layout, const char* what, BatchVector* vector, Extent* extent);
 
 // Reads a rank-1 int32 view into int64 `values` (present: a missing one is "is required"); with
 // n >= 0 it must hold n entries, `what` naming n in the message (e.g. "q's batch"). `layout`
@@ -156,10 +157,10 @@ Status read_bounds(const char* name, const TensorView& view, int64_t seqlen_q,
                    std::vector<int64_t>* values);
 
 // The values the KV-cache calls read from alibi_slopes ((heads,) or (batch, heads)
-// float32: each finite) and sinks ((heads,) float32: each finite or -inf), of views whose shapes
-// and dtypes are checked.
+// float32: each finite), of a view whose shape and dtype are checked.
 Status check_alibi_values(const TensorView& alibi_slopes);
-Status check_sink_values(const TensorView& sinks);
+// Every call's sink logits, n of them `stride` floats apart: each finite or -inf (no sink).
+Status check_sink_values(const char* name, const float* sinks, int64_t stride, int64_t n);
 
 }  // namespace flashcte::internal
 
