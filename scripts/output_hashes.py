@@ -147,6 +147,32 @@ def main() -> None:
         return out, ck, cv, ks, vs
 
     calls["kvcache_paged_int8_per_token"] = kvcache_paged_int8_per_token
+
+    def kvcache_dense_int8_rows():
+        """Dense int8 caches with per-token scales through cache_batch_idx, left padding,
+        per-batch ALiBi and a causal window; a sequence whose row reads no slot (-1)."""
+        values = r(3 * 90, 2, 64)
+        ck, cv = np.empty((3, 90, 2, 64), np.int8), np.empty((3, 90, 2, 64), np.int8)
+        ks, vs = np.empty((3, 90, 2), np.float32), np.empty((3, 90, 2), np.float32)
+        flashcte.quantize_kv(values, ck.reshape(-1, 2, 64), ks.reshape(-1, 2))
+        flashcte.quantize_kv(r(3 * 90, 2, 64), cv.reshape(-1, 2, 64), vs.reshape(-1, 2))
+        out, lse = flashcte.flash_attn_with_kvcache(
+            r(3, 18, 4, 64), ck, cv, cache_seqlens=np.array([40, 0, 70], np.int32),
+            cache_batch_idx=np.array([2, 0, 1], np.int32), cache_leftpad=np.array([3, 0, 9], np.int32),
+            causal=True, window_size=(30, 0), alibi_slopes=r(3, 4) * 0.1, k_scale=ks, v_scale=vs,
+            return_softmax_lse=True,
+        )
+        return out, lse
+
+    calls["kvcache_dense_int8_rows"] = kvcache_dense_int8_rows
+
+    def kvcache_no_query_heads():
+        ck, cv = r(2, 40, 2, 64), r(2, 40, 2, 64)
+        return flashcte.flash_attn_with_kvcache(
+            r(2, 20, 0, 64), ck, cv, cache_seqlens=np.array([10, 30], np.int32), causal=True
+        )
+
+    calls["kvcache_no_query_heads"] = kvcache_no_query_heads
     if E4M3 is not None:
 
         def paged_attention_prefill_options():

@@ -120,6 +120,30 @@ std::string case_name(const ::testing::TestParamInfo<VarlenCase>& param) {
 INSTANTIATE_TEST_SUITE_P(Varlen, VarlenPlan, ::testing::ValuesIn(in_every_dtype(steps())),
                          case_name);
 
+// A run's profile is the run's: the plan keeps no profile given to plan_varlen_kvcache (here one
+// that is gone before the run, which ASan would catch were it written).
+TEST(VarlenPlan, EachRunProfilesItself) {
+  const VarlenCase c = steps()[0];
+  const VarlenInputs in(c);
+  VarlenKvCachePlan plan;
+  {
+    ThreadProfile gone;
+    VarlenKvCacheOptions o = in.options(c);
+    o.profile = &gone;
+    HostTensor out(c.dtype, {c.total_q(), c.heads, c.value_dim()});
+    ASSERT_TRUE(plan_varlen_kvcache(in.q.view(), in.k_cache.view(), in.v_cache.view(),
+                                    out.mutable_view(), {}, o, &plan)
+                    .ok);
+  }
+  HostTensor out(c.dtype, {c.total_q(), c.heads, c.value_dim()});
+  ThreadProfile profile;
+  ASSERT_TRUE(run_varlen_kvcache(plan, in.q.view(), in.k_cache.view(), in.v_cache.view(),
+                                 out.mutable_view(), {}, {}, &profile)
+                  .ok);
+  EXPECT_FALSE(profile.busy_seconds.empty());
+  EXPECT_GT(profile.wall_seconds, 0.0);
+}
+
 TEST(VarlenPlanValidation, ALayerUnlikeThePlanIsRefusedByName) {
   VarlenCase c = steps()[1];
   const VarlenInputs in(c);

@@ -178,7 +178,9 @@ struct VarlenKvCacheLayer {
 // but with the planned dtypes, shapes and strides; checks what may differ (the layouts against
 // the plan, that the outputs overlap nothing read, the scales', slopes' and sinks' values) and
 // runs the kernels. Its result is bitwise flash_attn_varlen_kvcache's on that layer's tensors.
-// Plans are cheap to copy and may be run from several threads at once.
+// The plan keeps no address of the tensors it was made with, nor options.profile: a run's
+// `profile`, when given, receives that run's per-thread busy time. Plans are cheap to copy and may
+// be run from several threads at once.
 struct VarlenKvCachePlan {
   struct State;                        // the validated step (src/dispatch)
   std::shared_ptr<const State> state;  // null until plan_varlen_kvcache succeeds
@@ -190,7 +192,7 @@ Status plan_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
 Status run_varlen_kvcache(const VarlenKvCachePlan& plan, const TensorView& q,
                           const TensorView& k_cache, const TensorView& v_cache,
                           const MutableTensorView& out, const MutableTensorView& lse,
-                          const VarlenKvCacheLayer& layer = {});
+                          const VarlenKvCacheLayer& layer = {}, ThreadProfile* profile = nullptr);
 
 // quantize_kv: new K or V rows into an 8-bit cache format, for engines that write their own cache
 // (vLLM's reshape_and_cache with an fp8 cache, say). dst * scale stands for src:

@@ -1,10 +1,10 @@
-"""FlashAttention's interface (flash_attn_func, flash_attn_varlen_func) mapped onto attention_cte.
+"""FlashAttention's interface (flash_attn_func, flash_attn_varlen_func) mapped onto the library.
 
 Layouts: q ``(batch, seqlen_q, heads, d)``, k/v ``(batch, seqlen_k, heads_k, d)``; varlen packs
-the sequences: ``(total, heads, d)``. The heads axis is not foldable with the batch axis into one
-strided axis, so each batch element is one attention_cte call on the views ``q[b]`` read as
-``(heads, seqlen_q, d)`` (k with ``tp_k``), written straight into the output's
-``(heads, seqlen_q, dv)`` view: nothing is copied. Varlen is usually a single call per problem:
+the sequences: ``(total, heads, d)``. flash_attn_func is one call of the library's
+flash_attn_with_kvcache for the whole batch, k and v as full caches read in place (up to 16
+queries per sequence on the decode kernel, more on attention_cte), written straight into the
+output: nothing is copied. Varlen is usually a single attention_cte call per problem:
 the heads are the batch axis and the sequences become per-row packing bounds (ALiBi with
 sequences whose positions one attention_cte call cannot express goes through
 flash_attn_varlen_kvcache, the packed keys read as one-slot pages).
@@ -200,7 +200,7 @@ def flash_attn_func(
         s_aux: ``(heads,)``: an attention sink per query head, FlashAttention 3's argument as
             vLLM's build has it and transformers passes it for gpt-oss: a logit (not scaled)
             that joins every row's softmax without a value, so the row's weights sum to less
-            than 1; ``lse`` includes it; -inf: no sink. Any real dtype (converted to float32).
+            than 1; ``lse`` includes it; -inf: no sink. Any float dtype (converted to float32).
             Not in FlashAttention 2's call.
         num_threads: OpenMP threads; None for OpenMP's default.
 

@@ -59,6 +59,8 @@ def _nhd_caches(
         scales.append(transpose(cache_scale, 1, 2) if hnd and per_token else cache_scale)
     if hnd:
         k_shape, v_shape = shapes
+        if k_shape[2] < 1:
+            raise ValueError(f"key_cache: block_size (axis 2 of {k_shape}) is 0; a page holds >= 1 slot")
         if v_shape[:3] != k_shape[:3]:
             raise ValueError(
                 f"value_cache: shape {v_shape} must have key_cache's (num_blocks, heads_k, "
@@ -171,10 +173,11 @@ class PagedAttentionPlan:
     :func:`paged_attention` gives with that layer's arrays. A plan may run from several threads.
     """
 
-    __slots__ = ("_plan", "_kv_layout", "_batch", "_heads")
+    __slots__ = ("_plan", "_kv_layout", "_batch", "_heads", "_shapes")
 
-    def __init__(self, plan: Any, kv_layout: str, batch: int, heads: int):
+    def __init__(self, plan: Any, kv_layout: str, batch: int, heads: int, arrays: dict[str, Any]):
         self._plan, self._kv_layout, self._batch, self._heads = plan, kv_layout, batch, heads
+        self._shapes = _shapes(arrays)
 
     def run(
         self,
@@ -192,6 +195,14 @@ class PagedAttentionPlan:
         :func:`paged_attention` takes them, with this layer's ``alibi_slopes``, ``sinks`` and
         8-bit scales, each given exactly when the plan's was. Returns ``output`` (allocated when
         not given)."""
+        given = _shapes(dict(query=query, key_cache=key_cache, value_cache=value_cache,
+                             alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale))
+        for name, shape in given.items():
+            planned = self._shapes[name]
+            # Shapes as the caller passes them (vLLM's HND caches, slopes before their
+            # broadcast); presence, dtypes and strides are the library's to compare.
+            if shape is not None and planned is not None and shape != planned:
+                raise ValueError(f"{name}: shape {shape} differs from the plan's {planned}")
         caches, scales = _nhd_caches(query, key_cache, value_cache, k_scale, v_scale, self._kv_layout)
         try:
             qt = Tensor("q", query)
@@ -251,6 +262,15 @@ def plan_paged_attention(
         for layer in range(num_layers):
             out[layer] = plan.run(q[layer], k_caches[layer], v_caches[layer])
     """
-    made = _paged(plan=True, **locals())
+    made = _paged(plan=True, **locals())  # first: locals() are the arguments
+    arrays = dict(query=query, key_cache=key_cache, value_cache=value_cache,
+                  alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     cu = _int32("query_start_loc", query_start_loc)
-    return PagedAttentionPlan(made, kv_layout, int(cu.shape[0]) - 1, int(Tensor("q", query).shape[1]))
+    heads = int(Tensor("q", query).shape[1])
+    return PagedAttentionPlan(made, kv_layout, int(cu.shape[0]) - 1, heads, arrays)
+
+
+def _shapes(arrays: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
+    """Each array's shape as given (None: absent, or a number)."""
+    return {name: None if getattr(x, "shape", None) is None else tuple(int(n) for n in x.shape)
+            for name, x in arrays.items()}

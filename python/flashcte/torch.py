@@ -190,6 +190,7 @@ def flash_attn(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     Raises:
         ValueError: non-CPU tensors, shapes; TypeError: dtypes; RuntimeError: autograd.
     """
+    _FLASH_ATTN_SIGNATURE.bind(*args, **kwargs)  # a wrong argument is a TypeError, as in Python
     return torch.ops.flashcte.flash_attn(*args, **kwargs)
 
 

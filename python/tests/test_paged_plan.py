@@ -97,6 +97,26 @@ def test_8bit_caches_take_each_layers_scales(per_token):
         same_bits(plan.run(**arrays), flashcte.paged_attention(**arrays, **s, scale=0.2, kv_layout="NHD"))
 
 
+def test_scales_over_a_cache_are_refused():
+    """As paged_attention: a cache's scales are memory of their own."""
+    rng = np.random.default_rng(8)
+    s = step(rng)
+    num_blocks = s["block_table"].size + 3
+    codes = np.zeros((num_blocks, PAGE, KV_HEADS, D), np.int8)
+    values = make(rng, (num_blocks * PAGE, KV_HEADS, D), np.float32)
+    scale = np.array([0.02, 0.03], np.float32)
+    flashcte.quantize_kv(values, codes.reshape(-1, KV_HEADS, D), scale)
+    arrays = dict(query=make(rng, (sum(Q_LENS), HEADS, D), np.float32), key_cache=codes,
+                  value_cache=codes.copy(), k_scale=scale, v_scale=scale)
+    plan = flashcte.plan_paged_attention(**arrays, **s, scale=0.2, kv_layout="NHD")
+    inside = arrays["key_cache"].view(np.float32).reshape(-1)[:KV_HEADS]
+    inside[:] = scale
+    with pytest.raises(ValueError, match="^k_scale: overlaps key_cache"):
+        plan.run(**{**arrays, "k_scale": inside})
+    with pytest.raises(ValueError, match="^k_scale: overlaps key_cache"):
+        flashcte.paged_attention(**{**arrays, "k_scale": inside}, **s, scale=0.2, kv_layout="NHD")
+
+
 def test_the_plan_keeps_its_own_tables():
     """Tables changed (or freed) after planning do not reach the plan."""
     rng = np.random.default_rng(5)
@@ -145,6 +165,15 @@ def test_a_layer_unlike_the_plan_is_refused_by_name():
         plan.run(**{**arrays, "query": arrays["query"].astype(np.float16)})
     with pytest.raises(ValueError, match="^k_scale: the plan was made without one"):
         plan.run(**arrays, k_scale=1.0)
+    # Shapes as the caller passed them: the HND cache, the slopes before their broadcast.
+    with pytest.raises(ValueError, match=rf"^key_cache: shape \({num_blocks + 1}, {KV_HEADS}, {PAGE}, {D}\) "
+                       rf"differs from the plan's \({num_blocks}, {KV_HEADS}, {PAGE}, {D}\)"):
+        plan.run(**{**arrays, **bad["key_cache"]})
+    with_slopes = flashcte.plan_paged_attention(**arrays, **s, scale=0.2)
+    per_sequence = np.ones((len(Q_LENS), HEADS), np.float32)
+    with pytest.raises(ValueError, match=rf"^alibi_slopes: shape \({len(Q_LENS)}, {HEADS}\) differs from "
+                       rf"the plan's \({HEADS},\)"):
+        with_slopes.run(**{**arrays, "alibi_slopes": per_sequence})
     # The plan's own checks are paged_attention's, by its names.
     with pytest.raises(ValueError, match="^seq_lens:"):
         flashcte.plan_paged_attention(**arrays, **{**s, "seq_lens": s["seq_lens"] * 100}, scale=0.2)

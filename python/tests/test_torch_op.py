@@ -231,6 +231,11 @@ def test_op_errors():
         ft.flash_attn(q, q, q, key_bias=torch.zeros(4))
     with pytest.raises(ValueError, match="^bound_min, bound_max: pass both"):
         ft.flash_attn(q, q, q, bound_min=torch.zeros(4, dtype=torch.int64))
+    # Arguments are bound as a Python function's are (the op's one signature).
+    with pytest.raises(TypeError, match="unexpected keyword argument 'window'"):
+        ft.flash_attn(q, q, q, window=(1, 1))
+    with pytest.raises(TypeError, match="missing a required argument: 'v'"):
+        ft.flash_attn(q, q)
     # A tensor on an accelerator (none here: a stand-in with a device) is refused by name.
     fake = types.SimpleNamespace(device=torch.device("cuda", 0))
     with pytest.raises(ValueError, match=r"^q: flashcte runs on the CPU only.*cuda:0.*\.cpu\(\)"):

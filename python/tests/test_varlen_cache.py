@@ -173,6 +173,9 @@ def test_hnd_caches_are_named_in_the_shapes_passed(rng):
     for message, v in bad.items():
         with pytest.raises(ValueError, match=message):
             flashcte.paged_attention(q, k, v, **call)
+    with pytest.raises(ValueError, match=r"key_cache: block_size \(axis 2 of \(10, 2, 0, 64\)\) is 0"):
+        empty = make(rng, (10, 2, 0, 64), "float32")
+        flashcte.paged_attention(q, empty, empty, **call)
     with pytest.raises(ValueError, match=r"key_cache: shape \(10, 2, 16, 64\) has head_dim 64, expected query's 32"):
         flashcte.paged_attention(make(rng, (3, 4, 32), "float32"), k, k, **call)
     with pytest.raises(ValueError, match=r"k_scale: shape \(10, 16, 2\) must be the cache's without its last axis, \(10, 2, 16\)"):

@@ -55,8 +55,9 @@ struct Problem {
   int64_t value_dim = 0;     // d of v and out
 
   View3 q, k, v;
-  // The prefix: dense (each KV batch its own sequence, prior_heads 1) or paged (KV batch kv_b is
-  // head kv_b % prior_heads of sequence kv_b / prior_heads). Rows: prior_row().
+  // The prefix, dense or paged: KV batch kv_b is head kv_b % prior_heads of sequence
+  // kv_b / prior_heads (attention_cte's dense prior: each KV batch its own sequence, prior_heads
+  // 1; a KV-cache call's: the heads of one sequence). Rows: prior_row().
   KvSource k_prior, v_prior;
   int64_t prior_heads = 1;
   std::vector<int64_t> prior_used;  // per KV batch (size kv_batch); all zero without prefix

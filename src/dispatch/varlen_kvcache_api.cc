@@ -7,16 +7,19 @@
 // to the kernel its length calls for: the decode kernel for a few queries, attention_cte for a
 // longer chunk. Every kernel's work runs in one parallel region (src/schedule/region.h), split by
 // estimated cost. plan_varlen_kvcache keeps those problems (the step) and run_varlen_kvcache
-// moves their pointers to another layer's tensors of the same layouts, checking only what may
+// places their pointers in another layer's tensors of the same layouts, checking only what may
 // differ between layers.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <exception>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -285,17 +288,60 @@ struct LayerTensors {
   MutableTensorView out, lse;
 };
 
-// p, an address inside the tensor that starts at `from`, at the same offset from `to`: a tensor
-// of the same layout. Every pointer of a step is derived from its tensor's data, so the offset is
-// one within that tensor.
-template <class T>
-T* moved(T* p, const void* from, const void* to) {
-  if (p == nullptr) return p;
-  const std::ptrdiff_t offset = static_cast<const unsigned char*>(static_cast<const void*>(p)) -
-                                static_cast<const unsigned char*>(from);
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): `to` is writable where T is
-  auto* at = const_cast<unsigned char*>(static_cast<const unsigned char*>(to)) + offset;
-  return static_cast<T*>(static_cast<void*>(at));
+enum LayerTensor { kQ, kKCache, kVCache, kKScale, kVScale, kAlibi, kSinks, kOut, kLse, kTensors };
+
+std::array<const void*, kTensors> data_of(const LayerTensors& t) {
+  return {t.q.data,       t.k_cache.data, t.v_cache.data,
+          t.k_scale.data, t.v_scale.data, t.alibi_slopes.data,
+          t.sinks.data,   t.out.data,     t.lse.data};
+}
+
+// Calls f(pointer field, the tensor it points into) for every pointer of a step's problem, in a
+// fixed order.
+template <class F>
+void for_each_pointer(DecodeProblem& p, const F& f) {
+  f(p.q, kQ);
+  f(p.out, kOut);
+  f(p.lse, kLse);
+  f(p.k.data, kKCache);
+  f(p.v.data, kVCache);
+  f(p.k_token_scale.data, kKScale);
+  f(p.v_token_scale.data, kVScale);
+  f(p.sink, kSinks);
+  f(p.alibi, kAlibi);
+}
+template <class F>
+void for_each_pointer(Problem& p, const F& f) {
+  f(p.q.data, kQ);
+  f(p.out.data, kOut);
+  f(p.lse.data, kLse);
+  f(p.k_prior.data, kKCache);
+  f(p.v_prior.data, kVCache);
+  f(p.k_prior_token_scale.data, kKScale);
+  f(p.v_prior_token_scale.data, kVScale);
+  f(p.sink, kSinks);
+  f(p.alibi_slopes, kAlibi);
+}
+
+// Where a step's pointers point: each one's byte offset into its tensor (none: null), in
+// for_each_pointer's order over the decode problems, then the prefill problems. Taken while the
+// plan's tensors are valid, so that a run places the pointers in its own tensors and the plan
+// keeps no address of the tensors it was made with.
+using PointerOffsets = std::vector<std::optional<std::ptrdiff_t>>;
+
+PointerOffsets offsets_of(VarlenStep& step, const std::array<const void*, kTensors>& base) {
+  PointerOffsets offsets;
+  const auto record = [&](auto* pointer, LayerTensor t) {
+    if (pointer == nullptr) {
+      offsets.emplace_back();
+      return;
+    }
+    offsets.emplace_back(static_cast<const unsigned char*>(static_cast<const void*>(pointer)) -
+                         static_cast<const unsigned char*>(base[t]));
+  };
+  for (DecodeProblem& p : step.decodes) for_each_pointer(p, record);
+  for (Problem& p : step.prefills) for_each_pointer(p, record);
+  return offsets;
 }
 
 // A layer's 8-bit scales read as the step's per-KV-head values (empty: per token or none).
@@ -303,34 +349,33 @@ struct LayerScales {
   std::vector<float> k, v;
 };
 
-void move_to_layer(const LayerTensors& a, const LayerTensors& b, const LayerScales& scales,
-                   DecodeProblem* p) {
-  p->q = moved(p->q, a.q.data, b.q.data);
-  p->out = moved(p->out, a.out.data, b.out.data);
-  p->lse = moved(p->lse, a.lse.data, b.lse.data);
-  p->k.data = moved(p->k.data, a.k_cache.data, b.k_cache.data);
-  p->v.data = moved(p->v.data, a.v_cache.data, b.v_cache.data);
-  p->k_token_scale.data = moved(p->k_token_scale.data, a.k_scale.data, b.k_scale.data);
-  p->v_token_scale.data = moved(p->v_token_scale.data, a.v_scale.data, b.v_scale.data);
-  p->sink = moved(p->sink, a.sinks.data, b.sinks.data);
-  p->alibi = moved(p->alibi, a.alibi_slopes.data, b.alibi_slopes.data);
-  if (!p->k_scale.empty()) p->k_scale = scales.k;
-  if (!p->v_scale.empty()) p->v_scale = scales.v;
-}
-
-void move_to_layer(const LayerTensors& a, const LayerTensors& b, const LayerScales& scales,
-                   Problem* p) {
-  p->q.data = moved(p->q.data, a.q.data, b.q.data);
-  p->out.data = moved(p->out.data, a.out.data, b.out.data);
-  p->lse.data = moved(p->lse.data, a.lse.data, b.lse.data);
-  p->k_prior.data = moved(p->k_prior.data, a.k_cache.data, b.k_cache.data);
-  p->v_prior.data = moved(p->v_prior.data, a.v_cache.data, b.v_cache.data);
-  p->k_prior_token_scale.data = moved(p->k_prior_token_scale.data, a.k_scale.data, b.k_scale.data);
-  p->v_prior_token_scale.data = moved(p->v_prior_token_scale.data, a.v_scale.data, b.v_scale.data);
-  p->sink = moved(p->sink, a.sinks.data, b.sinks.data);
-  p->alibi_slopes = moved(p->alibi_slopes, a.alibi_slopes.data, b.alibi_slopes.data);
-  if (!p->k_prior_scale.empty()) p->k_prior_scale = scales.k;
-  if (!p->v_prior_scale.empty()) p->v_prior_scale = scales.v;
+// The step on a layer's tensors: every pointer at its offset in the layer's tensor, the
+// per-KV-head scales the layer's.
+void place_in_layer(const PointerOffsets& offsets, const LayerTensors& layer,
+                    const LayerScales& scales, VarlenStep* step) {
+  const std::array<const void*, kTensors> base = data_of(layer);
+  size_t next = 0;
+  const auto place = [&](auto*& pointer, LayerTensor t) {
+    using Pointee = std::remove_pointer_t<std::remove_reference_t<decltype(pointer)>>;
+    const std::optional<std::ptrdiff_t>& offset = offsets[next++];
+    if (!offset) {
+      pointer = nullptr;
+      return;
+    }
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): the layer's outputs are writable
+    auto* at = const_cast<unsigned char*>(static_cast<const unsigned char*>(base[t])) + *offset;
+    pointer = static_cast<Pointee*>(static_cast<void*>(at));
+  };
+  for (DecodeProblem& p : step->decodes) {
+    for_each_pointer(p, place);
+    if (!p.k_scale.empty()) p.k_scale = scales.k;
+    if (!p.v_scale.empty()) p.v_scale = scales.v;
+  }
+  for (Problem& p : step->prefills) {
+    for_each_pointer(p, place);
+    if (!p.k_prior_scale.empty()) p.k_prior_scale = scales.k;
+    if (!p.v_prior_scale.empty()) p.v_prior_scale = scales.v;
+  }
 }
 
 // A layer's `given` view against the plan's `planned`: given exactly when planned, with its
@@ -367,11 +412,11 @@ namespace flashcte {
 
 struct VarlenKvCachePlan::State {
   internal::VarlenStep step;
-  // The tensors the plan was made with: their layouts bind every run; their addresses are where
-  // the step's pointers are moved from (nothing is read through them after planning).
-  internal::LayerTensors tensors;
+  internal::PointerOffsets offsets;
+  // The layouts of the tensors the plan was made with, which bind every run (their data
+  // pointers are cleared: the plan reads nothing of them once made).
+  internal::LayerTensors layouts;
   int threads = 0;
-  ThreadProfile* profile = nullptr;
 };
 
 Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
@@ -395,17 +440,24 @@ Status plan_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
     auto state = std::make_shared<VarlenKvCachePlan::State>();
     FLASHCTE_RETURN_IF_ERROR(
         internal::plan_step(q, k_cache, v_cache, out, lse, options, &state->step));
-    state->tensors = {q,
-                      k_cache,
-                      v_cache,
-                      options.k_scale,
-                      options.v_scale,
-                      options.alibi_slopes,
-                      options.sinks,
-                      out,
-                      lse};
+    internal::LayerTensors& t = state->layouts;
+    t = {q,
+         k_cache,
+         v_cache,
+         options.k_scale,
+         options.v_scale,
+         options.alibi_slopes,
+         options.sinks,
+         out,
+         lse};
+    state->offsets = internal::offsets_of(state->step, internal::data_of(t));
+    for (TensorView* view :
+         {&t.q, &t.k_cache, &t.v_cache, &t.k_scale, &t.v_scale, &t.alibi_slopes, &t.sinks}) {
+      view->data = nullptr;
+    }
+    t.out.data = nullptr;
+    t.lse.data = nullptr;
     state->threads = options.num_threads;
-    state->profile = options.profile;
     plan->state = std::move(state);
     return Status::Ok();
   });
@@ -414,12 +466,12 @@ Status plan_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
 Status run_varlen_kvcache(const VarlenKvCachePlan& plan, const TensorView& q,
                           const TensorView& k_cache, const TensorView& v_cache,
                           const MutableTensorView& out, const MutableTensorView& lse,
-                          const VarlenKvCacheLayer& layer) {
+                          const VarlenKvCacheLayer& layer, ThreadProfile* profile) {
   if (plan.state == nullptr) {
     return Status::Error("plan: holds no step; make it with plan_varlen_kvcache");
   }
   const VarlenKvCachePlan::State& planned = *plan.state;
-  const internal::LayerTensors& was = planned.tensors;
+  const internal::LayerTensors& was = planned.layouts;
   const internal::LayerTensors now = {
       q, k_cache, v_cache, layer.k_scale, layer.v_scale, layer.alibi_slopes, layer.sinks, out, lse};
   return internal::guarded("the call's scratch", [&]() -> Status {
@@ -442,6 +494,15 @@ Status run_varlen_kvcache(const VarlenKvCachePlan& plan, const TensorView& q,
                                                                    {"sinks", esinks},
                                                                    {"k_scale", eks},
                                                                    {"v_scale", evs}}));
+    // As the direct call: a cache's scales are memory of their own.
+    for (const auto& [scale, e_scale] : {std::pair{"k_scale", eks}, std::pair{"v_scale", evs}}) {
+      for (const auto& [cache, e_cache] : {std::pair{"k_cache", ek}, std::pair{"v_cache", ev}}) {
+        if (internal::overlaps(e_scale, e_cache)) {
+          return Status::Error(std::string(scale) + ": overlaps " + cache +
+                               "; a cache's scales are memory of their own");
+        }
+      }
+    }
     if (now.alibi_slopes.present()) {
       FLASHCTE_RETURN_IF_ERROR(internal::check_alibi_values(now.alibi_slopes));
     }
@@ -461,9 +522,8 @@ Status run_varlen_kvcache(const VarlenKvCachePlan& plan, const TensorView& q,
       }
     }
     internal::VarlenStep step = planned.step;
-    for (internal::DecodeProblem& p : step.decodes) internal::move_to_layer(was, now, scales, &p);
-    for (internal::Problem& p : step.prefills) internal::move_to_layer(was, now, scales, &p);
-    internal::run_step(step, planned.threads, planned.profile);
+    internal::place_in_layer(planned.offsets, now, scales, &step);
+    internal::run_step(step, planned.threads, profile);
     return Status::Ok();
   });
 }

@@ -342,8 +342,7 @@ Status check_sink_values(const char* name, const float* sinks, int64_t stride, i
     const float logit = sinks[i * stride];
     if (std::isnan(logit) || logit == std::numeric_limits<float>::infinity()) {
       return Status::Error(std::string(name) + ": entry " + std::to_string(i) + " is " +
-                           std::to_string(logit) +
-                           "; a sink logit must be finite or -inf (no sink)");
+                           std::to_string(logit) + "; must be finite or -inf (-inf: none)");
     }
   }
   return Status::Ok();

@@ -159,7 +159,8 @@ Status read_bounds(const char* name, const TensorView& view, int64_t seqlen_q,
 // The values the KV-cache calls read from alibi_slopes ((heads,) or (batch, heads)
 // float32: each finite), of a view whose shape and dtype are checked.
 Status check_alibi_values(const TensorView& alibi_slopes);
-// Every call's sink logits, n of them `stride` floats apart: each finite or -inf (no sink).
+// Every call's sink logits, n of them `stride` floats apart: each finite or -inf (no sink). The
+// message does not say "sink" beyond the argument's name, which Python renames (s_aux).
 Status check_sink_values(const char* name, const float* sinks, int64_t stride, int64_t n);
 
 }  // namespace flashcte::internal
