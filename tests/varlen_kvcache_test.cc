@@ -184,6 +184,34 @@ TEST(VarlenPaged, BitwiseTheDenseResultForAnyThreadCount) {
   }
 }
 
+// flash_attn_with_kvcache's rule for the table (kvcache.h): the pages no query row sees are not
+// looked at. A sliding-window step whose table holds -1 before each window (and for a sequence
+// without rows) gives the full table's result; a page some row sees is still refused.
+TEST(VarlenPaged, PagesNoRowSeesAreNotLookedAt) {
+  VarlenCase c = mixed("freed_before_window", {1, 3, 0}, {700, 300, 50});
+  c.page = 16, c.left = 100;
+  const VarlenInputs in(c);
+  const VarlenRun full = run_varlen(c, in);
+  ASSERT_TRUE(full.status.ok) << full.status.message;
+  VarlenInputs freed = in;
+  int64_t cleared = 0;
+  for (int64_t b = 0; b < c.batch(); ++b) {
+    // Row 0 sees slots from used - q_len - left: the pages wholly before it are free.
+    const int64_t first_seen = c.q_lens[b] == 0 ? c.used[b] : c.used[b] - c.q_lens[b] - c.left;
+    for (int64_t col = 0; (col + 1) * c.page <= first_seen; ++col, ++cleared) {
+      freed.table[b * c.pages_per_sequence() + col] = -1;
+    }
+  }
+  ASSERT_GT(cleared, 40);
+  const VarlenRun got = run_varlen(c, freed);
+  ASSERT_TRUE(got.status.ok) << got.status.message;
+  EXPECT_TRUE(got.out.bytes() == full.out.bytes());
+  EXPECT_TRUE(got.lse == full.lse);
+  VarlenInputs seen = in;
+  seen.table[(c.used[0] - 1) / c.page] = -1;  // sequence 0's last page, which its row sees
+  EXPECT_TRUE(refused_for(run_varlen(c, seen).status, "block_table"));
+}
+
 // Each sequence of the mixed batch is bitwise what flash_attn_with_kvcache computes for it alone
 // (the decode kernel for its few queries, attention_cte for its long chunk).
 TEST(VarlenMixed, EachSequenceBitwiseItsOwnCall) {

@@ -119,8 +119,11 @@ struct VarlenKvCacheOptions {
   // seqlen_q(b) tokens: bottom-right alignment). Required.
   TensorView seqused_k;
   // A paged cache, as in KvCacheOptions: (batch, max_blocks_per_seq) int32; the caches are then
-  // (num_blocks, page_block_size, kv_heads, d). Absent: dense caches (batch, seqlen_cache,
-  // kv_heads, d), row b for sequence b.
+  // (num_blocks, page_block_size, kv_heads, d). The same rule for its entries: those of the pages
+  // holding a slot a query row sees must be in [0, num_blocks) (a chunk of more than 16 queries:
+  // every page of its slots [0, seqused_k[b])); the others (pages an engine freed before a sliding
+  // window, a sequence without query rows) are not looked at. Absent: dense caches (batch,
+  // seqlen_cache, kv_heads, d), row b for sequence b.
   TensorView block_table;
   // 8-bit caches: their float32 scales, as in KvCacheOptions (read only: per token, (batch,
   // seqlen_cache, kv_heads) or, paged, (num_blocks, page_block_size, kv_heads)).

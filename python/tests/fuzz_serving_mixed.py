@@ -31,6 +31,7 @@ from fuzz_serving_kvcache_contract import (
     alibi_contract,
     dequantized,
     pages_read,
+    pages_seen,
     table_contract,
     threads_contract,
     window_contract,
@@ -309,9 +310,18 @@ def mixed_contract(kw: dict, api: str) -> tuple[Contract, dict]:
         c.refuse(f"seqused_k {lengths.tolist()} outside [0, {capacity}]")
         return c, info
     if table is not None and page:
+        # flash_attn_with_kvcache's rule per sequence (kvcache.h): in range where a query row
+        # sees the page; the other used pages are left open (a long chunk reads whole tiles).
         for b, col in pages_read(lengths, None, table, page):
-            if not 0 <= table[b, col] < kc.shape[0]:
-                c.refuse(f"block_table[{b}, {col}] = {table[b, col]} is used and out of range")
+            if 0 <= table[b, col] < kc.shape[0]:
+                continue
+            rows = int(cu[b + 1] - cu[b])
+            window = kw.get("window_size", (-1, -1))
+            seen = pages_seen([lengths[b]], 0, None, rows, window, kw.get("causal", paged), page)
+            if (0, col) in set(seen):
+                c.refuse(f"block_table[{b}, {col}] = {table[b, col]} is read and out of range")
+            else:
+                c.leave_open(f"block_table[{b}, {col}] = {table[b, col]} is out of range, seen by no query")
     if np.any(np.diff(cu) > lengths):
         c.leave_open("a sequence with more queries than keys")
     sinks = kw.get("sinks")

@@ -356,11 +356,14 @@ def kvcache_ref(
     lse = np.full((batch, heads, sq), -np.inf)
     for b in range(batch):
         sk = int(seqlens[b]) + new
-        # Slots before cache_leftpad are masked and never read (their pages may not exist).
+        allowed = fa_mask(sq, sk, causal, window_size) & (np.arange(sk)[None, :] >= leftpad[b])
+        # Slots no query row sees (before cache_leftpad, outside every row's window) are never
+        # read: their pages may not exist (kvcache.h).
+        seen = allowed.any(axis=0)
         kb, vb = (
             np.stack(
                 [
-                    f64(cache[where(b, j)]) if j >= leftpad[b] else np.zeros(cache.shape[2:])
+                    f64(cache[where(b, j)]) if seen[j] else np.zeros(cache.shape[2:])
                     for j in range(sk)
                 ]
             )
@@ -368,7 +371,6 @@ def kvcache_ref(
             else np.zeros((0, 1, last))
             for cache, last in ((k_after, d), (v_after, 1))
         )
-        allowed = fa_mask(sq, sk, causal, window_size) & (np.arange(sk)[None, :] >= leftpad[b])
         for h in range(heads):
             qh = f64(q[b, :, h])
             if rotary:

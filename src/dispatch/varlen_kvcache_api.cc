@@ -1,6 +1,6 @@
 // flash_attn_varlen_kvcache (include/flashcte/kvcache.h): a mixed batch of variable-length query
 // chunks over each sequence's cache. The call is checked as a whole (the varlen offsets, the
-// lengths against the cache, every page read, the outputs against everything read), and by
+// lengths against the cache, the table's shape, the outputs against everything read), and by
 // flash_attn_with_kvcache's validator as the whole batch's call of no query row (so that its
 // rules bind sequences without rows too); then each sequence with rows becomes the
 // flash_attn_with_kvcache call of batch 1 it is, validated by that validator, and its problem goes
@@ -46,7 +46,8 @@ struct Varlen {
 };
 
 // Checks what no per-sequence call can see: q's and the outputs' shapes, the offsets and lengths,
-// every page each sequence reads, the sinks, and that the outputs touch nothing read.
+// the table's shape (each sequence's call checks the pages its rows see), the sinks, and that the
+// outputs touch nothing read.
 Status check_call(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                   const MutableTensorView& out, const MutableTensorView& lse,
                   const VarlenKvCacheOptions& o, Varlen* c) {
@@ -103,18 +104,6 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
       return error("seqused_k: [" + to_string(b) + "] = " + to_string(used) + " must be in [0, " +
                    to_string(capacity) + "], the slots of a sequence's " +
                    (paged ? "pages (max_blocks_per_seq x page_block_size)" : "cache row"));
-    }
-    if (!paged) continue;
-    // Every page of the used slots is in range (a stricter rule than the pages each query
-    // reads: an engine's table always covers its sequence).
-    const TensorView& t = o.block_table;
-    for (int64_t i = 0; i * page_slots < used; ++i) {
-      const int32_t page = static_cast<const int32_t*>(t.data)[b * t.strides[0] + i * t.strides[1]];
-      if (page < 0 || page >= k_cache.shape[0]) {
-        return error("block_table: [" + to_string(b) + ", " + to_string(i) +
-                     "] = " + to_string(page) +
-                     " must be in [0, num_blocks = " + to_string(k_cache.shape[0]) + ")");
-      }
     }
   }
   if (o.sinks.present()) {
