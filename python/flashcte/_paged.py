@@ -66,7 +66,7 @@ def _nhd_caches(
                 f"value_cache: shape {v_shape} must have key_cache's (num_blocks, heads_k, "
                 f"block_size) = {k_shape[:3]}"
             )
-        d = Tensor("query", query).shape[-1] if getattr(query, "ndim", 0) == 3 else k_shape[3]
+        d = int(query.shape[-1]) if getattr(query, "ndim", 0) == 3 else k_shape[3]
         if k_shape[3] != d:
             raise ValueError(f"key_cache: shape {k_shape} has head_dim {k_shape[3]}, expected query's {d}")
         for name, scale, shape in (("k_scale", k_scale, k_shape), ("v_scale", v_scale, v_shape)):
