@@ -108,11 +108,15 @@ class _Cache:
 
 
 def _scale(name: str, x: Any, written: bool) -> Any:
-    """An 8-bit cache's float32 scale (None: none): per-token scales are written by an append."""
+    """An 8-bit cache's float32 scale (None: none): per-token scales are written by an append. A
+    number or a 0-dim array or tensor (vLLM's layers hold ``torch.tensor(1.0)``) is the (1,)
+    per-tensor scale, only read."""
     if x is None:
         return None
     if isinstance(x, (int, float)):
         return np.full((1,), float(x), np.float32)
+    if getattr(x, "ndim", None) == 0:
+        return native(Tensor(name, x.reshape(1)))
     t = _writable(name, x, "the append writes the new tokens' scales") if written else Tensor(name, x)
     return native(t)
 

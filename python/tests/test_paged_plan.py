@@ -117,6 +117,29 @@ def test_scales_over_a_cache_are_refused():
         flashcte.paged_attention(**{**arrays, "k_scale": inside}, **s, scale=0.2, kv_layout="NHD")
 
 
+def test_zero_dim_scales_are_per_tensor():
+    """vLLM's attention layers hold k_scale / v_scale as 0-dim tensors (torch.tensor(1.0)):
+    taken as the (1,) per-tensor scale, by paged_attention and by a plan's runs."""
+    rng = np.random.default_rng(9)
+    s = step(rng)
+    num_blocks = s["block_table"].size + 3
+    codes = np.zeros((num_blocks, PAGE, KV_HEADS, D), np.int8)
+    flashcte.quantize_kv(make(rng, (num_blocks * PAGE, KV_HEADS, D), np.float32),
+                         codes.reshape(-1, KV_HEADS, D), np.array([0.02], np.float32))
+    arrays = dict(query=make(rng, (sum(Q_LENS), HEADS, D), np.float32), key_cache=codes,
+                  value_cache=codes, k_scale=np.array([0.02], np.float32),
+                  v_scale=np.array([0.03], np.float32))
+    expected = flashcte.paged_attention(**arrays, **s, scale=0.2, kv_layout="NHD")
+    zero_dim = {**arrays, "k_scale": np.float32(0.02) * np.ones(()), "v_scale": np.array(0.03, np.float32)}
+    zero_dim["k_scale"] = zero_dim["k_scale"].astype(np.float32)
+    same_bits(flashcte.paged_attention(**zero_dim, **s, scale=0.2, kv_layout="NHD"), expected)
+    plan = flashcte.plan_paged_attention(**zero_dim, **s, scale=0.2, kv_layout="NHD")
+    same_bits(plan.run(**zero_dim), expected)
+    torch = pytest.importorskip("torch")
+    as_torch = {**arrays, "k_scale": torch.tensor(0.02), "v_scale": torch.tensor(0.03)}
+    same_bits(flashcte.paged_attention(**as_torch, **s, scale=0.2, kv_layout="NHD"), expected)
+
+
 def test_the_plan_keeps_its_own_tables():
     """Tables changed (or freed) after planning do not reach the plan."""
     rng = np.random.default_rng(5)
