@@ -130,8 +130,7 @@ def test_zero_dim_scales_are_per_tensor():
                   value_cache=codes, k_scale=np.array([0.02], np.float32),
                   v_scale=np.array([0.03], np.float32))
     expected = flashcte.paged_attention(**arrays, **s, scale=0.2, kv_layout="NHD")
-    zero_dim = {**arrays, "k_scale": np.float32(0.02) * np.ones(()), "v_scale": np.array(0.03, np.float32)}
-    zero_dim["k_scale"] = zero_dim["k_scale"].astype(np.float32)
+    zero_dim = {**arrays, "k_scale": np.array(0.02, np.float32), "v_scale": np.array(0.03, np.float32)}
     same_bits(flashcte.paged_attention(**zero_dim, **s, scale=0.2, kv_layout="NHD"), expected)
     plan = flashcte.plan_paged_attention(**zero_dim, **s, scale=0.2, kv_layout="NHD")
     same_bits(plan.run(**zero_dim), expected)
