@@ -24,12 +24,12 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import flashcte.integrations.transformers as fct  # noqa: E402
 from conftest import check_close, max_abs_err  # noqa: E402
+from tiny_decoders import MODELS, VOCAB, model as _model  # noqa: E402
 
 NAME = fct.register()
 
 # The padded batch: row lengths 20, 13 and 7 of 20, padded on the left (generation's layout).
 LENGTHS = (20, 13, 7)
-VOCAB = 97
 # The bf16 rule. A bf16 model's logits carry bf16 rounding through every layer, whatever the
 # attention; so flashcte's bf16 logits must be no further from the same model's float32 logits
 # than transformers' own bf16 attention is (x1.25, + 1% of max|logit|), and the two bf16 results
@@ -39,75 +39,12 @@ BF16_RTOL = 4e-2
 BF16_VS_FP32 = (1.25, 1e-2)
 
 
-def _config(name):
-    """A tiny random-weight config of `name`, or None when transformers lacks the model."""
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=None,
-        initializer_range=0.2,
-    )
-    try:
-        if name == "llama":
-            return transformers.LlamaConfig(**common), "sdpa"
-        if name == "mistral":
-            return transformers.MistralConfig(sliding_window=6, **common), "sdpa"
-        if name == "qwen2":
-            return transformers.Qwen2Config(**common), "sdpa"
-        if name == "gemma2":
-            cfg = transformers.Gemma2Config(
-                head_dim=16,
-                query_pre_attn_scalar=8,  # scaling 8**-0.5, not head_dim**-0.5
-                attn_logit_softcapping=1.5,  # binds: the scores reach a few units
-                final_logit_softcapping=None,
-                sliding_window=6,
-                **common,
-            )
-            return cfg, "eager"
-        if name == "gpt_oss":
-            cfg = transformers.GptOssConfig(
-                head_dim=16,
-                # every expert for every token: the router stays continuous, so bf16 rounding
-                # cannot flip a token to other experts (a jump that is no attention error)
-                num_local_experts=2,
-                num_experts_per_tok=2,
-                sliding_window=6,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                **common,
-            )
-            return cfg, "eager"
-    except (AttributeError, TypeError, ValueError) as e:  # an older transformers
-        pytest.skip(f"transformers {transformers.__version__} has no usable {name} config: {e}")
-    raise AssertionError(name)
-
-
 # transformers 5.x renamed forward's past_key_values to cache
 CACHE_ARG = (
     "cache"
     if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters
     else "past_key_values"
 )
-
-MODELS = ["llama", "mistral", "qwen2", "gemma2", "gpt_oss"]
-
-
-def _model(name, dtype=torch.float32):
-    cfg, ref = _config(name)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ref)
-    with torch.no_grad():
-        for mod in model.modules():
-            if hasattr(mod, "sinks"):  # gpt-oss: sinks that matter (initialised near 0)
-                mod.sinks.normal_(0.0, 1.0)
-    return model.to(dtype).eval(), ref
-
 
 def _batch(lengths=LENGTHS, left=True, seed=1):
     g = torch.Generator().manual_seed(seed)
