@@ -6,6 +6,8 @@
     model.set_attn_implementation("attention_cte")   # or switch a loaded model
 
 (transformers refuses registered names containing "flash", hence the kernel's own name.)
+``enable_continuous_batching()`` (``_continuous_batching.py``) also lets transformers' continuous
+batching (``model.generate_batch``) run ``attention_cte`` over its pages, read in place.
 
 ``register()`` adds :func:`attention_cte_forward` to transformers' ``AttentionInterface`` and, where
 transformers has one (``masking_utils.AttentionMaskInterface``, 4.53 and later), gives the name the
@@ -50,9 +52,17 @@ import torch
 from .._flashcte import MAX_HEAD_DIM
 from .._torch_masks import MaskPlan, decompose_mask, equal_along, mask_allowed
 from .._torch_checks import FLOATS
+from . import _continuous_batching
+from ._continuous_batching import enable_continuous_batching
 from ..torch import flash_attn
 
-__all__ = ["NAME", "FlashcteFallbackWarning", "attention_cte_forward", "register"]
+__all__ = [
+    "NAME",
+    "FlashcteFallbackWarning",
+    "attention_cte_forward",
+    "enable_continuous_batching",
+    "register",
+]
 
 NAME = "attention_cte"
 
@@ -236,6 +246,10 @@ def attention_cte_forward(
     value ``(batch, kv_heads, kv_len, d)``, the mask the model built (see the module docstring);
     returns ``(out (batch, q_len, heads, dv) contiguous, None)``."""
     reason = _unsupported(module, query, key, value, attention_mask, dropout, kwargs)
+    if _continuous_batching.is_step(kwargs):
+        if reason is not None:  # key and value hold only the step's new tokens: no fallback
+            raise NotImplementedError(f"flashcte attention_cte in continuous batching: {reason}")
+        return _continuous_batching.step_forward(module, query, key, value, scaling, kwargs)
     plan = None
     if reason is None and attention_mask is not None:
         plan = _plan_for(attention_mask, key.shape[2])
