@@ -21,17 +21,22 @@ Classes:
         prefill/decode attention, O projection) with weights in torch.nn.Linear layout.
     KvCache: one layer's KV cache, from AttentionLayer.new_cache(batch, max_len).
     PagedAttentionPlan: a planned serving step, from plan_paged_attention.
+    ArgumentError, ArgumentTypeError: the refusals of an argument (below).
 
 Inputs are numpy arrays (float32, float16; bfloat16 through ``ml_dtypes``) or DLPack tensors
 (torch.Tensor in float32, float16, bfloat16), read without copying; outputs come back in the
-kind of ``q``. Errors raise TypeError (dtypes) or ValueError with the library's
-``"<argument>: <rule>"`` message, the argument in the called function's own name
-(``paged_attention``'s ``seq_lens``, not the native ``seqused_k``); a failed allocation raises
-MemoryError, a library bug RuntimeError. The kind is the library's ``Status::kind``.
+kind of ``q``. A refused argument raises ArgumentTypeError (a dtype or type; a TypeError) or
+ArgumentError (a value or shape; a ValueError) with the library's ``"<argument>: <rule>"``
+message, the argument in the called function's own name (``paged_attention``'s ``seq_lens``, not
+the native ``seqused_k``). Both are also RuntimeErrors, as PyTorch's and FlashAttention's
+argument checks raise: code written for those catches flashcte's refusals the same way. A failed
+allocation raises MemoryError, a library bug RuntimeError. The kind is the library's
+``Status::kind``.
 """
 
 from ._attention import attention_cte
 from ._blas import register_scipy_openblas
+from ._errors import ArgumentError, ArgumentTypeError
 from ._flash_attn import flash_attn_func, flash_attn_varlen_func
 from ._flashcte import simd_target, version
 from ._kvcache import flash_attn_with_kvcache, quantize_kv
@@ -46,6 +51,8 @@ register_scipy_openblas()
 __version__ = version()
 del register_scipy_openblas, version
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "AttentionLayer",
     "KvCache",
     "PagedAttentionPlan",

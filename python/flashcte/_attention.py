@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _flashcte
+from ._errors import ArgumentError, ArgumentTypeError
 from ._tensors import Tensor, empty, float32_array, give_back, index_array, int_list, native
 
 ArrayLike = Any  # numpy.ndarray, torch.Tensor or another DLPack tensor
@@ -13,7 +14,7 @@ ArrayLike = Any  # numpy.ndarray, torch.Tensor or another DLPack tensor
 
 def _rank3(t: Tensor, layout: str) -> None:
     if t.ndim != 3:
-        raise ValueError(
+        raise ArgumentError(
             f"{t.name}: must have rank 3 {layout}, got rank {t.ndim} (shape {t.shape})"
         )
 
@@ -175,7 +176,7 @@ def _call(
     default)."""
     unknown = sorted(options.keys() - OPTIONS.keys())
     if unknown:
-        raise TypeError(f"attention_cte: unknown options {unknown}")
+        raise ArgumentTypeError(f"attention_cte: unknown options {unknown}")
     kp = Tensor("k_prior", k_prior) if k_prior is not None else None
     vp = Tensor("v_prior", v_prior) if v_prior is not None else None
     tensors = [qt, kt, vt, kp, vp]
@@ -203,9 +204,9 @@ def _int(name: str, x: Any, bits: int = 64) -> int:
             raise TypeError
         value = int(x)
     except (TypeError, ValueError, OverflowError):
-        raise TypeError(f"{name}: must be an int, got {x!r}") from None
+        raise ArgumentTypeError(f"{name}: must be an int, got {x!r}") from None
     if not -(2 ** (bits - 1)) <= value < 2 ** (bits - 1):
-        raise ValueError(f"{name}: {value} does not fit in a {bits}-bit integer")
+        raise ArgumentError(f"{name}: {value} does not fit in a {bits}-bit integer")
     return value
 
 
@@ -213,7 +214,7 @@ def _float(name: str, x: Any) -> float:
     try:
         return float(x)
     except (TypeError, ValueError):
-        raise TypeError(f"{name}: must be a float, got {x!r}") from None
+        raise ArgumentTypeError(f"{name}: must be a float, got {x!r}") from None
 
 
 def _optional(convert: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:

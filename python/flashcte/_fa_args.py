@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from ._errors import ArgumentError, ArgumentTypeError
 from ._tensors import float32_array, torch_module
 
 # FlashAttention's calls hand k and v to the library's KV-cache calls as whole caches, which name
@@ -25,11 +26,13 @@ def window(window_size: Any, causal: bool) -> tuple[int, int]:
     try:
         left, right = (int(w) for w in window_size)
     except (TypeError, ValueError):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"window_size: must be a pair of ints (left, right), got {window_size!r}"
         ) from None
     if left < -1 or right < -1:
-        raise ValueError(f"window_size: entries must be >= -1 (-1: unbounded), got {window_size!r}")
+        raise ArgumentError(
+            f"window_size: entries must be >= -1 (-1: unbounded), got {window_size!r}"
+        )
     if causal:
         right = 0
     # Positions stay far below 2^62, so larger windows are unbounded in effect (and fit int64).
@@ -42,7 +45,7 @@ def softcap(softcap: Any) -> float:
     try:
         return float(softcap)
     except (TypeError, ValueError):
-        raise TypeError(f"softcap: must be a float, got {softcap!r}") from None
+        raise ArgumentTypeError(f"softcap: must be a float, got {softcap!r}") from None
 
 
 def sinks(s_aux: Any, heads: int | None = None) -> Any:
@@ -53,7 +56,7 @@ def sinks(s_aux: Any, heads: int | None = None) -> Any:
         return None
     a = float32_array("s_aux", s_aux)
     if heads is not None and tuple(a.shape) != (heads,):
-        raise ValueError(f"s_aux: shape {tuple(a.shape)} must be (heads,) = ({heads},)")
+        raise ArgumentError(f"s_aux: shape {tuple(a.shape)} must be (heads,) = ({heads},)")
     return a
 
 
@@ -64,7 +67,7 @@ def alibi(alibi_slopes: Any, batch: int, heads: int) -> np.ndarray | None:
         return None
     a = np.asarray(float32_array("alibi_slopes", alibi_slopes))
     if a.shape != (heads,) and a.shape != (batch, heads):
-        raise ValueError(
+        raise ArgumentError(
             f"alibi_slopes: shape {a.shape} must be (heads,) = ({heads},) or (batch, heads) = "
             f"({batch}, {heads})"
         )
@@ -73,8 +76,8 @@ def alibi(alibi_slopes: Any, batch: int, heads: int) -> np.ndarray | None:
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
         if a.ndim == 1:
-            raise ValueError(f"alibi_slopes: entry head = {where[0]} is not finite")
-        raise ValueError(f"alibi_slopes: entry (batch, head) = {where} is not finite")
+            raise ArgumentError(f"alibi_slopes: entry head = {where[0]} is not finite")
+        raise ArgumentError(f"alibi_slopes: entry (batch, head) = {where} is not finite")
     # batch is -1 for offsets that hold no entry: the library refuses them by name.
     return a if a.ndim == 2 else np.broadcast_to(a, (max(batch, 0), heads))
 
@@ -85,10 +88,10 @@ def cu_seqlens(name: str, x: Any) -> np.ndarray:
         x = x.detach().cpu().numpy()
     a = np.asarray(x)
     if a.ndim != 1 or a.size < 1 or not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"{name}: must be a 1-D integer array of batch + 1 offsets, got {a!r}")
+        raise ArgumentError(f"{name}: must be a 1-D integer array of batch + 1 offsets, got {a!r}")
     a = a.astype(np.int64)
     if a[0] != 0 or np.any(np.diff(a) < 0):
-        raise ValueError(f"{name}: must start at 0 and never decrease, got {a.tolist()}")
+        raise ArgumentError(f"{name}: must start at 0 and never decrease, got {a.tolist()}")
     return a
 
 
@@ -101,9 +104,9 @@ def softmax_scale(softmax_scale: Any, d: int) -> float:
         scale = float(softmax_scale)
     except (TypeError, ValueError):
         what = type(softmax_scale).__name__
-        raise TypeError(f"softmax_scale: expected a number, got {what}") from None
+        raise ArgumentTypeError(f"softmax_scale: expected a number, got {what}") from None
     if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale: must be finite, got {scale}")
+        raise ArgumentError(f"softmax_scale: must be finite, got {scale}")
     return scale
 
 
@@ -115,7 +118,7 @@ def max_seqlen(name: str, value: Any, lengths: np.ndarray, what: str) -> None:
     try:
         value = operator.index(value)  # an int, a numpy or 0-dim torch integer
     except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+        raise ArgumentTypeError(f"{name}: expected an int, got {type(value).__name__}") from None
     if int(lengths.max()) > value:
         longest = int(lengths.max())
-        raise ValueError(f"{name}: {value} is less than the longest {what} sequence {longest}")
+        raise ArgumentError(f"{name}: {value} is less than the longest {what} sequence {longest}")

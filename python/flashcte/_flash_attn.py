@@ -26,6 +26,7 @@ import numpy as np
 
 from . import _fa_args, _flashcte
 from ._attention import _call
+from ._errors import ArgumentError, ArgumentTypeError
 from ._kvcache import _kv8_format, varlen_over_cache
 from ._tensors import (
     Tensor,
@@ -82,16 +83,16 @@ def _packed_alibi_positions(
 def _check_heads(qt: Tensor, kt: Tensor, vt: Tensor, axis: int) -> None:
     heads, heads_k = qt.shape[axis], kt.shape[axis]
     if vt.shape[axis] != heads_k:
-        raise ValueError(
+        raise ArgumentError(
             f"v: has {vt.shape[axis]} heads (shape {vt.shape}), k has {heads_k} (shape {kt.shape})"
         )
     if heads_k == 0 or heads % heads_k:
-        raise ValueError(
+        raise ArgumentError(
             f"k: {heads_k} heads must divide q's {heads} heads (grouped-query attention); "
             f"q shape {qt.shape}, k shape {kt.shape}"
         )
     if kt.shape[axis + 1] != qt.shape[axis + 1]:
-        raise ValueError(
+        raise ArgumentError(
             f"k: head_dim {kt.shape[axis + 1]} differs from q's {qt.shape[axis + 1]} "
             f"(q shape {qt.shape}, k shape {kt.shape})"
         )
@@ -102,7 +103,7 @@ def _inputs(q: Any, k: Any, v: Any, rank: int, layout: str) -> tuple[Tensor, Ten
     for name, x, lay in (("q", q, "q"), ("k", k, "k"), ("v", v, "k")):
         t = Tensor(name, x)
         if t.ndim != rank:
-            raise ValueError(
+            raise ArgumentError(
                 f"{name}: must have rank {rank} {layout.format(h='heads' if lay == 'q' else 'heads_k')}"
                 f", got rank {t.ndim} (shape {t.shape})"
             )
@@ -223,9 +224,9 @@ def flash_attn_func(
     seqlen_k, dv = kt.shape[1], vt.shape[3]
     for t in (kt, vt):
         if t.shape[0] != batch:
-            raise ValueError(f"{t.name}: batch {t.shape[0]} differs from q's batch {batch}")
+            raise ArgumentError(f"{t.name}: batch {t.shape[0]} differs from q's batch {batch}")
     if vt.shape[1] != seqlen_k:
-        raise ValueError(f"v: seqlen {vt.shape[1]} differs from k's seqlen {seqlen_k}")
+        raise ArgumentError(f"v: seqlen {vt.shape[1]} differs from k's seqlen {seqlen_k}")
     scale = _fa_args.softmax_scale(softmax_scale, d)
     left, right = _fa_args.window(window_size, causal)
     cap = _fa_args.softcap(softcap)
@@ -315,7 +316,7 @@ def flash_attn_varlen_func(
     if block_table is not None:
         for name, cache in (("k", k), ("v", v)):
             if _kv8_format(cache):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"{name}: dtype {_kv8_format(cache)} is an 8-bit cache format, which "
                     "flash_attn_varlen_func does not read (it takes no scales); paged_attention "
                     "and flash_attn_with_kvcache do, with k_scale and v_scale"
@@ -323,7 +324,10 @@ def flash_attn_varlen_func(
 
         if seqused_k is None:
             if cu_seqlens_k is None:
-                raise ValueError("seqused_k: with block_table, seqused_k or cu_seqlens_k gives each sequence's keys")
+                raise ArgumentError(
+                    "seqused_k: with block_table, seqused_k or cu_seqlens_k gives each "
+                    "sequence's keys"
+                )
             seqused_k = np.diff(_fa_args.cu_seqlens("cu_seqlens_k", cu_seqlens_k)).astype(np.int32)
         len_q = np.diff(_fa_args.cu_seqlens("cu_seqlens_q", cu_seqlens_q))
         _fa_args.max_seqlen("max_seqlen_q", max_seqlen_q, len_q, "query")
@@ -348,23 +352,26 @@ def flash_attn_varlen_func(
             names={**_fa_args.KV_NAMES, **_fa_args.SINK_NAMES},
         )
     if seqused_k is not None:
-        raise ValueError("seqused_k: is taken with block_table (a paged cache) only; cu_seqlens_k gives packed keys")
+        raise ArgumentError(
+            "seqused_k: is taken with block_table (a paged cache) only; cu_seqlens_k gives "
+            "packed keys"
+        )
     qt, kt, vt = _inputs(q, k, v, 3, "(total, {h}, head_dim)")
     _check_heads(qt, kt, vt, 1)
     total_q, heads, d = qt.shape
     total_k, dv = kt.shape[0], vt.shape[2]
     if vt.shape[0] != total_k:
-        raise ValueError(f"v: total {vt.shape[0]} differs from k's total {total_k}")
+        raise ArgumentError(f"v: total {vt.shape[0]} differs from k's total {total_k}")
     cu_q = _fa_args.cu_seqlens("cu_seqlens_q", cu_seqlens_q)
     cu_k = _fa_args.cu_seqlens("cu_seqlens_k", cu_seqlens_k)
     if cu_q.size != cu_k.size:
-        raise ValueError(
+        raise ArgumentError(
             f"cu_seqlens_k: holds {cu_k.size} offsets, cu_seqlens_q {cu_q.size} (batch + 1 each)"
         )
     if cu_q[-1] > total_q:
-        raise ValueError(f"cu_seqlens_q: ends at {cu_q[-1]} past q's total {total_q}")
+        raise ArgumentError(f"cu_seqlens_q: ends at {cu_q[-1]} past q's total {total_q}")
     if cu_k[-1] > total_k:
-        raise ValueError(f"cu_seqlens_k: ends at {cu_k[-1]} past k's total {total_k}")
+        raise ArgumentError(f"cu_seqlens_k: ends at {cu_k[-1]} past k's total {total_k}")
     len_q, len_k = np.diff(cu_q), np.diff(cu_k)
     _fa_args.max_seqlen("max_seqlen_q", max_seqlen_q, len_q, "query")
     _fa_args.max_seqlen("max_seqlen_k", max_seqlen_k, len_k, "key")

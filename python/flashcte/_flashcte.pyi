@@ -8,6 +8,16 @@ from typing import Annotated, overload
 
 from numpy.typing import NDArray
 
+class ArgumentError(ValueError, RuntimeError):
+    """
+    An argument's value or shape breaks a rule of the call; the message is "<argument>: <rule>". A ValueError, and a RuntimeError as PyTorch's and FlashAttention's argument checks raise.
+    """
+
+class ArgumentTypeError(TypeError, RuntimeError):
+    """
+    An argument's dtype or type is not one the call takes; the message is "<argument>: <rule>". A TypeError, and a RuntimeError as PyTorch's and FlashAttention's argument checks raise.
+    """
+
 def attention_cte(
     *,
     q: object,

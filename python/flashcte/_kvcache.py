@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import _fa_args, _flashcte
+from ._errors import ArgumentError, ArgumentTypeError
 from ._tensors import (
     NUMPY,
     Tensor,
@@ -33,7 +34,7 @@ def _writable(name: str, x: Any, why: str) -> Tensor:
     """An argument the call writes in place: refused if reaching it would take a copy."""
     t = Tensor(name, x)
     if t.kind == NUMPY and (t.arr is not x or not t.arr.flags.writeable):
-        raise ValueError(
+        raise ArgumentError(
             f"{name}: must be a writable array the library can address in place (no negative "
             f"strides, native byte order); {why}"
         )
@@ -61,23 +62,27 @@ def _kv8_bytes(name: str, x: Any, written: bool = True) -> tuple[str, Any]:
     fmt = _kv8_format(x)
     if isinstance(x, np.ndarray):
         if not fmt:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{name}: dtype must be int8, float8_e4m3fn or float8_e5m2 (ml_dtypes), got "
                 f"{x.dtype.name}"
             )
         if written and not x.flags.writeable:
-            raise ValueError(f"{name}: must be writable: the call writes the quantized rows there")
+            raise ArgumentError(
+                f"{name}: must be writable: the call writes the quantized rows there"
+            )
         return fmt, x if fmt == "int8" else x.view(np.uint8)
     torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         if not fmt:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{name}: dtype must be int8, float8_e4m3fn or float8_e5m2, got {x.dtype}"
             )
         if x.device.type != "cpu":
-            raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
+            raise ArgumentError(f"{name}: must be a CPU tensor, got device {x.device}")
         return fmt, x if fmt == "int8" else x.view(torch.uint8)
-    raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}")
+    raise ArgumentTypeError(
+        f"{name}: expected a numpy array or a torch tensor, got {type(x).__name__}"
+    )
 
 
 class _Cache:
@@ -97,7 +102,7 @@ class _Cache:
             self.arr = native(self.tensor)
         self.shape = tuple(int(n) for n in self.arr.shape)
         if len(self.shape) != 4:
-            raise ValueError(
+            raise ArgumentError(
                 f"{name}: must have rank 4 (batch_cache, seqlen_cache, heads_k, head_dim) or, "
                 f"with block_table, (num_blocks, page_block_size, heads_k, head_dim); got shape "
                 f"{self.shape}"
@@ -131,13 +136,13 @@ def _int32(name: str, x: Any, batch: int | None = None) -> Any:
     torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
-            raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
+            raise ArgumentError(f"{name}: must be a CPU tensor, got device {x.device}")
         return x.detach()
     if isinstance(x, np.ndarray):
         return x
     if isinstance(x, (list, tuple)):
         return np.asarray(x, np.int32)
-    raise TypeError(f"{name}: expected an int32 array or tensor, got {type(x).__name__}")
+    raise ArgumentTypeError(f"{name}: expected an int32 array or tensor, got {type(x).__name__}")
 
 
 def flash_attn_with_kvcache(
@@ -223,7 +228,9 @@ def flash_attn_with_kvcache(
     """
     qt = Tensor("q", q)
     if qt.ndim != 4:
-        raise ValueError(f"q: must have rank 4 (batch, seqlen_q, heads, head_dim), got shape {qt.shape}")
+        raise ArgumentError(
+            f"q: must have rank 4 (batch, seqlen_q, heads, head_dim), got shape {qt.shape}"
+        )
     batch, seqlen_q, heads, d = qt.shape
     appending = k is not None
     kc, vc = _Cache("k_cache", k_cache, appending), _Cache("v_cache", v_cache, appending)
@@ -233,7 +240,7 @@ def flash_attn_with_kvcache(
         if x is not None:
             tensors[name] = native(Tensor(name, x))
     if int(num_splits) < 0:
-        raise ValueError(f"num_splits: must be >= 0 (0: automatic), got {num_splits}")
+        raise ArgumentError(f"num_splits: must be >= 0 (0: automatic), got {num_splits}")
     left, right = _fa_args.window(window_size, causal)
     slopes = _fa_args.alibi(alibi_slopes, batch, heads)
     dv = vc.shape[3]
@@ -301,7 +308,9 @@ def varlen_over_cache(
     try:
         qt = Tensor("q", q)
         if qt.ndim != 3:
-            raise ValueError(f"q: must have rank 3 (total_q, heads, head_dim), got shape {qt.shape}")
+            raise ArgumentError(
+                f"q: must have rank 3 (total_q, heads, head_dim), got shape {qt.shape}"
+            )
         total_q, heads, _ = qt.shape
         kc, vc = _Cache("k_cache", k_cache, False), _Cache("v_cache", v_cache, False)
         bf16 = is_bf16_numpy(qt.arr) or kc.bf16()

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import _flashcte
 from ._attention import _float, _int
+from ._errors import ArgumentError, ArgumentTypeError
 from ._layer_cache import KvCache, _activation_dtype, _cache_dtype
 from ._tensors import (
     BFLOAT16,
@@ -47,7 +48,7 @@ def _rope_scaling(rope_scaling: Any, rope_theta: float) -> Any:
     if rope_scaling is None:
         return None
     if not isinstance(rope_scaling, Mapping):
-        raise TypeError(
+        raise ArgumentTypeError(
             "rope_scaling: expected None or a dict such as {'rope_type': 'llama3', 'factor': 8.0, "
             "'low_freq_factor': 1.0, 'high_freq_factor': 4.0, "
             f"'original_max_position_embeddings': 8192}}, got {type(rope_scaling).__name__}"
@@ -55,7 +56,7 @@ def _rope_scaling(rope_scaling: Any, rope_theta: float) -> Any:
     if "rope_theta" in rope_scaling:
         theta = _float("rope_scaling.rope_theta", rope_scaling["rope_theta"])
         if theta != rope_theta:
-            raise ValueError(
+            raise ArgumentError(
                 f"rope_scaling: holds rope_theta {theta:g}, but the layer's rope_theta is "
                 f"{rope_theta:g} (pass rope_theta={theta:g})"
             )
@@ -63,13 +64,13 @@ def _rope_scaling(rope_scaling: Any, rope_theta: float) -> Any:
     if kind == "default":  # transformers' name for plain RoPE
         return None
     if kind != "llama3":
-        raise ValueError(
+        raise ArgumentError(
             f"rope_scaling: rope_type {kind!r} is not supported; flashcte implements 'llama3' "
             "(the Llama-3 frequency remap) only, or None for plain RoPE"
         )
     unknown = sorted(set(rope_scaling) - {"rope_type", "type", "rope_theta", *_LLAMA3_KEYS})
     if unknown:
-        raise ValueError(
+        raise ArgumentError(
             f"rope_scaling: unknown keys {unknown} for rope_type 'llama3' (known: "
             f"{', '.join(_LLAMA3_KEYS)})"
         )
@@ -100,7 +101,7 @@ def _weight(name: str, x: Any, shape: tuple, layout: str) -> np.ndarray:
         hint = ""
         if a.shape == shape[::-1] and len(shape) == 2:
             hint = "; this is the transpose: pass the nn.Linear weight itself"
-        raise ValueError(f"{name}: shape {a.shape} must be {layout} = {shape}{hint}")
+        raise ArgumentError(f"{name}: shape {a.shape} must be {layout} = {shape}{hint}")
     return a
 
 
@@ -109,15 +110,15 @@ def _positions(x: Any) -> Any:
     torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
-            raise ValueError(f"positions: must be a CPU tensor, got device {x.device}")
+            raise ArgumentError(f"positions: must be a CPU tensor, got device {x.device}")
         if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
-            raise TypeError(f"positions: dtype must be int64, got {dtype_name(x.dtype)}")
+            raise ArgumentTypeError(f"positions: dtype must be int64, got {dtype_name(x.dtype)}")
         return x.detach().to(torch.int64)
     if not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
         x = np.from_dlpack(x)
     a = np.asarray(x)
     if not np.issubdtype(a.dtype, np.integer):
-        raise TypeError(f"positions: dtype must be int64, got {a.dtype}")
+        raise ArgumentTypeError(f"positions: dtype must be int64, got {a.dtype}")
     return viewable(a.astype(np.int64, copy=False))
 
 
@@ -204,19 +205,19 @@ class AttentionLayer:
         c.num_kv_heads = _int("num_kv_heads", num_kv_heads)
         c.head_dim = 0 if head_dim is None else _int("head_dim", head_dim)
         if c.head_dim == 0 and head_dim is not None:
-            raise ValueError("head_dim: must be >= 1 (None for hidden_size // num_heads)")
+            raise ArgumentError("head_dim: must be >= 1 (None for hidden_size // num_heads)")
         c.rope = bool(rope)
         c.rope_theta = _float("rope_theta", rope_theta)
         c.rotary_dim = 0 if rotary_dim is None else _int("rotary_dim", rotary_dim)
         if c.rotary_dim == 0 and rotary_dim is not None:
-            raise ValueError("rotary_dim: must be >= 2 (None for head_dim)")
+            raise ArgumentError("rotary_dim: must be >= 2 (None for head_dim)")
         c.rope_scaling = _rope_scaling(rope_scaling, c.rope_theta)
         if not c.rope and (rotary_dim is not None or c.rope_scaling is not None):
-            raise ValueError("rope_scaling, rotary_dim: given, but rope=False (a NoPE layer)")
+            raise ArgumentError("rope_scaling, rotary_dim: given, but rope=False (a NoPE layer)")
         c.sliding_window = _int("sliding_window", sliding_window)
         c.qk_scale = 0.0 if qk_scale is None else _float("qk_scale", qk_scale)
         if qk_scale is not None and c.qk_scale == 0.0:
-            raise ValueError("qk_scale: must not be 0 (None for 1 / sqrt(head_dim))")
+            raise ArgumentError("qk_scale: must not be 0 (None for 1 / sqrt(head_dim))")
         c.qkv_bias = bool(qkv_bias)
         c.o_bias = bool(o_bias)
         c.qk_norm = bool(qk_norm)
@@ -228,7 +229,7 @@ class AttentionLayer:
         c.tp_degree = _int("tp_degree", tp_degree)
         c.tp_rank = _int("tp_rank", tp_rank)
         if not isinstance(gqa_strategy, str):
-            raise TypeError(
+            raise ArgumentTypeError(
                 "gqa_strategy: must be 'auto', 'replicate-to-tp-degree' or 'convert-to-mha', "
                 f"got {type(gqa_strategy).__name__}"
             )
@@ -241,7 +242,7 @@ class AttentionLayer:
         if sinks is not None:
             s = _float32("sinks", sinks)
             if s.shape not in ((c.num_heads,), (c.num_heads, 1)):
-                raise ValueError(
+                raise ArgumentError(
                     f"sinks: shape {s.shape} must be (num_heads,) = ({c.num_heads},): one logit "
                     "per query head"
                 )
@@ -385,10 +386,10 @@ class AttentionLayer:
             wanted = getattr(c, flag)
             if value is None:
                 if wanted:
-                    raise ValueError(f"{name}: required, the layer was built with {flag}=True")
+                    raise ArgumentError(f"{name}: required, the layer was built with {flag}=True")
                 w[name] = None
             elif not wanted:
-                raise ValueError(f"{name}: given, but the layer was built with {flag}=False")
+                raise ArgumentError(f"{name}: given, but the layer was built with {flag}=False")
             else:
                 layout = "(head_dim,)" if flag == "qk_norm" else "(out_features,)"
                 w[name] = _weight(name, value, shape, layout)
@@ -443,20 +444,20 @@ class AttentionLayer:
                 "...) before forward"
             )
         if not isinstance(cache, KvCache):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"cache: expected a flashcte.KvCache (layer.new_cache(batch, max_len)), got "
                 f"{type(cache).__name__}"
             )
         xt = Tensor("x", x)
         if xt.ndim != 3:
-            raise ValueError(
+            raise ArgumentError(
                 f"x: must have rank 3 (batch, T, hidden_size), got rank {xt.ndim} (shape "
                 f"{xt.shape})"
             )
         batch, tokens = xt.shape[0], xt.shape[1]
         out = self._empty(xt, (batch, tokens, self.hidden_size))
         if num_threads is not None and _int("num_threads", num_threads, 32) < 0:
-            raise ValueError(
+            raise ArgumentError(
                 f"num_threads: must be >= 0 (None: OpenMP's default), got {num_threads}"
             )
         layer.forward(
@@ -479,7 +480,7 @@ class AttentionLayer:
             return torch.empty(shape, dtype=getattr(torch, dtype))
         if dtype == "bfloat16":
             if BFLOAT16 is None:  # pragma: no cover - exercised only without ml_dtypes
-                raise TypeError(
+                raise ArgumentTypeError(
                     "x: a bfloat16 layer returns numpy bfloat16 arrays, which need ml_dtypes "
                     "(pip install ml_dtypes); or pass torch tensors"
                 )

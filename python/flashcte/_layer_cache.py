@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _flashcte
 from ._attention import _int
+from ._errors import ArgumentTypeError
 from ._tensors import BFLOAT16, dtype_name, torch_module
 
 _DTYPES = {
@@ -39,7 +40,7 @@ def _activation_dtype(dtype: Any) -> str:
     """'float32' | 'bfloat16' | 'float16' from a name, a numpy dtype or a torch dtype."""
     canonical = _DTYPES.get(_dtype_name(dtype))
     if canonical is None:
-        raise TypeError(f"dtype: must be float32, bfloat16 or float16, got {dtype!r}")
+        raise ArgumentTypeError(f"dtype: must be float32, bfloat16 or float16, got {dtype!r}")
     return canonical
 
 
@@ -63,7 +64,7 @@ def _cache_dtype(dtype: Any, argument: str = "dtype") -> str:
         return fmt
     canonical = _DTYPES.get(_dtype_name(dtype))
     if canonical is None:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{argument}: must be float32, bfloat16, float16, int8, float8_e4m3 or float8_e5m2, "
             f"got {dtype!r}"
         )

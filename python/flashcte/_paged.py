@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import _fa_args, _flashcte
+from ._errors import ArgumentError
 from ._kvcache import _Cache, _int32, _kv8_format, _scale, _writable, varlen_over_cache
 from ._tensors import Tensor, empty, give_back, in_names, is_bf16_numpy, native, transpose
 
@@ -42,7 +43,9 @@ def _nhd_caches(
     FlashAttention's layout and would print the transposed shapes, so the rules that relate an
     HND cache's axes to the other arguments' are checked here, on the shapes the caller passed."""
     if kv_layout not in ("HND", "NHD"):
-        raise ValueError(f"kv_layout: must be 'HND' (vLLM) or 'NHD' (FlashAttention), got {kv_layout!r}")
+        raise ArgumentError(
+            f"kv_layout: must be 'HND' (vLLM) or 'NHD' (FlashAttention), got {kv_layout!r}"
+        )
     caches, scales, shapes = [], [], []
     hnd = kv_layout == "HND"
     for name, cache, cache_scale in (
@@ -52,7 +55,9 @@ def _nhd_caches(
         arr = cache if _kv8_format(cache) else Tensor(name, cache).arr
         if arr.ndim != 4:
             layout = "num_blocks, heads_k, block_size" if hnd else "num_blocks, block_size, heads_k"
-            raise ValueError(f"{name}: must have rank 4 ({layout}, head_dim), got shape {tuple(arr.shape)}")
+            raise ArgumentError(
+                f"{name}: must have rank 4 ({layout}, head_dim), got shape {tuple(arr.shape)}"
+            )
         caches.append(transpose(arr, 1, 2) if hnd else arr)
         shapes.append(tuple(int(n) for n in arr.shape))
         per_token = getattr(cache_scale, "ndim", 0) == 3
@@ -60,18 +65,22 @@ def _nhd_caches(
     if hnd:
         k_shape, v_shape = shapes
         if k_shape[2] < 1:
-            raise ValueError(f"key_cache: block_size (axis 2 of {k_shape}) is 0; a page holds >= 1 slot")
+            raise ArgumentError(
+                f"key_cache: block_size (axis 2 of {k_shape}) is 0; a page holds >= 1 slot"
+            )
         if v_shape[:3] != k_shape[:3]:
-            raise ValueError(
+            raise ArgumentError(
                 f"value_cache: shape {v_shape} must have key_cache's (num_blocks, heads_k, "
                 f"block_size) = {k_shape[:3]}"
             )
         d = int(query.shape[-1]) if getattr(query, "ndim", 0) == 3 else k_shape[3]
         if k_shape[3] != d:
-            raise ValueError(f"key_cache: shape {k_shape} has head_dim {k_shape[3]}, expected query's {d}")
+            raise ArgumentError(
+                f"key_cache: shape {k_shape} has head_dim {k_shape[3]}, expected query's {d}"
+            )
         for name, scale, shape in (("k_scale", k_scale, k_shape), ("v_scale", v_scale, v_shape)):
             if getattr(scale, "ndim", 0) == 3 and tuple(int(n) for n in scale.shape) != shape[:3]:
-                raise ValueError(
+                raise ArgumentError(
                     f"{name}: shape {tuple(scale.shape)} must be the cache's without its last "
                     f"axis, {shape[:3]} (one scale per token)"
                 )
@@ -202,12 +211,14 @@ class PagedAttentionPlan:
             # Shapes as the caller passes them (vLLM's HND caches, slopes before their
             # broadcast); presence, dtypes and strides are the library's to compare.
             if shape is not None and planned is not None and shape != planned:
-                raise ValueError(f"{name}: shape {shape} differs from the plan's {planned}")
+                raise ArgumentError(f"{name}: shape {shape} differs from the plan's {planned}")
         caches, scales = _nhd_caches(query, key_cache, value_cache, k_scale, v_scale, self._kv_layout)
         try:
             qt = Tensor("q", query)
             if qt.ndim != 3:
-                raise ValueError(f"q: must have rank 3 (total_q, heads, head_dim), got shape {qt.shape}")
+                raise ArgumentError(
+                    f"q: must have rank 3 (total_q, heads, head_dim), got shape {qt.shape}"
+                )
             kc, vc = _Cache("k_cache", caches[0], False), _Cache("v_cache", caches[1], False)
             if output is None:
                 result = empty(qt, (qt.shape[0], qt.shape[1], vc.shape[3]))

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ._errors import ArgumentError, ArgumentTypeError
+
 try:  # bfloat16 for numpy; optional
     import ml_dtypes as _ml_dtypes
 
@@ -58,7 +60,7 @@ def kind_of(name: str, x: Any) -> str:
         return TORCH
     if hasattr(x, "__dlpack__"):
         return DLPACK
-    raise TypeError(
+    raise ArgumentTypeError(
         f"{name}: expected a numpy array or a DLPack tensor (torch.Tensor, ...), "
         f"got {type(x).__name__}"
     )
@@ -75,9 +77,9 @@ class Tensor:
         self.source = x
         if self.kind == TORCH:
             if x.device.type != "cpu":
-                raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
+                raise ArgumentError(f"{name}: must be a CPU tensor, got device {x.device}")
             if float_only and str(x.dtype).replace("torch.", "") not in _FLOAT_NAMES:
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"{name}: dtype must be float32, float16 or bfloat16, got "
                     f"{str(x.dtype).replace('torch.', '')}"
                 )
@@ -87,12 +89,12 @@ class Tensor:
             try:
                 x = np.from_dlpack(x)
             except (TypeError, BufferError, RuntimeError, ValueError) as e:
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"{name}: cannot read this DLPack tensor through numpy ({e}); pass a numpy "
                     "array or a torch tensor (bfloat16 DLPack tensors are read only from torch)"
                 ) from None
         if float_only and dtype_name(x.dtype) not in _FLOAT_NAMES:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{name}: dtype must be float32, float16 or bfloat16, got {dtype_name(x.dtype)}"
             )
         self.arr = viewable(x)
@@ -189,7 +191,7 @@ def int_list(name: str, x: Any) -> list:
         return [int(x)]
     a = np.asarray(x)
     if a.ndim > 1 or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
-        raise TypeError(f"{name}: must be an int or a sequence of ints, got {x!r}")
+        raise ArgumentTypeError(f"{name}: must be an int or a sequence of ints, got {x!r}")
     return [int(v) for v in a.reshape(-1)]
 
 
@@ -200,7 +202,7 @@ def index_array(name: str, x: Any) -> Any:
     torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
-            raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
+            raise ArgumentError(f"{name}: must be a CPU tensor, got device {x.device}")
         if x.dtype in (torch.int32, torch.int64, torch.float32):
             return x.detach()
         x = x.detach().cpu().numpy()
@@ -215,11 +217,11 @@ def index_array(name: str, x: Any) -> Any:
         bad = ~np.isfinite(a) | (a != np.floor(a))
         if np.any(bad):
             row = int(np.flatnonzero(bad.reshape(-1))[0])
-            raise ValueError(
+            raise ArgumentError(
                 f"{name}: row {row} holds {a.reshape(-1)[row]}, which is not an integral index"
             )
         return a.astype(np.int64)
-    raise TypeError(f"{name}: dtype must be int32, int64 or float32, got {a.dtype}")
+    raise ArgumentTypeError(f"{name}: dtype must be int32, int64 or float32, got {a.dtype}")
 
 
 def float32_array(name: str, x: Any) -> Any:
@@ -229,14 +231,16 @@ def float32_array(name: str, x: Any) -> Any:
     torch = torch_module()
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
-            raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
+            raise ArgumentError(f"{name}: must be a CPU tensor, got device {x.device}")
         if not x.dtype.is_floating_point:
-            raise TypeError(f"{name}: dtype must be a float type, got {dtype_name(x.dtype)}")
+            raise ArgumentTypeError(
+                f"{name}: dtype must be a float type, got {dtype_name(x.dtype)}"
+            )
         return x.detach().to(torch.float32)
     if not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__"):
         x = np.from_dlpack(x)
     a = np.asarray(x)
     numeric = np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)
     if not (numeric or (BFLOAT16 is not None and a.dtype == BFLOAT16)):
-        raise TypeError(f"{name}: dtype must be a float type, got {a.dtype}")
+        raise ArgumentTypeError(f"{name}: dtype must be a float type, got {a.dtype}")
     return viewable(a.astype(np.float32, copy=False))

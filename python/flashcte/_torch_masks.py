@@ -10,6 +10,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ._errors import ArgumentError, ArgumentTypeError
 from ._tensors import dtype_name
 
 
@@ -37,7 +38,7 @@ def decompose_mask(allowed: torch.Tensor) -> Optional[MaskPlan]:
     """
     batch, seqlen_q, seqlen_k = allowed.shape
     if allowed.dtype != torch.bool:
-        raise TypeError(f"allowed: dtype must be bool, got {dtype_name(allowed.dtype)}")
+        raise ArgumentTypeError(f"allowed: dtype must be bool, got {dtype_name(allowed.dtype)}")
     a = allowed.detach().numpy()  # numpy's bool reductions run at memory speed; torch's do not
     keys = a.any(axis=1)  # (batch, seqlen_k)
     count = a.view(np.uint8).sum(axis=-1, dtype=np.int64)  # (batch, seqlen_q)
@@ -102,15 +103,17 @@ _SUPPORTED_MASKS = (
 def mask_to_plan(mask, batch, heads, seqlen_q, seqlen_k):
     """attn_mask (broadcastable to (B, H, Sq, Skv)) -> (key_bias, bound_min, bound_max)."""
     if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"attn_mask: expected a torch.Tensor, got {type(mask).__name__}")
+        raise ArgumentTypeError(f"attn_mask: expected a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
-        raise TypeError(f"attn_mask: dtype must be bool or a float type, got {dtype_name(mask.dtype)}")
+        raise ArgumentTypeError(
+            f"attn_mask: dtype must be bool or a float type, got {dtype_name(mask.dtype)}"
+        )
     if mask.dim() > 4:
-        raise ValueError(f"attn_mask: rank {mask.dim()} is more than 4")
+        raise ArgumentError(f"attn_mask: rank {mask.dim()} is more than 4")
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # a view
     full = (batch, heads, seqlen_q, seqlen_k)
     if any(s not in (1, f) for s, f in zip(m.shape, full)):
-        raise ValueError(
+        raise ArgumentError(
             f"attn_mask: shape {tuple(mask.shape)} does not broadcast to (batch, heads, L, S) = "
             f"{full}"
         )
@@ -128,7 +131,7 @@ def mask_to_plan(mask, batch, heads, seqlen_q, seqlen_k):
             bias = row.to(torch.float32)
         return bias.expand(batch, heads, seqlen_k), None, None
     if compiling:
-        raise ValueError(
+        raise ArgumentError(
             "attn_mask: under torch.compile only masks broadcast over the query axis (size 1 "
             "there, e.g. (B, 1, 1, S_kv)) are supported; " + _SUPPORTED_MASKS
         )
@@ -143,7 +146,7 @@ def mask_to_plan(mask, batch, heads, seqlen_q, seqlen_k):
                 None if lo is None else lo.expand(batch, seqlen_q),
                 None if hi is None else hi.expand(batch, seqlen_q),
             )
-    raise ValueError(
+    raise ArgumentError(
         f"attn_mask: this mask (shape {tuple(mask.shape)}, {dtype_name(mask.dtype)}) varies along both the "
         "query and the key axis in a way flashcte cannot express; " + _SUPPORTED_MASKS
     )

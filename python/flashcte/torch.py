@@ -25,6 +25,7 @@ import torch
 
 from . import _kvcache
 from ._attention import _call
+from ._errors import ArgumentError, ArgumentTypeError
 from ._flash_attn import fa_call
 from ._tensors import Tensor
 from ._torch_checks import check_cpu, op_shapes
@@ -320,13 +321,13 @@ def scaled_dot_product_attention(
     dtype's minimum on every key of a row, torch averages V instead).
     """
     if dropout_p:
-        raise ValueError(f"dropout_p: flashcte has no dropout, got {dropout_p}")
+        raise ArgumentError(f"dropout_p: flashcte has no dropout, got {dropout_p}")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            raise ArgumentTypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     rank = query.dim()
     if rank not in (3, 4) or key.dim() != rank or value.dim() != rank:
-        raise ValueError(
+        raise ArgumentError(
             "query, key, value: must all have rank 4 (B, H, L, E) or rank 3 (H, L, E), got "
             f"shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
         )
@@ -336,22 +337,24 @@ def scaled_dot_product_attention(
     heads_k, seqlen_k = key.shape[1], key.shape[2]
     if key.shape[0] != batch:
         if key.shape[0] != 1 or value.shape[0] != 1:
-            raise ValueError(
+            raise ArgumentError(
                 f"key, value: batch {key.shape[0]} must equal query's batch {batch} (or be 1)"
             )
         key = key.expand(batch, -1, -1, -1)
         value = value.expand(batch, -1, -1, -1)
     if heads_k != heads and not enable_gqa:
-        raise ValueError(
+        raise ArgumentError(
             f"key: {heads_k} heads differ from query's {heads}; pass enable_gqa=True for "
             "grouped-query attention"
         )
     if attn_mask is not None and is_causal:
-        raise ValueError("attn_mask: pass either attn_mask or is_causal=True, not both (as torch)")
+        raise ArgumentError(
+            "attn_mask: pass either attn_mask or is_causal=True, not both (as torch)"
+        )
     key_bias = bound_min = bound_max = None
     if attn_mask is not None:
         if rank == 3 and attn_mask.dim() == 4:
-            raise ValueError("attn_mask: rank 4 with rank-3 query, key and value")
+            raise ArgumentError("attn_mask: rank 4 with rank-3 query, key and value")
         check_cpu("attn_mask", attn_mask)
         key_bias, bound_min, bound_max = mask_to_plan(attn_mask, batch, heads, seqlen_q, seqlen_k)
     out, _ = torch.ops.flashcte.flash_attn(

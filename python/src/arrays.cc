@@ -167,10 +167,43 @@ flashcte::MutableTensorView Imports::cache(const char* name, nb::handle h,
                                      view.shape, view.strides};
 }
 
+namespace {
+
+PyObject* argument_error = nullptr;       // flashcte.ArgumentError
+PyObject* argument_type_error = nullptr;  // flashcte.ArgumentTypeError
+
+// A new exception class `name` with the builtin bases given, owned by the module from then on.
+PyObject* new_error_class(nb::module_& m, const char* name, const char* doc, PyObject* base) {
+  const std::string qualified = std::string("flashcte.") + name;
+  nb::object bases = nb::make_tuple(nb::handle(base), nb::handle(PyExc_RuntimeError));
+  PyObject* cls = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases.ptr(), nullptr);
+  if (cls == nullptr) throw nb::python_error();
+  m.attr(name) = nb::steal(cls);
+  return cls;
+}
+
+}  // namespace
+
+void add_error_classes(nb::module_& m) {
+  argument_error = new_error_class(
+      m, "ArgumentError",
+      "An argument's value or shape breaks a rule of the call; the message is "
+      "\"<argument>: <rule>\". A ValueError, and a RuntimeError as PyTorch's and FlashAttention's "
+      "argument checks raise.",
+      PyExc_ValueError);
+  argument_type_error = new_error_class(
+      m, "ArgumentTypeError",
+      "An argument's dtype or type is not one the call takes; the message is "
+      "\"<argument>: <rule>\". A TypeError, and a RuntimeError as PyTorch's and FlashAttention's "
+      "argument checks raise.",
+      PyExc_TypeError);
+}
+
 [[noreturn]] void raise_status(const flashcte::Status& s) {
   switch (s.kind) {
     case flashcte::ErrorKind::kDtype:
-      throw nb::type_error(s.message.c_str());
+      PyErr_SetString(argument_type_error, s.message.c_str());
+      throw nb::python_error();
     case flashcte::ErrorKind::kMemory:
       PyErr_SetString(PyExc_MemoryError, s.message.c_str());
       throw nb::python_error();
@@ -181,7 +214,8 @@ flashcte::MutableTensorView Imports::cache(const char* name, nb::handle h,
     case flashcte::ErrorKind::kValue:
       break;
   }
-  throw nb::value_error(s.message.c_str());
+  PyErr_SetString(argument_error, s.message.c_str());
+  throw nb::python_error();
 }
 
 }  // namespace flashcte::python

@@ -55,8 +55,16 @@ struct Imports {
                                     std::optional<flashcte::DType> kv8 = std::nullopt);
 };
 
-// A failed Status as the exception its kind names: TypeError (a dtype rule), MemoryError,
-// RuntimeError (a library bug) or ValueError, with the library's "<argument>: <rule>" message.
+// The refusals of an argument: flashcte.ArgumentError (its value or shape breaks a rule) and
+// flashcte.ArgumentTypeError (its dtype), subclasses of ValueError and TypeError, and both of
+// RuntimeError as well, which is what PyTorch's and FlashAttention's checks (TORCH_CHECK) raise
+// and their users catch. Created once, by add_error_classes (the module's init), which also puts
+// them in the module.
+void add_error_classes(nb::module_& m);
+
+// A failed Status as the exception its kind names: ArgumentTypeError (a dtype rule),
+// MemoryError, RuntimeError (a library bug) or ArgumentError, with the library's
+// "<argument>: <rule>" message.
 [[noreturn]] void raise_status(const flashcte::Status& s);
 
 // How one Python keyword lands in an options struct (flashcte::Options, KvCacheOptions). The

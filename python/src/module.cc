@@ -3,6 +3,7 @@
 #include <nanobind/stl/string.h>
 
 #include "flashcte/flashcte.h"
+#include "python/src/arrays.h"
 #include "python/src/bindings.h"
 
 namespace nb = nanobind;
@@ -11,6 +12,7 @@ NB_MODULE(_flashcte, m) {
   m.doc() =
       "Native layer of flashcte. Use the functions of the `flashcte` package; this module's "
       "signature is private and may change.";
+  flashcte::python::add_error_classes(m);
   flashcte::python::bind_attention(m);
   m.attr("MAX_HEAD_DIM") = flashcte::kMaxHeadDim;
   m.def("simd_target", &flashcte::simd_target,

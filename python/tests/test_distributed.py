@@ -162,7 +162,7 @@ def bad_heads_on_one_rank(rank, p, group):
     g = _gen(1)
     q = _randn(g, 1, 6, 4, 8)
     k = _randn(g, 1, 6, 3 if rank == 1 else 2, 8)
-    _expect_everywhere(ValueError, "rank 1: ValueError: k: 3 heads must divide q's 4 heads")(
+    _expect_everywhere(ValueError, "rank 1: ArgumentError: k: 3 heads must divide q's 4 heads")(
         lambda: fd.ring_flash_attn_func(q, k, k, causal=True, group=group, timeout=WAIT)
     )
 
@@ -202,13 +202,13 @@ def failure_while_computing(rank, p, group):
     # only, in the middle of the ring: every rank raises after the ring's communication.
     g = _gen(5)
     q = _randn(g, 1, 6, 2, 8)
-    _expect_everywhere(ValueError, f"rank {p - 1}: ValueError: num_threads: must be >= 0")(
+    _expect_everywhere(ValueError, f"rank {p - 1}: ArgumentError: num_threads: must be >= 0")(
         lambda: fd.ring_flash_attn_func(
             q, q, q, group=group, timeout=WAIT, num_threads=-1 if rank == p - 1 else 1
         )
     )
     x = q[:, :, 0]  # (1, 6, 8): attention_cte's (bs, Sq, d)
-    _expect_everywhere(ValueError, f"rank {p - 1}: ValueError: num_threads: must be >= 0")(
+    _expect_everywhere(ValueError, f"rank {p - 1}: ArgumentError: num_threads: must be >= 0")(
         lambda: fd.cp_attention_cte(
             x,
             x.transpose(1, 2),
@@ -224,7 +224,7 @@ def not_a_torch_tensor_on_one_rank(rank, p, group):
     g = _gen(6)
     q = _randn(g, 2, 5, 8)
     qq = q.numpy() if rank == 0 else q
-    _expect_everywhere(TypeError, "rank 0: TypeError: q: flashcte.distributed takes torch tensors")(
+    _expect_everywhere(TypeError, "rank 0: ArgumentTypeError: q: flashcte.distributed takes torch tensors")(
         lambda: fd.cp_attention_cte(qq, q.transpose(1, 2), q, group=group, timeout=WAIT)
     )
 

@@ -185,7 +185,7 @@ def weights_bad_on_one_rank(rank, p, group):
     if rank == 1:
         w["q_proj"] = w["q_proj"].T
     _expect_everywhere(
-        ValueError, "rank 1: ValueError: q_proj: shape (24, 32) must be", "the transpose"
+        ValueError, "rank 1: ArgumentError: q_proj: shape (24, 32) must be", "the transpose"
     )(lambda: tp.set_weights(**w))
 
 
@@ -215,7 +215,7 @@ def failure_while_computing(rank, p, group):
     tp.set_weights(**make_weights(cfg, 3))
     cache = tp.new_cache(1, 32)
     x = torch.ones(1, 5, 32)
-    _expect_everywhere(ValueError, f"rank {p - 1}: ValueError: num_threads: must be >= 0")(
+    _expect_everywhere(ValueError, f"rank {p - 1}: ArgumentError: num_threads: must be >= 0")(
         lambda: tp(x, rows((0, 5)), cache, num_threads=-1 if rank == p - 1 else 1)
     )
     # The group is still usable afterwards.

@@ -146,7 +146,7 @@ def bad_kv_on_one_rank(rank, p, group):
     _raises_everywhere(
         ValueError,
         lambda: fd.ulysses_flash_attn_func(q, k, k, group=group, timeout=WAIT),
-        "rank 1: ValueError: k: shape (1, 5, 6, 8) must hold q's batch 1 and local_seqlen 6",
+        "rank 1: ArgumentError: k: shape (1, 5, 6, 8) must hold q's batch 1 and local_seqlen 6",
     )
 
 
@@ -156,7 +156,7 @@ def numpy_on_one_rank(rank, p, group):
     _raises_everywhere(
         TypeError,
         lambda: fd.ulysses_flash_attn_func(qq, q, q, group=group, timeout=WAIT),
-        "rank 0: TypeError: q: flashcte.distributed takes torch tensors",
+        "rank 0: ArgumentTypeError: q: flashcte.distributed takes torch tensors",
     )
 
 
@@ -179,7 +179,7 @@ def failure_while_computing(rank, p, group):
             q, q, q, group=group, timeout=WAIT, num_threads=-1 if rank == p - 1 else 1
         ),
         f"1 of {p} ranks failed",
-        f"rank {p - 1}: ValueError: num_threads: must be >= 0",
+        f"rank {p - 1}: ArgumentError: num_threads: must be >= 0",
     )
 
 

@@ -1,4 +1,5 @@
-"""Bad input raises TypeError/ValueError whose message names the argument."""
+"""Bad input raises flashcte.ArgumentTypeError / ArgumentError (TypeError / ValueError, and
+RuntimeError) whose message names the argument."""
 
 from __future__ import annotations
 
@@ -405,3 +406,54 @@ def test_paged_attention_names_its_own_arguments():
     int8 = np.zeros(k.shape, np.int8)
     with pytest.raises(TypeError, match="^k: dtype int8 is an 8-bit cache format"):
         flashcte.flash_attn_varlen_func(**dict(args, k=int8, v=int8))
+
+
+def test_refusals_are_runtime_errors_too_as_torch_and_flashattention_raise():
+    """Every refused argument is a flashcte.ArgumentError (a ValueError) or ArgumentTypeError (a
+    TypeError), and a RuntimeError as well: what TORCH_CHECK raises in PyTorch and FlashAttention,
+    and what their users catch. Native and Python-side refusals alike."""
+    assert issubclass(flashcte.ArgumentError, ValueError)
+    assert issubclass(flashcte.ArgumentError, RuntimeError)
+    assert issubclass(flashcte.ArgumentTypeError, TypeError)
+    assert issubclass(flashcte.ArgumentTypeError, RuntimeError)
+    q, k, v = qkv()
+    native = raises(RuntimeError, "q: must have rank 3", flashcte.attention_cte, q[0], k, v)
+    with pytest.raises(flashcte.ArgumentError, match="^q: must have rank 3"):
+        flashcte.attention_cte(q[0], k, v)
+    with pytest.raises(flashcte.ArgumentTypeError, match="^k: "):
+        flashcte.attention_cte(q, k.astype(np.float16), v)
+    raises(RuntimeError, "k: ", flashcte.attention_cte, q, k.astype(np.float16), v)
+    x = np.zeros((1, 4, 2, 8), np.float32)
+    # a Python-side check (flash_attn_func's window_size)
+    with pytest.raises(flashcte.ArgumentError, match="window_size"):
+        flashcte.flash_attn_func(x, x, x, window_size=(-5, 0))
+    assert native
+
+
+@pytest.mark.parametrize("append", [False, True], ids=["cache_seqlens", "appended keys"])
+def test_block_table_bounds_as_flashattention_tests_them(append):
+    """FlashAttention's test_flash_attn_kvcache_paged_block_table_bounds (flash-attention#2711):
+    a sequence whose cached plus appended keys outgrow its block_table row (max_blocks_per_seq x
+    page_block_size) raises a RuntimeError that names block_table; flashcte's also names
+    cache_seqlens, the argument that broke the rule, and leaves the caches as they were."""
+    rng = np.random.default_rng(0)
+    page, blocks = 16, 2
+    q = rng.standard_normal((1, 1, 2, 16), dtype=np.float32)
+    k_cache = rng.standard_normal((4, page, 2, 16), dtype=np.float32)
+    v_cache = rng.standard_normal((4, page, 2, 16), dtype=np.float32)
+    before = (k_cache.copy(), v_cache.copy())
+    table = np.array([[0, 1]], np.int32)
+    new = dict(k=q.copy(), v=q.copy()) if append else {}
+    seqlens = np.array([page * blocks if append else page * blocks + 1], np.int32)
+    with pytest.raises(RuntimeError, match="block_table") as info:
+        flashcte.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, **new
+        )
+    assert isinstance(info.value, ValueError) and str(info.value).startswith("cache_seqlens: [0]")
+    np.testing.assert_array_equal(k_cache, before[0])
+    np.testing.assert_array_equal(v_cache, before[1])
+    # the same sequence at the row's capacity (appending: one slot short of it) is taken
+    seqlens[0] -= 1
+    flashcte.flash_attn_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, **new
+    )

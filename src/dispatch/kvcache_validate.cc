@@ -403,7 +403,8 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
       return error("cache_seqlens: [" + to_string(b) + "] = " + to_string(seqlens[b]) +
                    (a->tokens > 0 ? " plus seqlen_new = " + to_string(a->tokens) : "") +
                    " must be in [0, " + to_string(s.capacity) + "], the slots of a sequence's " +
-                   (s.paged ? "pages (max_blocks_per_seq x page_block_size)" : "cache row"));
+                   (s.paged ? "pages: block_table's row (max_blocks_per_seq x page_block_size)"
+                            : "cache row"));
     }
     if (leftpad[b] < 0 || leftpad[b] > seqlens[b]) {
       return error("cache_leftpad: [" + to_string(b) + "] = " + to_string(leftpad[b]) +

@@ -97,7 +97,8 @@ Status check_call(const TensorView& q, const TensorView& k_cache, const TensorVi
     if (used < 0 || used > capacity) {
       return error("seqused_k: [" + to_string(b) + "] = " + to_string(used) + " must be in [0, " +
                    to_string(capacity) + "], the slots of a sequence's " +
-                   (paged ? "pages (max_blocks_per_seq x page_block_size)" : "cache row"));
+                   (paged ? "pages: block_table's row (max_blocks_per_seq x page_block_size)"
+                          : "cache row"));
     }
   }
   if (o.sinks.present()) {

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .._attention import attention_cte
+from .._errors import ArgumentError, ArgumentTypeError
 from .._tensors import dtype_name, transpose
 from . import _comm
 from ._shard import positions, split_lengths
@@ -20,14 +21,16 @@ ArrayLike = Any
 
 def _torch_tensor(name: str, x: Any) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{name}: flashcte.distributed takes torch tensors (torch.distributed moves them), "
             f"got {type(x).__name__}"
         )
     if x.device.type != "cpu":
-        raise ValueError(f"{name}: must be a CPU tensor, got device {x.device}")
+        raise ArgumentError(f"{name}: must be a CPU tensor, got device {x.device}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"{name}: dtype must be float32, float16 or bfloat16, got {x.dtype}")
+        raise ArgumentTypeError(
+            f"{name}: dtype must be float32, float16 or bfloat16, got {x.dtype}"
+        )
     return x.detach()
 
 
@@ -102,9 +105,9 @@ def cp_attention_cte(
         qt, kt, vt = _torch_tensor("q", q), _torch_tensor("k", k), _torch_tensor("v", v)
         for name, t in (("q", qt), ("k", kt), ("v", vt)):
             if t.ndim != 3:
-                raise ValueError(f"{name}: must have rank 3, got shape {tuple(t.shape)}")
+                raise ArgumentError(f"{name}: must have rank 3, got shape {tuple(t.shape)}")
         if not (qt.dtype == kt.dtype == vt.dtype):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"k, v: dtypes {dtype_name(kt.dtype)}, {dtype_name(vt.dtype)} must be q's "
                 f"{dtype_name(qt.dtype)}"
             )
@@ -112,12 +115,12 @@ def cp_attention_cte(
         bs, d = qt.shape[0], qt.shape[2] if tp_q else qt.shape[1]
         seqlen = qt.shape[1] if tp_q else qt.shape[2]
         if k_seq.shape[1] != seqlen or vt.shape[1] != seqlen:
-            raise ValueError(
+            raise ArgumentError(
                 f"k, v: hold {k_seq.shape[1]} and {vt.shape[1]} tokens, q {seqlen}: each rank "
                 "passes the K/V of its own query tokens"
             )
         if vt.shape[0] != k_seq.shape[0]:
-            raise ValueError(f"v: batch {vt.shape[0]} differs from k's {k_seq.shape[0]}")
+            raise ArgumentError(f"v: batch {vt.shape[0]} differs from k's {k_seq.shape[0]}")
         local.update(q=qt, k=k_seq, v=vt)
         common = {
             "bs": int(bs),
@@ -153,7 +156,7 @@ def cp_attention_cte(
     lengths = [m["length"] for m in metas]
     total = sum(lengths)
     if strided and lengths != split_lengths(total, g.size, "strided"):
-        raise ValueError(
+        raise ArgumentError(
             f"flashcte.distributed.{what}: the ranks hold {lengths} tokens; a strided split of "
             f"{total} tokens over {g.size} ranks holds {split_lengths(total, g.size, 'strided')} "
             "(rank r: tokens r, r + P, ...)"

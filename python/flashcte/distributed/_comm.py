@@ -26,8 +26,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._errors import ArgumentError, ArgumentTypeError
+
 _RECORD_BYTES = 4096
-_ERROR_TYPES = {"ValueError": ValueError, "TypeError": TypeError}
+# A rank's error by its class name, raised again on every rank (other classes: RuntimeError).
+_ERROR_TYPES = {
+    "ArgumentError": ArgumentError,
+    "ArgumentTypeError": ArgumentTypeError,
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+}
 
 
 @dataclass
@@ -67,16 +75,16 @@ def resolve_group(group: Any, timeout: Any) -> Group:
         )
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError("group: this process is not a member of the process group it passed")
+        raise ArgumentError("group: this process is not a member of the process group it passed")
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         try:
             seconds = float(timeout)
         except (TypeError, ValueError):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"timeout: must be seconds or a datetime.timedelta, got {timeout!r}"
             ) from None
         if not seconds > 0:
-            raise ValueError(f"timeout: must be positive, got {timeout!r}")
+            raise ArgumentError(f"timeout: must be positive, got {timeout!r}")
         timeout = datetime.timedelta(seconds=seconds)
     return Group(group, rank, dist.get_world_size(group), timeout)
 
@@ -164,11 +172,11 @@ def fail_unless_same(metas: list[dict], key: str, what: str) -> None:
                 b = meta[key] if f is None else meta[key].get(f)
                 if a != b:
                     name = key if f is None else f
-                    raise ValueError(
+                    raise ArgumentError(
                         f"flashcte.distributed.{what}: every rank must pass the same {name}: "
                         f"rank 0 has {a!r}, rank {r} has {b!r}"
                     )
-            raise ValueError(f"flashcte.distributed.{what}: ranks 0 and {r} disagree on {key}")
+            raise ArgumentError(f"flashcte.distributed.{what}: ranks 0 and {r} disagree on {key}")
 
 
 def byte_view(buf: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _flashcte
+from .._errors import ArgumentError, ArgumentTypeError
 from .._tensors import NUMPY, TORCH, Tensor, empty, give_back, is_bf16_numpy, native, transpose
 
 ArrayLike = Any
@@ -15,11 +16,13 @@ def _output(name: str, x: Any, shape: tuple, like: Tensor) -> Any:
     """A caller-given output: written in place, so it must be of q's kind and viewable as is."""
     t = Tensor(name, x)
     if t.kind != like.kind or t.kind not in (NUMPY, TORCH):
-        raise TypeError(f"{name}: must be a {like.kind} array like out_a, got {type(x).__name__}")
+        raise ArgumentTypeError(
+            f"{name}: must be a {like.kind} array like out_a, got {type(x).__name__}"
+        )
     if t.kind == NUMPY and t.arr is not x:
-        raise ValueError(f"{name}: numpy array with strides the library cannot write in place")
+        raise ArgumentError(f"{name}: numpy array with strides the library cannot write in place")
     if t.shape != shape:
-        raise ValueError(f"{name}: shape {t.shape} must be {shape}")
+        raise ArgumentError(f"{name}: shape {t.shape} must be {shape}")
     return t.arr
 
 
@@ -72,14 +75,14 @@ def merge_attn_states(
             (lb, lse_shape, "(batch, heads, seqlen) ="),
         ):
             if t.shape != want:
-                raise ValueError(
+                raise ArgumentError(
                     f"{t.name}: shape {t.shape} must be {what} {want} (FlashAttention layout: "
                     f"out (batch, seqlen, heads, dv), lse (batch, heads, seqlen))"
                 )
     elif ta.ndim in (2, 3):
         lse_shape = shape[:-1]
     else:
-        raise ValueError(
+        raise ArgumentError(
             f"out_a: must have rank 2 (rows, dv), 3 (bs, Sq, dv) or 4 (batch, seqlen, heads, dv), "
             f"got shape {shape}"
         )

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from .. import _flashcte
 from .._attention import _call
+from .._errors import ArgumentError, ArgumentTypeError
 from .. import _fa_args
 from .._tensors import Tensor, dtype_name, transpose
 from . import _comm
@@ -64,40 +65,44 @@ class _Problem:
 
     def __init__(self, q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes):
         if dropout_p:
-            raise ValueError(
+            raise ArgumentError(
                 f"dropout_p: must be 0 (flashcte computes no dropout), got {dropout_p}"
             )
         if alibi_slopes is not None:
-            raise ValueError("alibi_slopes: not supported by flashcte.distributed's ring functions")
+            raise ArgumentError(
+                "alibi_slopes: not supported by flashcte.distributed's ring functions"
+            )
         self.q, self.k, self.v = (_torch_tensor(n, x) for n, x in (("q", q), ("k", k), ("v", v)))
         for name, t in (("q", self.q), ("k", self.k), ("v", self.v)):
             if t.ndim != 4:
-                raise ValueError(
+                raise ArgumentError(
                     f"{name}: must have rank 4 (batch, local_seqlen, heads, head_dim), got shape "
                     f"{tuple(t.shape)}"
                 )
         if not (self.q.dtype == self.k.dtype == self.v.dtype):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"k, v: dtypes {dtype_name(self.k.dtype)}, {dtype_name(self.v.dtype)} must be "
                 f"q's {dtype_name(self.q.dtype)}"
             )
         b, s, h, d = self.q.shape
         bk, sk, hk, dk = self.k.shape
         if self.v.shape[:3] != self.k.shape[:3]:
-            raise ValueError(
+            raise ArgumentError(
                 f"v: shape {tuple(self.v.shape)} disagrees with k's {tuple(self.k.shape)}"
             )
         if bk != b or sk != s:
-            raise ValueError(
+            raise ArgumentError(
                 f"k: shape {tuple(self.k.shape)} must hold q's batch {b} and local_seqlen {s} "
                 "(each rank passes the K/V of its own query tokens)"
             )
         if hk == 0 or h % hk:
-            raise ValueError(f"k: {hk} heads must divide q's {h} heads (grouped-query attention)")
+            raise ArgumentError(
+                f"k: {hk} heads must divide q's {h} heads (grouped-query attention)"
+            )
         if dk != d:
-            raise ValueError(f"k: head_dim {dk} differs from q's {d}")
+            raise ArgumentError(f"k: head_dim {dk} differs from q's {d}")
         if s < 1:
-            raise ValueError("q: every rank must hold at least one token")
+            raise ArgumentError("q: every rank must hold at least one token")
         self.scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
         self.left, self.right = _fa_args.window(window_size, causal)
         self.shape = (b, s, h, d, hk, self.v.shape[3])
@@ -130,12 +135,12 @@ def _agree(g, what, layout, make) -> tuple[_Problem, list[int]]:
     lengths = [m["length"] for m in metas]
     total = sum(lengths)
     if layout == "zigzag" and (len(set(lengths)) != 1 or lengths[0] % 2):
-        raise ValueError(
+        raise ArgumentError(
             f"flashcte.distributed.{what}: the zigzag split needs the same even local_seqlen on "
             f"every rank (2 chunks of seqlen / (2 P) each), got {lengths}"
         )
     if layout == "strided" and lengths != split_lengths(total, g.size, "strided"):
-        raise ValueError(
+        raise ArgumentError(
             f"flashcte.distributed.{what}: the ranks hold {lengths} tokens; a strided split of "
             f"{total} over {g.size} ranks holds {split_lengths(total, g.size, 'strided')}"
         )

@@ -18,22 +18,24 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import ArgumentError
+
 LAYOUTS = ("contiguous", "strided", "zigzag")
 
 
 def _check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
-        raise ValueError(f"layout: must be one of {LAYOUTS}, got {layout!r}")
+        raise ArgumentError(f"layout: must be one of {LAYOUTS}, got {layout!r}")
 
 
 def split_lengths(seqlen: int, world_size: int, layout: str = "contiguous") -> list[int]:
     """The number of tokens each rank holds."""
     _check_layout(layout)
     if world_size < 1:
-        raise ValueError(f"world_size: must be >= 1, got {world_size}")
+        raise ArgumentError(f"world_size: must be >= 1, got {world_size}")
     if layout == "zigzag":
         if seqlen % (2 * world_size):
-            raise ValueError(
+            raise ArgumentError(
                 f"zigzag: seqlen {seqlen} must be a multiple of 2 * world_size = {2 * world_size}"
             )
         return [seqlen // world_size] * world_size

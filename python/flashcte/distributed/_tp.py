@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .._errors import ArgumentError, ArgumentTypeError
 from .._layer import AttentionLayer, _float32, _positions
 from .._layer_cache import KvCache
 from .._tensors import BFLOAT16, TORCH, Tensor
@@ -107,9 +108,11 @@ class TensorParallelAttention:
 
         def describe() -> dict:
             if "tp_rank" in layer_args:
-                raise TypeError("tp_rank: not an argument here: each rank's is its rank in group")
+                raise ArgumentTypeError(
+                    "tp_rank: not an argument here: each rank's is its rank in group"
+                )
             if tp_degree is not None and tp_degree != g.size:
-                raise ValueError(
+                raise ArgumentError(
                     f"tp_degree: {tp_degree} must be the process group's size {g.size} (one "
                     "rank per shard; None takes the group's size)"
                 )
@@ -242,7 +245,7 @@ class TensorParallelAttention:
             if layer is None or not layer.has_weights:
                 raise RuntimeError(f"{_WHAT}: no weights yet; call set_weights(...) first")
             if not isinstance(cache, KvCache):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"cache: expected a flashcte.KvCache (tp.new_cache(batch, max_len)), got "
                     f"{type(cache).__name__}"
                 )

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .._errors import ArgumentError
 from .._flash_attn import flash_attn_func
 from . import _comm
 from ._ring import _agree, _Problem
@@ -37,12 +38,12 @@ def head_split(heads: int, heads_k: int, world: int) -> tuple[int, int]:
     naming the argument otherwise. Rank r holds query heads ``[r * hq, (r + 1) * hq)`` and KV
     heads ``[r * hq // (heads // heads_k), ... + hk)``."""
     if heads % world:
-        raise ValueError(
+        raise ArgumentError(
             f"q: {heads} heads are not divisible by the group size {world} (Ulysses gives each "
             "rank heads / P query heads)"
         )
     if heads_k % world and world % heads_k:
-        raise ValueError(
+        raise ArgumentError(
             f"k: {heads_k} KV heads cannot be split over {world} ranks: Ulysses needs heads_k "
             f"divisible by the group size (each rank gets heads_k / P) or the group size a "
             f"multiple of heads_k (each KV head replicated to P / heads_k ranks)"
