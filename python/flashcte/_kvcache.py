@@ -100,7 +100,8 @@ class _Cache:
             why = "new k and v are appended into it"
             self.tensor = _writable(name, x, why) if written else Tensor(name, x)
             self.arr = native(self.tensor)
-        self.shape = tuple(int(n) for n in self.arr.shape)
+        shape = self.tensor.shape if self.tensor is not None else self.arr.shape
+        self.shape = tuple(int(n) for n in shape)
         if len(self.shape) != 4:
             raise ArgumentError(
                 f"{name}: must have rank 4 (batch_cache, seqlen_cache, heads_k, head_dim) or, "

@@ -128,12 +128,19 @@ def viewable(a: np.ndarray) -> np.ndarray:
 
 
 def native(t: Any) -> Any:
-    """What the native layer receives for a normalised array: bfloat16 numpy as uint16 bits."""
+    """What the native layer receives for a normalised array, for one call: bfloat16 numpy as
+    uint16 bits; a torch tensor as its DLPack capsule, which the call consumes (so a result is
+    passed once). The capsule comes from torch's C function: otherwise nanobind calls
+    ``Tensor.__dlpack__``, Python code that took 3.0 us a tensor against 0.3 (AMD EPYC Zen 4),
+    ~13 us of a decode call through the torch op."""
     if t is None:
         return None
     a = t.arr if isinstance(t, Tensor) else t
-    if isinstance(a, np.ndarray) and BFLOAT16 is not None and a.dtype == BFLOAT16:
-        return a.view(np.uint16)
+    if isinstance(a, np.ndarray):
+        return a.view(np.uint16) if BFLOAT16 is not None and a.dtype == BFLOAT16 else a
+    torch = torch_module()
+    if torch is not None and isinstance(a, torch.Tensor):
+        return torch.utils.dlpack.to_dlpack(a)
     return a
 
 
