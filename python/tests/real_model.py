@@ -48,7 +48,6 @@ def _convert(gguf: Path) -> None:
     # The weights are dequantized float32 now; without this, a reload would take them for GGUF's
     # packed blocks and run every matmul through transformers' GGUF kernels (in bfloat16: a cast
     # in and out of each one).
-    model.config.quantization_config = None
     del model.config.quantization_config
     model.config.save_pretrained(partial)
     model.generation_config.save_pretrained(partial)

@@ -179,33 +179,7 @@ def test_tokens_match_transformers_continuous_batching(name, spy):
 def test_mla_latents_keep_transformers_gather(spy):
     """DeepSeek-V3's MLA: transformers' latent cache (another allocator under the full-attention
     name) is gathered as transformers does; flashcte attends the expanded heads, packed."""
-    if not hasattr(transformers, "DeepseekV3Config"):
-        pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V3")
-    config = transformers.DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=16,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        n_routed_experts=2,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=2,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    model.eval()
+    model = tiny_model("deepseek_v3")[0]
     ref = _generate(model, "sdpa", _prompts(LENGTHS))
     spy.reset()
     got = _generate(model, NAME, _prompts(LENGTHS))

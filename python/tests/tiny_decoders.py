@@ -1,7 +1,7 @@
 """Tiny random-weight decoders of the architectures whose attention differs (Llama; Mistral with
 a sliding window; Qwen2; Gemma 2 with soft-capping, a query scalar and a sliding window; gpt-oss
-with sinks and a sliding window), each with the transformers attention it is compared against:
-sdpa, or eager where the model has no sdpa. Shared by test_transformers.py and
+with sinks and a sliding window; DeepSeek-V3's MLA), each with the transformers attention it is
+compared against: sdpa, or eager where the model has no sdpa. Shared by test_transformers.py and
 test_continuous_batching.py; skipped where the installed transformers lacks a model."""
 
 from __future__ import annotations
@@ -44,6 +44,22 @@ def config(name, **overrides):
         fields["num_local_experts"] = 2
         fields["num_experts_per_tok"] = 2
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    if name == "deepseek_v3":  # MLA: a latent of 16 shared by 4 heads; rope and nope parts
+        fields.update(
+            num_key_value_heads=4,
+            max_position_embeddings=512,
+            moe_intermediate_size=32,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=2,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=2,  # both layers dense: no router to flip
+        )
     fields.update(overrides)
     classes = dict(
         llama=("LlamaConfig", "sdpa"),
@@ -51,6 +67,7 @@ def config(name, **overrides):
         qwen2=("Qwen2Config", "sdpa"),
         gemma2=("Gemma2Config", "eager"),
         gpt_oss=("GptOssConfig", "eager"),
+        deepseek_v3=("DeepseekV3Config", "sdpa"),
     )
     cls, ref = classes[name]
     try:

@@ -230,7 +230,7 @@ def _table_of_step(allocator, layer_idx, read_index, cu_k, page):
     j = torch.arange(blocks, dtype=torch.int64) * page
     first = cu_k[:-1].to(torch.int64).unsqueeze(1) + j
     used = j < lens.unsqueeze(1)
-    pages = read_index[torch.where(used, first, 0).clamp_(max=max(read_index.numel() - 1, 0))]
+    pages = read_index[torch.where(used, first, 0)]
     table = torch.where(used, pages // page, 0).to(torch.int32)
     allocator._flashcte_table = table
     return table
