@@ -14,8 +14,9 @@ Workloads (the prompts are random token ids, seeded: the content does not change
   mixed     16 requests, prompts of 512-2048 tokens, 64-128 new tokens each
   16x2K     16 requests, prompts of 1920 tokens, 128 new tokens each (2K of context)
 The last two are not run by default: transformers' own CPU path attends the whole packed batch
-densely (one (batch tokens) x (all requests' cached tokens) mask per step), and one such run did
-not finish a single request in 12 minutes on 2 cores [AMD EPYC Zen 4].
+densely (one (batch tokens) x (all requests' cached tokens) mask per step, ~13 GB), and 16x2K
+alone took it 10 minutes in float32 on an idle machine with 2 cores [AMD EPYC Zen 4]
+(docs/benchmarks/serving/16x2K/).
 
 For each workload and dtype the implementations run alternately (A B A B, --reps rounds), and
 the report keeps medians: output tokens/s, time to first token (TTFT: from a request's arrival
