@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "src/dispatch/decode_args.h"
 #include "src/dispatch/kvcache.h"
 #include "src/dispatch/views.h"
 
@@ -24,7 +25,7 @@ Status error(const std::string& message) { return Status::Error(message); }
 // The sizes the call is made of.
 struct Shape {
   int64_t batch = 0, seqlen_q = 0, heads = 0, d = 0;
-  int64_t kv_heads = 0, dv = 0, seqlen_new = 0;
+  int64_t kv_heads = 0, dv = 0;
   bool paged = false;
   int64_t cache_rows = 0;  // dense: batch_cache; paged: num_blocks
   int64_t row_slots = 0;   // dense: seqlen_cache; paged: page_block_size
@@ -33,74 +34,10 @@ struct Shape {
 };
 
 struct Extents {
-  Extent q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi, sinks,
-      k_scale, v_scale, out, lse;
+  DecodeExtents shared;
+  Extent k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi;
   bool k_scale_written = false, v_scale_written = false;  // per-token scales the append writes
 };
-
-// q and the caches: ranks, dtypes, sizes, GQA; the K/V sources over the caches.
-Status check_q_and_caches(const TensorView& q, const MutableTensorView& k_cache,
-                          const MutableTensorView& v_cache, bool paged, Shape* s, DecodeProblem* p,
-                          Extents* e) {
-  if (!q.present()) return error("q: is required");
-  if (!k_cache.present()) return error("k_cache: is required");
-  if (!v_cache.present()) return error("v_cache: is required");
-  FLASHCTE_RETURN_IF_ERROR(check_tensor("q", q, 4, "(batch, seqlen_q, heads, d)", &e->q));
-  const char* k_layout = paged ? "(num_blocks, page_block_size, kv_heads, d)"
-                               : "(batch_cache, seqlen_cache, kv_heads, d)";
-  const char* v_layout = paged ? "(num_blocks, page_block_size, kv_heads, dv)"
-                               : "(batch_cache, seqlen_cache, kv_heads, dv)";
-  FLASHCTE_RETURN_IF_ERROR(check_tensor("k_cache", k_cache, 4, k_layout, &e->k_cache));
-  FLASHCTE_RETURN_IF_ERROR(check_tensor("v_cache", v_cache, 4, v_layout, &e->v_cache));
-  FLASHCTE_RETURN_IF_ERROR(expect_attention_dtype("q", q.dtype));
-  FLASHCTE_RETURN_IF_ERROR(expect_cache_dtype("k_cache", k_cache.dtype, q.dtype));
-  FLASHCTE_RETURN_IF_ERROR(expect_cache_dtype("v_cache", v_cache.dtype, q.dtype));
-  s->batch = q.shape[0];
-  s->seqlen_q = q.shape[1];
-  s->heads = q.shape[2];
-  s->d = q.shape[3];
-  s->paged = paged;
-  s->cache_rows = k_cache.shape[0];
-  s->row_slots = k_cache.shape[1];
-  s->kv_heads = k_cache.shape[2];
-  s->dv = v_cache.shape[3];
-  FLASHCTE_RETURN_IF_ERROR(expect_axis("k_cache", k_cache, 3, s->d, "q's head dim d"));
-  FLASHCTE_RETURN_IF_ERROR(expect_axis("v_cache", v_cache, 0, s->cache_rows,
-                                       paged ? "k_cache's num_blocks" : "k_cache's batch_cache"));
-  FLASHCTE_RETURN_IF_ERROR(
-      expect_axis("v_cache", v_cache, 1, s->row_slots,
-                  paged ? "k_cache's page_block_size" : "k_cache's seqlen_cache"));
-  FLASHCTE_RETURN_IF_ERROR(expect_axis("v_cache", v_cache, 2, s->kv_heads, "k_cache's kv_heads"));
-  if (s->d < 1 || s->d > kMaxHeadDim || s->dv < 1 || s->dv > kMaxHeadDim) {
-    return error(std::string(s->d < 1 || s->d > kMaxHeadDim ? "q: head dim d = " + to_string(s->d)
-                                                            : "v_cache: dv = " + to_string(s->dv)) +
-                 " must be in [1, " + to_string(kMaxHeadDim) + "]");
-  }
-  if (paged && s->row_slots < 1) {
-    return error("k_cache: page_block_size (axis 1 of a paged cache) is 0; a page holds >= 1 slot");
-  }
-  if (s->kv_heads == 0 ? s->heads != 0 : s->heads % s->kv_heads != 0) {
-    return error("q: heads = " + to_string(s->heads) +
-                 " must be a multiple of k_cache's kv_heads = " + to_string(s->kv_heads) +
-                 " (grouped-query attention)");
-  }
-  p->dtype = q.dtype;
-  p->batch = s->batch;
-  p->q_heads = s->heads;
-  p->kv_heads = s->kv_heads;
-  p->group = s->kv_heads > 0 ? s->heads / s->kv_heads : 1;
-  p->tokens = s->seqlen_q;
-  p->head_dim = s->d;
-  p->value_dim = s->dv;
-  p->q = q.data;
-  p->q_strides = {q.strides[0], q.strides[2], q.strides[1], q.strides[3]};
-  for (auto [src, view] : {std::pair{&p->k, &k_cache}, std::pair{&p->v, &v_cache}}) {
-    src->data = view->data;
-    src->dtype = view->dtype;
-    src->strides = {view->strides[0], view->strides[2], view->strides[1], view->strides[3]};
-  }
-  return Status::Ok();
-}
 
 // k and v, both or neither, (batch, seqlen_new, kv_heads, d / dv) in q's dtype.
 Status check_new_kv(const KvCacheOptions& o, const Shape& s, DType dtype, KvAppend* a, Extents* e) {
@@ -163,65 +100,6 @@ Status check_rotary(const KvCacheOptions& o, const Shape& s, DType dtype, KvAppe
   return Status::Ok();
 }
 
-// The slots of a sequence the call reads, or writes.
-struct Span {
-  int64_t lo = 0, hi = 0;  // [lo, hi), empty when lo >= hi
-};
-
-// block_table (batch, max_blocks_per_seq) int32, or cache_batch_idx for a dense cache: the pages
-// (cache rows) of every slot the call reads or writes, each in range, copied into the sources;
-// with an append, no page written may be read or written through another entry.
-Status check_pages(const KvCacheOptions& o, const Shape& s, const std::vector<Span>& read,
-                   const std::vector<Span>& written, DecodeProblem* p) {
-  const char* name = s.paged ? "block_table" : "cache_batch_idx";
-  const TensorView& t = s.paged ? o.block_table : o.cache_batch_idx;
-  const int64_t page_slots = s.row_slots;
-  std::vector<int32_t> table(static_cast<size_t>(s.batch * s.pages_per_sequence), -1);
-  // page -> entries that name it, counted only when the call writes (for the check below): a
-  // decode step's table of 8 x 256 pages went through the map in every layer's call otherwise.
-  const bool writes =
-      std::any_of(written.begin(), written.end(), [](const Span& w) { return w.lo < w.hi; });
-  std::map<int32_t, int64_t> references;
-  for (int64_t b = 0; b < s.batch; ++b) {
-    const Span spans[] = {read[b], written[b]};
-    for (int64_t i = 0; i < s.pages_per_sequence; ++i) {
-      const int64_t first = i * page_slots, last = first + page_slots;
-      bool used = false;
-      for (const Span& span : spans) used |= span.lo < span.hi && span.lo < last && first < span.hi;
-      if (!used) continue;
-      const int32_t page = static_cast<const int32_t*>(
-          t.data)[s.paged ? b * t.strides[0] + i * t.strides[1] : b * t.strides[0]];
-      if (page < 0 || page >= s.cache_rows) {
-        return error(std::string(name) + ": [" + to_string(b) +
-                     (s.paged ? ", " + to_string(i) : "") + "] = " + to_string(page) +
-                     " must be in [0, " + (s.paged ? "num_blocks" : "batch_cache") + " = " +
-                     to_string(s.cache_rows) + ")");
-      }
-      table[static_cast<size_t>(b * s.pages_per_sequence + i)] = page;
-      if (writes) ++references[page];
-    }
-  }
-  for (int64_t b = 0; b < s.batch; ++b) {
-    const Span& w = written[b];
-    if (w.lo >= w.hi) continue;
-    for (int64_t i = w.lo / page_slots; i <= (w.hi - 1) / page_slots; ++i) {
-      const int32_t page = table[static_cast<size_t>(b * s.pages_per_sequence + i)];
-      if (references[page] > 1) {
-        return error(std::string(name) + ": " + (s.paged ? "page " : "cache row ") +
-                     to_string(page) + " receives sequence " + to_string(b) +
-                     "'s new k and v and is also named by another entry the call uses; a page "
-                     "written by the call must belong to one sequence");
-      }
-    }
-  }
-  for (KvSource* src : {&p->k, &p->v}) {
-    src->block_size = page_slots;
-    src->pages_per_sequence = s.pages_per_sequence;
-    src->table = table;
-  }
-  return Status::Ok();
-}
-
 // alibi_slopes (heads,) or (batch, heads) float32, finite.
 Status check_alibi(const TensorView& t, const Shape& s, DecodeProblem* p, Extent* extent) {
   FLASHCTE_RETURN_IF_ERROR(check_view("alibi_slopes", t, false, extent));
@@ -238,49 +116,15 @@ Status check_alibi(const TensorView& t, const Shape& s, DecodeProblem* p, Extent
   return check_alibi_values(t);
 }
 
-// sinks (heads,) float32, each finite or -inf (no sink).
-Status check_sinks(const TensorView& t, const Shape& s, DecodeProblem* p, Extent* extent) {
-  FLASHCTE_RETURN_IF_ERROR(check_tensor("sinks", t, 1, "(heads,)", extent));
-  FLASHCTE_RETURN_IF_ERROR(expect_float32("sinks", t.dtype));
-  FLASHCTE_RETURN_IF_ERROR(expect_axis("sinks", t, 0, s.heads, "q's heads"));
-  p->sink = static_cast<const float*>(t.data);
-  p->sink_stride = t.strides[0];
-  return check_sink_values("sinks", p->sink, p->sink_stride, s.heads);
-}
-
-Status check_outputs(const MutableTensorView& out, const MutableTensorView& lse, const Shape& s,
-                     DecodeProblem* p, Extents* e) {
-  if (!out.present()) return error("out: is required");
-  FLASHCTE_RETURN_IF_ERROR(check_tensor("out", out, 4, "(batch, seqlen_q, heads, dv)", &e->out));
-  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("out", out.dtype, p->dtype, "q"));
-  const int64_t want[] = {s.batch, s.seqlen_q, s.heads, s.dv};
-  const char* what[] = {"q's batch", "q's seqlen_q", "q's heads", "v_cache's dv"};
-  for (int axis = 0; axis < 4; ++axis) {
-    FLASHCTE_RETURN_IF_ERROR(expect_axis("out", out, axis, want[axis], what[axis]));
-  }
-  FLASHCTE_RETURN_IF_ERROR(check_no_self_overlap("out", out));
-  p->out = out.data;
-  p->out_strides = {out.strides[0], out.strides[2], out.strides[1], out.strides[3]};
-  if (!lse.present()) return Status::Ok();
-  FLASHCTE_RETURN_IF_ERROR(check_tensor("lse", lse, 3, "(batch, heads, seqlen_q)", &e->lse));
-  FLASHCTE_RETURN_IF_ERROR(expect_float32("lse", lse.dtype));
-  FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 0, s.batch, "q's batch"));
-  FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 1, s.heads, "q's heads"));
-  FLASHCTE_RETURN_IF_ERROR(expect_axis("lse", lse, 2, s.seqlen_q, "q's seqlen_q"));
-  FLASHCTE_RETURN_IF_ERROR(check_no_self_overlap("lse", lse));
-  p->lse = static_cast<float*>(lse.data);
-  p->lse_strides = {lse.strides[0], lse.strides[1], lse.strides[2]};
-  return Status::Ok();
-}
-
 // What the call writes (out, lse; the caches when appending) touches nothing it reads besides
 // the caches themselves, nor each other.
 Status check_aliasing(const Extents& e, bool appending) {
+  const DecodeExtents& d = e.shared;
   struct Named {
     const char* name;
     Extent extent;
   };
-  const Named read_only[] = {{"q", e.q},
+  const Named read_only[] = {{"q", d.q},
                              {"k", e.k},
                              {"v", e.v},
                              {"rotary_cos", e.cos},
@@ -290,25 +134,25 @@ Status check_aliasing(const Extents& e, bool appending) {
                              {"cache_leftpad", e.leftpad},
                              {"block_table", e.table},
                              {"alibi_slopes", e.alibi},
-                             {"sinks", e.sinks}};
+                             {"sinks", d.sink}};
   std::vector<Named> inputs(std::begin(read_only), std::end(read_only));
-  std::vector<Named> written = {{"out", e.out}, {"lse", e.lse}};
+  std::vector<Named> written = {{"out", d.out}, {"lse", d.lse}};
   if (appending) {
-    written.push_back({"k_cache", e.k_cache});
-    written.push_back({"v_cache", e.v_cache});
+    written.push_back({"k_cache", d.k_cache});
+    written.push_back({"v_cache", d.v_cache});
   }
   for (const auto& [scale, is_written] :
-       {std::pair{Named{"k_scale", e.k_scale}, e.k_scale_written},
-        std::pair{Named{"v_scale", e.v_scale}, e.v_scale_written}}) {
+       {std::pair{Named{"k_scale", d.k_scale}, e.k_scale_written},
+        std::pair{Named{"v_scale", d.v_scale}, e.v_scale_written}}) {
     (is_written ? written : inputs).push_back(scale);
-    for (const Named& cache : {Named{"k_cache", e.k_cache}, Named{"v_cache", e.v_cache}}) {
+    for (const Named& cache : {Named{"k_cache", d.k_cache}, Named{"v_cache", d.v_cache}}) {
       if (overlaps(scale.extent, cache.extent)) {
         return error(std::string(scale.name) + ": overlaps " + cache.name +
                      "; a cache's scales are memory of their own");
       }
     }
   }
-  if (e.k_scale_written && e.v_scale_written && overlaps(e.k_scale, e.v_scale)) {
+  if (e.k_scale_written && e.v_scale_written && overlaps(d.k_scale, d.v_scale)) {
     return error("v_scale: overlaps k_scale; the append writes both (one scale per token each)");
   }
   for (const Named& w : written) {
@@ -319,16 +163,16 @@ Status check_aliasing(const Extents& e, bool appending) {
       }
     }
   }
-  for (const Named& cache : {Named{"k_cache", e.k_cache}, Named{"v_cache", e.v_cache},
-                             Named{"k_scale", e.k_scale}, Named{"v_scale", e.v_scale}}) {
-    for (const Named& output : {Named{"out", e.out}, Named{"lse", e.lse}}) {
+  for (const Named& cache : {Named{"k_cache", d.k_cache}, Named{"v_cache", d.v_cache},
+                             Named{"k_scale", d.k_scale}, Named{"v_scale", d.v_scale}}) {
+    for (const Named& output : {Named{"out", d.out}, Named{"lse", d.lse}}) {
       if (overlaps(output.extent, cache.extent)) {
         return error(std::string(output.name) + ": overlaps " + cache.name +
                      "; outputs must not alias the cache");
       }
     }
   }
-  if (overlaps(e.out, e.lse)) return error("lse: overlaps the output out");
+  if (overlaps(d.out, d.lse)) return error("lse: overlaps the output out");
   return Status::Ok();
 }
 
@@ -341,20 +185,28 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   *request = KvCacheRequest{};
   DecodeProblem* p = &request->decode;
   KvAppend* a = &request->append;
+  const DecodeLayout& layout = kFlashAttentionLayout;
   Shape s;
   Extents e;
   const bool paged = o.block_table.present();
   request->paged = paged;
-  FLASHCTE_RETURN_IF_ERROR(check_q_and_caches(q, k_cache, v_cache, paged, &s, p, &e));
+  FLASHCTE_RETURN_IF_ERROR(
+      read_q_and_caches(layout, q, as_input(k_cache), as_input(v_cache), paged, p, &e.shared));
+  s.batch = p->batch;
+  s.seqlen_q = p->tokens;
+  s.heads = p->q_heads;
+  s.d = p->head_dim;
+  s.kv_heads = p->kv_heads;
+  s.dv = p->value_dim;
+  s.paged = paged;
+  s.cache_rows = k_cache.shape[0];
+  s.row_slots = k_cache.shape[1];
   FLASHCTE_RETURN_IF_ERROR(check_new_kv(o, s, p->dtype, a, &e));
   FLASHCTE_RETURN_IF_ERROR(check_rotary(o, s, p->dtype, a, &e));
   bool k_per_token = false, v_per_token = false;
-  FLASHCTE_RETURN_IF_ERROR(check_cache_scale("k_scale", as_input(o.k_scale), "k_cache",
-                                             as_input(k_cache), 2, &p->k_scale, &k_per_token,
-                                             &e.k_scale));
-  FLASHCTE_RETURN_IF_ERROR(check_cache_scale("v_scale", as_input(o.v_scale), "v_cache",
-                                             as_input(v_cache), 2, &p->v_scale, &v_per_token,
-                                             &e.v_scale));
+  FLASHCTE_RETURN_IF_ERROR(read_cache_scales(layout, as_input(o.k_scale), as_input(o.v_scale),
+                                             as_input(k_cache), as_input(v_cache), p, &k_per_token,
+                                             &v_per_token, &e.shared));
   e.k_scale_written = k_per_token && a->tokens > 0;
   e.v_scale_written = v_per_token && a->tokens > 0;
   if (e.k_scale_written) FLASHCTE_RETURN_IF_ERROR(check_no_self_overlap("k_scale", o.k_scale));
@@ -431,20 +283,12 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   }
   const float scale =
       o.softmax_scale.value_or(static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.d))));
-  if (!std::isfinite(scale)) return error("softmax_scale: must be finite, got " + to_string(scale));
-  if (!(o.softcap >= 0.0f) || std::isinf(o.softcap)) {
-    return error("softcap: must be finite and >= 0 (0 disables it), got " + to_string(o.softcap));
-  }
-  if (o.num_threads < 0) {
-    return error("num_threads: must be >= 0 (0 = OpenMP default), got " + to_string(o.num_threads));
-  }
-  p->scale = scale;
-  p->softcap = o.softcap;
-  p->threads = o.num_threads;
+  FLASHCTE_RETURN_IF_ERROR(read_scalars("softmax_scale", scale, o.softcap, o.num_threads, p));
   if (o.alibi_slopes.present()) {
     FLASHCTE_RETURN_IF_ERROR(check_alibi(o.alibi_slopes, s, p, &e.alibi));
   }
-  if (o.sinks.present()) FLASHCTE_RETURN_IF_ERROR(check_sinks(o.sinks, s, p, &e.sinks));
+  if (o.sinks.present())
+    FLASHCTE_RETURN_IF_ERROR(read_sinks(layout, "sinks", o.sinks, p, &e.shared));
 
   // Each query row's slots: FlashAttention's bottom-right alignment, window and left padding.
   const int64_t left = o.window_left, right = o.causal ? 0 : o.window_right;
@@ -453,10 +297,10 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   if (o.cache_leftpad.present()) request->leftpad = leftpad;
   p->slots.resize(static_cast<size_t>(s.batch * s.seqlen_q));
   p->diagonal.resize(p->slots.size());
-  std::vector<Span> read(static_cast<size_t>(s.batch)), written(read.size());
+  std::vector<SlotRange> read(static_cast<size_t>(s.batch)), written(read.size());
   for (int64_t b = 0; b < s.batch; ++b) {
     const int64_t seqlen_k = seqlens[b] + a->tokens;
-    Span& r = read[b];
+    SlotRange& r = read[b];
     r = {seqlen_k, 0};
     for (int64_t i = 0; i < s.seqlen_q; ++i) {
       const int64_t diagonal = seqlen_k - s.seqlen_q + i;
@@ -471,19 +315,15 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   }
   if (paged || o.cache_batch_idx.present()) {
     if (!paged) s.pages_per_sequence = 1;
-    FLASHCTE_RETURN_IF_ERROR(check_pages(o, s, read, written, p));
+    FLASHCTE_RETURN_IF_ERROR(read_pages(
+        paged ? "block_table" : "cache_batch_idx", paged ? o.block_table : o.cache_batch_idx, paged,
+        s.cache_rows, s.row_slots, s.pages_per_sequence, read, written, p));
   }
 
   // After the pages: a per-token scale reads (and the append writes) the cache's pages.
-  // (batch_cache or page, slot, kv_heads), as the cache.
-  for (auto [per_token, t, source, cache] :
-       {std::tuple{k_per_token, &o.k_scale, &p->k_token_scale, &p->k},
-        std::tuple{v_per_token, &o.v_scale, &p->v_token_scale, &p->v}}) {
-    if (per_token) {
-      *source = token_scale_source(*cache, t->data, t->strides[0], t->strides[2], t->strides[1]);
-    }
-  }
-  FLASHCTE_RETURN_IF_ERROR(check_outputs(out, lse, s, p, &e));
+  attach_token_scales(layout, k_per_token, as_input(o.k_scale), v_per_token, as_input(o.v_scale),
+                      p);
+  FLASHCTE_RETURN_IF_ERROR(read_outputs(layout, out, lse, p, &e.shared));
   return check_aliasing(e, a->tokens > 0);
 }
 
