@@ -1,4 +1,4 @@
-// The public entry points: validate once, then hand the normalized problem to the schedule.
+// The public entry points: validate once into a Step (step.h), then run it.
 #include <algorithm>
 #include <exception>
 #include <new>
@@ -8,9 +8,9 @@
 #include "src/dispatch/batch.h"
 #include "src/dispatch/contiguous.h"
 #include "src/dispatch/guarded.h"
+#include "src/dispatch/step.h"
 #include "src/dispatch/validate.h"
 #include "src/kernel/attention.h"
-#include "src/schedule/region.h"
 #include "src/schedule/schedule.h"
 #include "src/simd/ops.h"
 
@@ -69,18 +69,16 @@ MutableTensorView MutableTensorView::contiguous(void* data, DType dtype,
 Status attention_cte(const TensorView& q, const TensorView& k, const TensorView& v,
                      const Outputs& outputs, const Options& options) {
   return internal::guarded("scratch or plan buffers", [&]() -> Status {
+    internal::Step step;
+    Status s = Status::Ok();
     if (q.rank == 4) {
-      std::vector<internal::Problem> problems;
-      Status s = internal::validate_batch(q, k, v, outputs, options, &problems);
-      if (!s.ok) return s;
-      const std::vector<internal::AttentionKernel> kernels(problems.begin(), problems.end());
-      internal::run_kernels(internal::addresses(kernels), {}, options.num_threads);
-      return Status::Ok();
+      s = internal::validate_batch(q, k, v, outputs, options, &step.prefills);
+    } else {
+      step.prefills.resize(1);
+      s = internal::validate(q, k, v, outputs, options, false, &step.prefills[0]);
     }
-    internal::Problem problem;
-    Status s = internal::validate(q, k, v, outputs, options, false, &problem);
     if (!s.ok) return s;
-    internal::run_all(internal::AttentionKernel(problem));
+    internal::run_step(step, options.num_threads);
     return Status::Ok();
   });
 }

@@ -9,17 +9,18 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "flashcte/kvcache.h"
 #include "src/core/convert.h"
 #include "src/core/kv8.h"
 #include "src/dispatch/kvcache.h"
+#include "src/dispatch/step.h"
 #include "src/kernel/decode.h"
-#include "src/schedule/decode_schedule.h"
-#include "src/schedule/region.h"
 
 namespace flashcte::internal {
 namespace {
@@ -119,23 +120,28 @@ void for_each_written_run(const DecodeProblem& p, const KvAppend& a, const F& f)
   });
 }
 
-// The bytes the append overwrites, in its order, to put back on failure.
-std::vector<unsigned char> save_slots(const DecodeProblem& p, const KvAppend& a) {
-  std::vector<unsigned char> saved;
-  for_each_written_run(p, a, [&](const unsigned char* e, int64_t bytes) {
-    saved.insert(saved.end(), e, e + bytes);
-  });
-  return saved;
-}
+// The bytes the append overwrites and where they were, to put back on failure (without the
+// request, which the router consumes).
+class SavedSlots {
+ public:
+  SavedSlots(const DecodeProblem& p, const KvAppend& a) {
+    for_each_written_run(p, a, [&](unsigned char* e, int64_t bytes) {
+      runs_.emplace_back(e, bytes);
+      bytes_.insert(bytes_.end(), e, e + bytes);
+    });
+  }
+  void restore() const {
+    size_t at = 0;
+    for (const auto& [e, bytes] : runs_) {
+      std::memcpy(e, &bytes_[at], static_cast<size_t>(bytes));
+      at += static_cast<size_t>(bytes);
+    }
+  }
 
-void restore_slots(const DecodeProblem& p, const KvAppend& a,
-                   const std::vector<unsigned char>& saved) {
-  size_t at = 0;
-  for_each_written_run(p, a, [&](unsigned char* e, int64_t bytes) {
-    std::memcpy(e, &saved[at], static_cast<size_t>(bytes));
-    at += static_cast<size_t>(bytes);
-  });
-}
+ private:
+  std::vector<std::pair<unsigned char*, int64_t>> runs_;
+  std::vector<unsigned char> bytes_;
+};
 
 // An int8 cache holds no NaN: the first new row that would put one there, as an error naming the
 // element, before anything is written.
@@ -287,8 +293,7 @@ Status flash_attn_with_kvcache(const TensorView& q, const MutableTensorView& k_c
                                const MutableTensorView& v_cache, const MutableTensorView& out,
                                const MutableTensorView& lse, const KvCacheOptions& options) {
   internal::KvCacheRequest request;
-  std::vector<unsigned char> saved;
-  bool appended = false;
+  std::optional<internal::SavedSlots> saved;
   try {
     Status s = internal::validate_kvcache(q, k_cache, v_cache, out, lse, options, &request);
     if (!s.ok) return s;
@@ -298,24 +303,15 @@ Status flash_attn_with_kvcache(const TensorView& q, const MutableTensorView& k_c
     if (append.rotary_dim > 0) q_turned = internal::rotated_q(append, &problem);
     s = internal::check_int8_rows(problem, append);
     if (!s.ok) return s;
-    saved = internal::save_slots(problem, append);
-    appended = true;
+    saved.emplace(problem, append);
     internal::append(problem, append);
-    if (problem.tokens <= internal::kDecodeMaxQueries) {
-      internal::run_decode(internal::DecodeKernel(problem));
-      return Status::Ok();
-    }
-    // Longer chunks: one attention_cte problem per sequence, all in one parallel region.
-    std::vector<internal::Problem> prefills;
-    prefills.reserve(static_cast<size_t>(problem.batch));
-    for (int64_t b = 0; b < problem.batch; ++b) {
-      prefills.push_back(internal::prefill_problem(request, b));
-    }
-    const std::vector<internal::AttentionKernel> kernels(prefills.begin(), prefills.end());
-    internal::run_kernels(internal::addresses(kernels), {}, problem.threads);
+    const int threads = problem.threads;
+    internal::Step step;
+    internal::route(std::move(request), &step);
+    internal::run_step(step, threads);
     return Status::Ok();
   } catch (const std::exception& e) {
-    if (appended) internal::restore_slots(request.decode, request.append, saved);
+    if (saved) saved->restore();
     if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) {
       return Status::Error(
           "memory: allocation of the call's scratch failed; the caches are as they were",

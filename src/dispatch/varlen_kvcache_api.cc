@@ -21,9 +21,6 @@
 #include "src/dispatch/kvcache.h"
 #include "src/dispatch/varlen.h"
 #include "src/dispatch/views.h"
-#include "src/kernel/attention.h"
-#include "src/kernel/decode.h"
-#include "src/schedule/region.h"
 
 namespace flashcte::internal {
 namespace {
@@ -190,7 +187,7 @@ MutableTensorView writable(const TensorView& v) {
 // Checks the whole call and fills the step.
 Status plan_step(const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
                  const MutableTensorView& out, const MutableTensorView& lse,
-                 const VarlenKvCacheOptions& options, VarlenStep* step) {
+                 const VarlenKvCacheOptions& options, Step* step) {
   Varlen c;
   FLASHCTE_RETURN_IF_ERROR(check_call(q, k_cache, v_cache, out, lse, options, &c));
   const bool paged = options.block_table.present();
@@ -247,19 +244,9 @@ Status plan_step(const TensorView& q, const TensorView& k_cache, const TensorVie
     Status s = validate_kvcache(rows_of(q, 0, first, rows), k_b, v_b, rows_of(out, 0, first, rows),
                                 lse_b, o, &request);
     if (!s.ok) return s.with_suffix(" (sequence " + std::to_string(b) + ")");
-    if (rows <= kDecodeMaxQueries) {
-      step->decodes.push_back(std::move(request.decode));
-    } else {
-      step->prefills.push_back(prefill_problem(request, 0));
-    }
+    route(std::move(request), step);
   }
   return Status::Ok();
-}
-
-void run_step(const VarlenStep& step, int threads, ThreadProfile* profile) {
-  const std::vector<AttentionKernel> prefill_kernels(step.prefills.begin(), step.prefills.end());
-  const std::vector<DecodeKernel> decode_kernels(step.decodes.begin(), step.decodes.end());
-  run_kernels(addresses(prefill_kernels), addresses(decode_kernels), threads, profile);
 }
 
 }  // namespace flashcte::internal
@@ -271,7 +258,7 @@ Status flash_attn_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
                                  const MutableTensorView& lse,
                                  const VarlenKvCacheOptions& options) {
   return internal::guarded("the call's scratch", [&]() -> Status {
-    internal::VarlenStep step;
+    internal::Step step;
     FLASHCTE_RETURN_IF_ERROR(internal::plan_step(q, k_cache, v_cache, out, lse, options, &step));
     internal::run_step(step, options.num_threads, options.profile);
     return Status::Ok();

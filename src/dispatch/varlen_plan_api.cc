@@ -72,7 +72,7 @@ void for_each_pointer(Problem& p, const F& f) {
 // keeps no address of the tensors it was made with.
 using PointerOffsets = std::vector<std::optional<std::ptrdiff_t>>;
 
-PointerOffsets offsets_of(VarlenStep& step, const std::array<const void*, kTensors>& base) {
+PointerOffsets offsets_of(Step& step, const std::array<const void*, kTensors>& base) {
   PointerOffsets offsets;
   const auto record = [&](auto* pointer, LayerTensor t) {
     if (pointer == nullptr) {
@@ -95,7 +95,7 @@ struct LayerScales {
 // The step on a layer's tensors: every pointer at its offset in the layer's tensor, the
 // per-KV-head scales the layer's.
 void place_in_layer(const PointerOffsets& offsets, const LayerTensors& layer,
-                    const LayerScales& scales, VarlenStep* step) {
+                    const LayerScales& scales, Step* step) {
   const std::array<const void*, kTensors> base = data_of(layer);
   size_t next = 0;
   const auto place = [&](auto*& pointer, LayerTensor t) {
@@ -154,7 +154,7 @@ Status expect_planned(const char* name, const View& planned, const View& given, 
 namespace flashcte {
 
 struct VarlenKvCachePlan::State {
-  internal::VarlenStep step;
+  internal::Step step;
   internal::PointerOffsets offsets;
   // The layouts of the tensors the plan was made with, which bind every run (their data
   // pointers are cleared: the plan reads nothing of them once made).
@@ -252,7 +252,7 @@ Status run_varlen_kvcache(const VarlenKvCachePlan& plan, const TensorView& q,
         FLASHCTE_RETURN_IF_ERROR(internal::read_scale_entries(name, *view, kv_heads, values));
       }
     }
-    internal::VarlenStep step = planned.step;
+    internal::Step step = planned.step;
     internal::place_in_layer(planned.offsets, now, scales, &step);
     internal::run_step(step, planned.threads, profile);
     return Status::Ok();

@@ -82,8 +82,4 @@ std::vector<DecodeItem> make_decode_items(const DecodeKernel& kernel, int64_t* p
   return items;
 }
 
-void run_decode(const DecodeKernel& kernel) {
-  run_kernels({}, {&kernel}, kernel.problem().threads);
-}
-
 }  // namespace flashcte::internal

@@ -26,11 +26,6 @@ struct DecodeItem {
 // the number of partial states they park.
 std::vector<DecodeItem> make_decode_items(const DecodeKernel& kernel, int64_t* partials);
 
-// Runs every item, then every merge (and writes the rows of the pairs without items), on the
-// resolved thread count (DecodeProblem::threads,
-// 0 = OpenMP's default, never more than there are items).
-void run_decode(const DecodeKernel& kernel);
-
 }  // namespace flashcte::internal
 
 #endif  // FLASHCTE_SRC_SCHEDULE_DECODE_SCHEDULE_H_

@@ -23,22 +23,25 @@ struct RegionItem {
   double ns = 0;     // estimated time
 };
 
-// The work of one prefill kernel: its items and their partial states.
+// One prefill kernel and its work: its items and their partial states.
 struct PrefillWork {
+  AttentionKernel kernel;
   std::vector<WorkItem> items;
   int64_t splits = 1;
   std::vector<float> partials;
 };
 
-// The work of one decode kernel: its chunks, their partial states and the pairs to merge.
+// One decode kernel and its work: its chunks, their partial states and the pairs to merge.
 struct DecodeWork {
+  DecodeKernel kernel;
   std::vector<DecodeItem> items;
   std::vector<float> partials;
   std::vector<DecodeItem> merges;
 };
 
-PrefillWork prefill_work(const AttentionKernel& kernel) {
-  PrefillWork w;
+PrefillWork prefill_work(const Problem& problem) {
+  PrefillWork w{AttentionKernel(problem), {}, 1, {}};
+  const AttentionKernel& kernel = w.kernel;
   w.items = make_work_items(kernel);
   w.splits = kv_splits(kernel);
   if (w.splits > 1) {
@@ -47,8 +50,9 @@ PrefillWork prefill_work(const AttentionKernel& kernel) {
   return w;
 }
 
-DecodeWork decode_work(const DecodeKernel& kernel) {
-  DecodeWork w;
+DecodeWork decode_work(const DecodeProblem& problem) {
+  DecodeWork w{DecodeKernel(problem), {}, {}, {}};
+  const DecodeKernel& kernel = w.kernel;
   int64_t partials = 0;
   w.items = make_decode_items(kernel, &partials);
   w.partials.resize(static_cast<size_t>(partials * kernel.partial_floats()));
@@ -85,31 +89,32 @@ double decode_ns(const DecodeKernel& kernel, const DecodeItem& it) {
 
 }  // namespace
 
-void run_kernels(const std::vector<const AttentionKernel*>& prefill,
-                 const std::vector<const DecodeKernel*>& decode, int threads,
-                 ThreadProfile* profile) {
+void run_kernels(const std::vector<Problem>& prefill, const std::vector<DecodeProblem>& decode,
+                 int threads, ThreadProfile* profile) {
   std::vector<PrefillWork> prefill_works;
   std::vector<DecodeWork> decode_works;
+  prefill_works.reserve(prefill.size());
+  decode_works.reserve(decode.size());
   std::vector<RegionItem> items;
   // The merges, in kernel order: (decode, kernel, index into its merge list or prefill item).
   std::vector<RegionItem> merges;
   for (size_t k = 0; k < prefill.size(); ++k) {
-    prefill_works.push_back(prefill_work(*prefill[k]));
+    prefill_works.push_back(prefill_work(prefill[k]));
     const PrefillWork& w = prefill_works.back();
     for (size_t i = 0; i < w.items.size(); ++i) {
-      items.push_back({false, k, i, prefill_ns(*prefill[k], w.items[i])});
+      items.push_back({false, k, i, prefill_ns(w.kernel, w.items[i])});
     }
     if (w.splits > 1) {
-      for (int64_t i = 0; i < prefill[k]->num_items(); ++i) {
+      for (int64_t i = 0; i < w.kernel.num_items(); ++i) {
         merges.push_back({false, k, static_cast<size_t>(i), 0});
       }
     }
   }
   for (size_t k = 0; k < decode.size(); ++k) {
-    decode_works.push_back(decode_work(*decode[k]));
+    decode_works.push_back(decode_work(decode[k]));
     const DecodeWork& w = decode_works.back();
     for (size_t i = 0; i < w.items.size(); ++i) {
-      items.push_back({true, k, i, decode_ns(*decode[k], w.items[i])});
+      items.push_back({true, k, i, decode_ns(w.kernel, w.items[i])});
     }
     for (size_t i = 0; i < w.merges.size(); ++i) merges.push_back({true, k, i, 0});
   }
@@ -121,16 +126,16 @@ void run_kernels(const std::vector<const AttentionKernel*>& prefill,
   const auto run_item = [&](int64_t i) {
     const RegionItem& r = items[static_cast<size_t>(i)];
     if (r.decode) {
-      const DecodeKernel& kernel = *decode[r.kernel];
       DecodeWork& w = decode_works[r.kernel];
+      const DecodeKernel& kernel = w.kernel;
       const DecodeItem& it = w.items[r.index];
       kernel.run(
           it.pair, it.heads, it.chunk,
           it.partial >= 0 ? w.partials.data() + it.partial * kernel.partial_floats() : nullptr);
       return;
     }
-    const AttentionKernel& kernel = *prefill[r.kernel];
     PrefillWork& w = prefill_works[r.kernel];
+    const AttentionKernel& kernel = w.kernel;
     const WorkItem& it = w.items[r.index];
     float* partial = nullptr;
     if (w.splits > 1) {
@@ -141,14 +146,14 @@ void run_kernels(const std::vector<const AttentionKernel*>& prefill,
   const auto merge = [&](int64_t i) {
     const RegionItem& r = merges[static_cast<size_t>(i)];
     if (r.decode) {
-      const DecodeKernel& kernel = *decode[r.kernel];
       const DecodeWork& w = decode_works[r.kernel];
+      const DecodeKernel& kernel = w.kernel;
       const DecodeItem& m = w.merges[r.index];
       kernel.merge(m.pair, w.partials.data() + m.partial * kernel.partial_floats());
       return;
     }
-    const AttentionKernel& kernel = *prefill[r.kernel];
     const PrefillWork& w = prefill_works[r.kernel];
+    const AttentionKernel& kernel = w.kernel;
     const auto item = static_cast<int64_t>(r.index);
     kernel.merge(item, w.partials.data() + item * w.splits * kernel.partial_floats(), w.splits);
   };

@@ -18,20 +18,10 @@
 
 namespace flashcte::internal {
 
-// The kernels' addresses, for run_kernels.
-template <class Kernel>
-std::vector<const Kernel*> addresses(const std::vector<Kernel>& kernels) {
-  std::vector<const Kernel*> pointers;
-  pointers.reserve(kernels.size());
-  for (const Kernel& kernel : kernels) pointers.push_back(&kernel);
-  return pointers;
-}
-
-// Runs every item and merge of the kernels on `threads` threads (0: OpenMP's default; never
-// more than there are items). `profile`, when given, receives each thread's busy time.
-void run_kernels(const std::vector<const AttentionKernel*>& prefill,
-                 const std::vector<const DecodeKernel*>& decode, int threads,
-                 ThreadProfile* profile = nullptr);
+// Runs every item and merge of the problems' kernels on `threads` threads (0: OpenMP's default;
+// never more than there are items). `profile`, when given, receives each thread's busy time.
+void run_kernels(const std::vector<Problem>& prefill, const std::vector<DecodeProblem>& decode,
+                 int threads, ThreadProfile* profile = nullptr);
 
 }  // namespace flashcte::internal
 

@@ -55,8 +55,4 @@ int resolve_threads(int requested, int64_t num_items) {
   return static_cast<int>(std::max<int64_t>(1, std::min(wanted, num_items)));
 }
 
-void run_all(const AttentionKernel& kernel) {
-  run_kernels({&kernel}, {}, kernel.problem().threads);
-}
-
 }  // namespace flashcte::internal

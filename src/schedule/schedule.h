@@ -36,9 +36,6 @@ std::vector<WorkItem> make_work_items(const AttentionKernel& kernel);
 // 0 = OpenMP's default).
 int resolve_threads(int requested, int64_t num_items);
 
-// Runs every work item on the resolved thread count.
-void run_all(const AttentionKernel& kernel);
-
 }  // namespace flashcte::internal
 
 #endif  // FLASHCTE_SRC_SCHEDULE_SCHEDULE_H_
