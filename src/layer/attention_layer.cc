@@ -136,18 +136,20 @@ Status AttentionLayer::Impl::check_call(const TensorView& x, const TensorView& p
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t at = p[b * positions.strides[0] + t * positions.strides[1]];
       (*pos)[static_cast<size_t>(b * tokens + t)] = at;
-      const std::string where = "positions: row " + std::to_string(b) + " token " +
-                                std::to_string(t) + " is " + std::to_string(at);
+      const auto where = [&] {  // only for a message: not a string per token of every call
+        return "positions: row " + std::to_string(b) + " token " + std::to_string(t) + " is " +
+               std::to_string(at);
+      };
       if (t == 0 && (at < 0 || at > cache.length(b))) {
-        return Status::Error(
-            where + "; a row must start in [0, cached length = " + std::to_string(cache.length(b)) +
-            "] (a later start would skip cache slots)");
+        return Status::Error(where() + "; a row must start in [0, cached length = " +
+                             std::to_string(cache.length(b)) +
+                             "] (a later start would skip cache slots)");
       }
       if (t > 0 && at != (*pos)[static_cast<size_t>(b * tokens + t - 1)] + 1) {
-        return Status::Error(where + "; positions within a row must go up by 1");
+        return Status::Error(where() + "; positions within a row must go up by 1");
       }
       if (at >= cache.capacity(b)) {
-        return Status::Error(where + ", past " +
+        return Status::Error(where() + ", past " +
                              (cache.paged()
                                   ? "sequence " + std::to_string(b) + "'s pages (" +
                                         std::to_string(cache.capacity(b)) + " slots)"
@@ -385,11 +387,11 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& positions,
                                const MutableTensorView& out, int num_threads) const {
   if (cache == nullptr) return Status::Error("cache: must not be null");
   const Impl& m = *impl_;
-  std::vector<int64_t> pos;
-  if (Status s = m.check_call(x, positions, *cache, out, &pos); !s.ok) return s;
-  const int64_t batch = x.shape[0], tokens = x.shape[1], rows = batch * tokens;
-  const DType t = m.config.dtype;
   try {
+    std::vector<int64_t> pos;
+    if (Status s = m.check_call(x, positions, *cache, out, &pos); !s.ok) return s;
+    const int64_t batch = x.shape[0], tokens = x.shape[1], rows = batch * tokens;
+    const DType t = m.config.dtype;
     // x rounded to the activation dtype (R1), as float32 rows for the GEMM.
     std::vector<float> xf(static_cast<size_t>(rows * m.hidden));
     for (int64_t b = 0; b < batch; ++b) {
@@ -419,6 +421,9 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& positions,
     std::vector<uint8_t> v_new(k_new.size());
     m.project_qkv(qkv, pos, batch, tokens, q_act.data(), k_new.data(), v_new.data());
     std::vector<uint8_t> attn(q_act.size());
+    // The O projection's buffers too: once attend() has written the cache, nothing may fail.
+    std::vector<float> attn_f(static_cast<size_t>(rows * row)),
+        y(static_cast<size_t>(rows * m.hidden));
     if (Status s = m.attend(q_act.data(), k_new.data(), v_new.data(), pos, batch, tokens, cache,
                             attn.data(), num_threads);
         !s.ok) {
@@ -430,8 +435,6 @@ Status AttentionLayer::forward(const TensorView& x, const TensorView& positions,
           std::max(cache->length(b), pos[static_cast<size_t>(b * tokens + tokens - 1)] + 1);
     }
     // O projection (R6: attn holds activation-dtype values), rounded, + bias, rounded (R7).
-    std::vector<float> attn_f(static_cast<size_t>(rows * row)),
-        y(static_cast<size_t>(rows * m.hidden));
     internal::load_row_as_float(attn.data(), 0, 1, t, attn_f.data(), rows * row);
     if (Status s = layer::gemm_nt(rows, m.hidden, row, attn_f.data(), row, m.w_o.data(), row,
                                   y.data(), m.hidden, num_threads);

@@ -4,17 +4,23 @@
 // for byte as it was: allocations after the append (the kernels' schedule) fail after the new
 // rows are in the caches, so this is the test of putting them back.
 //
+// The same for AttentionLayer::forward over its KvCache.
+//
 // Its own executable: it replaces the global operator new (counted, and failing on request).
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <new>
+#include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "flashcte/kvcache.h"
+#include "flashcte/layer.h"
 #include "tests/kvcache_cases.h"
 #include "tests/test_util.h"
 
@@ -31,8 +37,30 @@ void* operator new(std::size_t bytes) {
   if (void* p = std::malloc(bytes > 0 ? bytes : 1)) return p;
   throw std::bad_alloc();
 }
+// Every form that pairs with it comes from malloc too (a sanitizer's own operator new would
+// otherwise meet this free: std::stable_sort takes its buffer with the nothrow form).
+void* operator new[](std::size_t bytes) { return operator new(bytes); }
+void* operator new(std::size_t bytes, const std::nothrow_t& /*tag*/) noexcept {
+  try {
+    return operator new(bytes);
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t bytes, const std::nothrow_t& tag) noexcept {
+  return operator new(bytes, tag);
+}
+// GCC, inlining these into std::allocator, takes the free to meet the built-in operator new
+// (-Wmismatched-new-delete); both ends here are malloc's.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t /*bytes*/) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t /*bytes*/) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t& /*tag*/) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t& /*tag*/) noexcept { std::free(p); }
+#pragma GCC diagnostic pop
 
 namespace flashcte::test {
 namespace {
@@ -120,6 +148,108 @@ TEST(AllocFailure, ChunkAppendLeavesTheCachesAsTheyWere) {
   // 40 new tokens per sequence (the prefill kernel over the pages), paged and dense.
   EXPECT_TRUE(sweep(appending("chunk_paged", 40, 16)));
   EXPECT_TRUE(sweep(appending("chunk_dense", 40, 0)));
+}
+
+// AttentionLayer::forward over its own KvCache: a layer of 4 query heads over 2 KV heads
+// (d 8, hidden 32) whose cache holds 6 tokens, then a call of `tokens` tokens from `start`
+// (below 6: it rewrites cached slots). Sweeps its allocations as sweep() does; the cache's
+// storage and lengths must be as they were after each failed call.
+::testing::AssertionResult sweep_layer(int64_t start, int64_t tokens) {
+  LayerConfig config;
+  config.hidden_size = 32, config.num_heads = 4, config.num_kv_heads = 2, config.head_dim = 8;
+  config.sinks = true;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-0.5f, 0.5f);
+  const auto random = [&](size_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = u(rng);
+    return v;
+  };
+  LayerWeights w;
+  w.q_proj = random(32 * 32), w.k_proj = random(16 * 32), w.v_proj = random(16 * 32);
+  w.o_proj = random(32 * 32), w.sinks = random(4);
+  std::unique_ptr<AttentionLayer> layer;
+  if (const Status s = AttentionLayer::create(config, w, &layer); !s.ok) {
+    return ::testing::AssertionFailure() << s.message;
+  }
+  const std::vector<float> prompt = random(6 * 32), x = random(static_cast<size_t>(tokens * 32));
+  std::vector<int64_t> prompt_positions(6), positions(static_cast<size_t>(tokens));
+  for (int64_t i = 0; i < 6; ++i) prompt_positions[i] = i;
+  for (int64_t i = 0; i < tokens; ++i) positions[i] = start + i;
+  std::vector<float> out(static_cast<size_t>(std::max<int64_t>(6, tokens) * 32));
+  // The views are made before a sweep counts (their shapes are vectors).
+  const auto views = [&](const std::vector<float>& in, const std::vector<int64_t>& pos) {
+    const auto t = static_cast<int64_t>(pos.size());
+    return std::tuple{TensorView::contiguous(in.data(), DType::kFloat32, {1, t, 32}),
+                      TensorView::contiguous(pos.data(), DType::kInt64, {1, t}),
+                      MutableTensorView::contiguous(out.data(), DType::kFloat32, {1, t, 32})};
+  };
+  const auto [prompt_x, prompt_pos, prompt_out] = views(prompt, prompt_positions);
+  const auto [call_x, call_pos, call_out] = views(x, positions);
+  const size_t bytes = 2 * 64 * 8 * sizeof(float);  // (batch 1, kv_heads 2, max_len 64, d 8)
+  // The call with allocation `fail_at` failing (-1: none) on a fresh cache that holds the
+  // prompt; the cache's storage and lengths before and after it, and out.
+  struct Attempt {
+    Status status;
+    bool reached = false;
+    std::vector<unsigned char> before, after;
+    std::vector<int64_t> lengths_before, lengths_after;
+    std::vector<float> out;
+  };
+  const auto attempt = [&](int64_t fail_at) {
+    Attempt a;
+    KvCache cache;
+    a.status = layer->new_cache(1, 64, &cache);
+    if (a.status.ok) a.status = layer->forward(prompt_x, prompt_pos, &cache, prompt_out);
+    if (!a.status.ok) return a;
+    const auto storage = [&] {
+      const auto* k_data = static_cast<const unsigned char*>(cache.k_data());
+      const auto* v_data = static_cast<const unsigned char*>(cache.v_data());
+      std::vector<unsigned char> both(k_data, k_data + bytes);
+      both.insert(both.end(), v_data, v_data + bytes);
+      return both;
+    };
+    a.before = storage();
+    a.lengths_before = cache.lengths();
+    g_allocations = 0;
+    g_fail_at = fail_at;
+    a.status = layer->forward(call_x, call_pos, &cache, call_out);
+    g_fail_at = -1;
+    a.reached = g_allocations > fail_at;
+    a.after = storage();
+    a.lengths_after = cache.lengths();
+    a.out = out;
+    return a;
+  };
+  const Attempt want = attempt(-1);
+  if (!want.status.ok) return ::testing::AssertionFailure() << want.status.message;
+  for (int64_t k = 0;; ++k) {
+    const Attempt got = attempt(k);
+    if (!got.reached) {
+      if (k == 0) return ::testing::AssertionFailure() << "no allocation to fail";
+      return ::testing::AssertionSuccess() << k << " allocations";
+    }
+    // A call that succeeds anyway (std::stable_sort's buffer) must be the call without failures.
+    const bool right = got.status.ok
+                           ? got.after == want.after && got.lengths_after == want.lengths_after &&
+                                 got.out == want.out
+                           : got.status.kind == ErrorKind::kMemory && got.after == got.before &&
+                                 got.lengths_after == got.lengths_before;
+    if (!right) {
+      return ::testing::AssertionFailure()
+             << "from " << start << ", " << tokens << " tokens, allocation " << k << " failed: "
+             << (got.status.ok
+                     ? "succeeded with other results"
+                     : "\"" + got.status.message + "\", " +
+                           (got.after == got.before ? "the cache as it was" : "the cache changed"));
+    }
+  }
+}
+
+TEST(AllocFailure, LayerCallsLeaveTheirCacheAsItWas) {
+  EXPECT_TRUE(sweep_layer(6, 1));   // a decode step
+  EXPECT_TRUE(sweep_layer(3, 2));   // rewrites slots 3 and 4 (a rejected draft)
+  EXPECT_TRUE(sweep_layer(2, 20));  // a chunk over slots 2..21 (the prefill kernel)
 }
 
 }  // namespace
