@@ -9,6 +9,7 @@
 // Its own executable: it replaces the global operator new (counted, and failing on request).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -19,6 +20,8 @@
 #include <tuple>
 #include <vector>
 
+#include "flashcte/decode.h"
+#include "flashcte/flashcte.h"
 #include "flashcte/kvcache.h"
 #include "flashcte/layer.h"
 #include "tests/kvcache_cases.h"
@@ -250,6 +253,67 @@ TEST(AllocFailure, LayerCallsLeaveTheirCacheAsItWas) {
   EXPECT_TRUE(sweep_layer(6, 1));   // a decode step
   EXPECT_TRUE(sweep_layer(3, 2));   // rewrites slots 3 and 4 (a rejected draft)
   EXPECT_TRUE(sweep_layer(2, 20));  // a chunk over slots 2..21 (the prefill kernel)
+}
+
+// A call that writes only its output (`call` returns its Status; its views are made before):
+// each failed allocation must be a kMemory error with `out` as it was; a call that succeeds
+// anyway must write what the call without failures writes.
+template <class Call>
+::testing::AssertionResult sweep_output(const char* name, std::vector<float>* out,
+                                        const Call& call) {
+  const auto attempt = [&](int64_t fail_at, Status* status) {
+    std::fill(out->begin(), out->end(), -7.0f);
+    g_allocations = 0;
+    g_fail_at = fail_at;
+    *status = call();
+    g_fail_at = -1;
+    return g_allocations > fail_at;
+  };
+  Status s;
+  attempt(-1, &s);
+  if (!s.ok) return ::testing::AssertionFailure() << name << ": " << s.message;
+  const std::vector<float> want = *out;
+  for (int64_t k = 0;; ++k) {
+    if (!attempt(k, &s)) {
+      if (k == 0) return ::testing::AssertionFailure() << name << ": no allocation to fail";
+      return ::testing::AssertionSuccess() << name << ": " << k << " allocations";
+    }
+    const bool untouched =
+        std::all_of(out->begin(), out->end(), [](float x) { return x == -7.0f; });
+    if (s.ok ? *out != want : s.kind != ErrorKind::kMemory || !untouched) {
+      return ::testing::AssertionFailure()
+             << name << ", allocation " << k << " failed: "
+             << (s.ok ? "succeeded with other results"
+                      : "\"" + s.message + "\"" + (untouched ? "" : ", out written"));
+    }
+  }
+}
+
+TEST(AllocFailure, AttentionCteAndDecodeAttentionWriteNothingWhenOutOfMemory) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> q(2 * 4 * 40 * 16), kv(2 * 2 * 64 * 16), out(q.size());
+  for (float& x : q) x = u(rng);
+  for (float& x : kv) x = u(rng);
+  // attention_cte rank 4: a batch of 2, 4 heads over 2 of 40 tokens, d 16.
+  const TensorView q4 = TensorView::contiguous(q.data(), DType::kFloat32, {2, 4, 40, 16});
+  const TensorView k4 = TensorView::contiguous(kv.data(), DType::kFloat32, {2, 2, 40, 16});
+  Outputs outputs;
+  outputs.out = MutableTensorView::contiguous(out.data(), DType::kFloat32, {2, 4, 40, 16});
+  Options options;
+  options.tp_k = true;
+  EXPECT_TRUE(sweep_output("attention_cte", &out,
+                           [&] { return attention_cte(q4, k4, k4, outputs, options); }));
+  // decode_attention: 2 new tokens of 2 sequences over a 64-slot cache.
+  const TensorView qd = TensorView::contiguous(q.data(), DType::kFloat32, {2, 4, 2, 16});
+  const TensorView cache = TensorView::contiguous(kv.data(), DType::kFloat32, {2, 2, 64, 16});
+  const std::vector<int64_t> positions = {40, 41, 62, 63};
+  const TensorView pos = TensorView::contiguous(positions.data(), DType::kInt64, {2, 2});
+  DecodeOutputs decode_out;
+  decode_out.out = MutableTensorView::contiguous(out.data(), DType::kFloat32, {2, 4, 2, 16});
+  EXPECT_TRUE(sweep_output("decode_attention", &out, [&] {
+    return decode_attention(qd, cache, cache, pos, decode_out, DecodeOptions{});
+  }));
 }
 
 }  // namespace
