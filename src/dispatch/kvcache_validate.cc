@@ -22,10 +22,8 @@ using std::to_string;
 
 Status error(const std::string& message) { return Status::Error(message); }
 
-// The sizes the call is made of.
+// The caches' geometry (the call's sizes are the DecodeProblem's).
 struct Shape {
-  int64_t batch = 0, seqlen_q = 0, heads = 0, d = 0;
-  int64_t kv_heads = 0, dv = 0;
   bool paged = false;
   int64_t cache_rows = 0;  // dense: batch_cache; paged: num_blocks
   int64_t row_slots = 0;   // dense: seqlen_cache; paged: page_block_size
@@ -40,7 +38,7 @@ struct Extents {
 };
 
 // k and v, both or neither, (batch, seqlen_new, kv_heads, d / dv) in q's dtype.
-Status check_new_kv(const KvCacheOptions& o, const Shape& s, DType dtype, KvAppend* a, Extents* e) {
+Status check_new_kv(const KvCacheOptions& o, const DecodeProblem& p, KvAppend* a, Extents* e) {
   if (o.k.present() != o.v.present()) {
     return error(std::string(o.k.present() ? "v" : "k") +
                  ": k and v are appended together; give both or neither");
@@ -48,12 +46,12 @@ Status check_new_kv(const KvCacheOptions& o, const Shape& s, DType dtype, KvAppe
   if (!o.k.present()) return Status::Ok();
   FLASHCTE_RETURN_IF_ERROR(check_tensor("k", o.k, 4, "(batch, seqlen_new, kv_heads, d)", &e->k));
   FLASHCTE_RETURN_IF_ERROR(check_tensor("v", o.v, 4, "(batch, seqlen_new, kv_heads, dv)", &e->v));
-  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("k", o.k.dtype, dtype, "q"));
-  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("v", o.v.dtype, dtype, "q"));
-  for (auto [name, t, width, what] : {std::tuple{"k", &o.k, s.d, "q's head dim d"},
-                                      std::tuple{"v", &o.v, s.dv, "v_cache's dv"}}) {
-    FLASHCTE_RETURN_IF_ERROR(expect_axis(name, *t, 0, s.batch, "q's batch"));
-    FLASHCTE_RETURN_IF_ERROR(expect_axis(name, *t, 2, s.kv_heads, "k_cache's kv_heads"));
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("k", o.k.dtype, p.dtype, "q"));
+  FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("v", o.v.dtype, p.dtype, "q"));
+  for (auto [name, t, width, what] : {std::tuple{"k", &o.k, p.head_dim, "q's head dim d"},
+                                      std::tuple{"v", &o.v, p.value_dim, "v_cache's dv"}}) {
+    FLASHCTE_RETURN_IF_ERROR(expect_axis(name, *t, 0, p.batch, "q's batch"));
+    FLASHCTE_RETURN_IF_ERROR(expect_axis(name, *t, 2, p.kv_heads, "k_cache's kv_heads"));
     FLASHCTE_RETURN_IF_ERROR(expect_axis(name, *t, 3, width, what));
   }
   FLASHCTE_RETURN_IF_ERROR(expect_axis("v", o.v, 1, o.k.shape[1], "k's seqlen_new"));
@@ -64,7 +62,7 @@ Status check_new_kv(const KvCacheOptions& o, const Shape& s, DType dtype, KvAppe
 }
 
 // rotary_cos / rotary_sin: both or neither, only with k and v, (seqlen_ro, rotary_dim / 2).
-Status check_rotary(const KvCacheOptions& o, const Shape& s, DType dtype, KvAppend* a, Extents* e) {
+Status check_rotary(const KvCacheOptions& o, const DecodeProblem& p, KvAppend* a, Extents* e) {
   if (o.rotary_cos.present() != o.rotary_sin.present()) {
     return error(std::string(o.rotary_cos.present() ? "rotary_sin" : "rotary_cos") +
                  ": rotary_cos and rotary_sin come together; give both or neither");
@@ -79,8 +77,8 @@ Status check_rotary(const KvCacheOptions& o, const Shape& s, DType dtype, KvAppe
       check_tensor("rotary_cos", cos, 2, "(seqlen_ro, rotary_dim / 2)", &e->cos));
   FLASHCTE_RETURN_IF_ERROR(
       check_tensor("rotary_sin", sin, 2, "(seqlen_ro, rotary_dim / 2)", &e->sin));
-  if (cos.dtype != dtype && cos.dtype != DType::kFloat32) {
-    return Status::DtypeError(std::string("rotary_cos: dtype must be q's (") + dtype_name(dtype) +
+  if (cos.dtype != p.dtype && cos.dtype != DType::kFloat32) {
+    return Status::DtypeError(std::string("rotary_cos: dtype must be q's (") + dtype_name(p.dtype) +
                               ") or float32, got " + dtype_name(cos.dtype));
   }
   FLASHCTE_RETURN_IF_ERROR(expect_same_dtype("rotary_sin", sin.dtype, cos.dtype, "rotary_cos"));
@@ -88,9 +86,9 @@ Status check_rotary(const KvCacheOptions& o, const Shape& s, DType dtype, KvAppe
   FLASHCTE_RETURN_IF_ERROR(
       expect_axis("rotary_sin", sin, 1, cos.shape[1], "rotary_cos's rotary_dim / 2"));
   const int64_t rotary_dim = 2 * cos.shape[1];
-  if (rotary_dim < 2 || rotary_dim > s.d) {
+  if (rotary_dim < 2 || rotary_dim > p.head_dim) {
     return error("rotary_cos: rotary_dim = 2 x " + to_string(cos.shape[1]) +
-                 " must be in [2, d = " + to_string(s.d) + "]");
+                 " must be in [2, d = " + to_string(p.head_dim) + "]");
   }
   a->rotary_dim = rotary_dim;
   a->cos = cos;
@@ -101,15 +99,15 @@ Status check_rotary(const KvCacheOptions& o, const Shape& s, DType dtype, KvAppe
 }
 
 // alibi_slopes (heads,) or (batch, heads) float32, finite.
-Status check_alibi(const TensorView& t, const Shape& s, DecodeProblem* p, Extent* extent) {
+Status check_alibi(const TensorView& t, DecodeProblem* p, Extent* extent) {
   FLASHCTE_RETURN_IF_ERROR(check_view("alibi_slopes", t, false, extent));
   FLASHCTE_RETURN_IF_ERROR(expect_float32("alibi_slopes", t.dtype));
   const bool per_batch = t.rank == 2;
-  if (!((t.rank == 1 && t.shape[0] == s.heads) ||
-        (per_batch && t.shape[0] == s.batch && t.shape[1] == s.heads))) {
+  if (!((t.rank == 1 && t.shape[0] == p->q_heads) ||
+        (per_batch && t.shape[0] == p->batch && t.shape[1] == p->q_heads))) {
     return error("alibi_slopes: shape " + shape_str(t.shape.data(), t.rank) +
-                 " must be (heads,) = (" + to_string(s.heads) + ",) or (batch, heads) = (" +
-                 to_string(s.batch) + ", " + to_string(s.heads) + ")");
+                 " must be (heads,) = (" + to_string(p->q_heads) + ",) or (batch, heads) = (" +
+                 to_string(p->batch) + ", " + to_string(p->q_heads) + ")");
   }
   p->alibi = static_cast<const float*>(t.data);
   p->alibi_strides = {per_batch ? t.strides[0] : 0, per_batch ? t.strides[1] : t.strides[0]};
@@ -192,17 +190,11 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   request->paged = paged;
   FLASHCTE_RETURN_IF_ERROR(
       read_q_and_caches(layout, q, as_input(k_cache), as_input(v_cache), paged, p, &e.shared));
-  s.batch = p->batch;
-  s.seqlen_q = p->tokens;
-  s.heads = p->q_heads;
-  s.d = p->head_dim;
-  s.kv_heads = p->kv_heads;
-  s.dv = p->value_dim;
   s.paged = paged;
   s.cache_rows = k_cache.shape[0];
   s.row_slots = k_cache.shape[1];
-  FLASHCTE_RETURN_IF_ERROR(check_new_kv(o, s, p->dtype, a, &e));
-  FLASHCTE_RETURN_IF_ERROR(check_rotary(o, s, p->dtype, a, &e));
+  FLASHCTE_RETURN_IF_ERROR(check_new_kv(o, *p, a, &e));
+  FLASHCTE_RETURN_IF_ERROR(check_rotary(o, *p, a, &e));
   bool k_per_token = false, v_per_token = false;
   FLASHCTE_RETURN_IF_ERROR(read_cache_scales(layout, as_input(o.k_scale), as_input(o.v_scale),
                                              as_input(k_cache), as_input(v_cache), p, &k_per_token,
@@ -221,26 +213,26 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
     }
     const TensorView& t = o.block_table;
     FLASHCTE_RETURN_IF_ERROR(
-        check_block_table(t, s.batch, "q's batch", s.row_slots, &s.capacity, &e.table));
+        check_block_table(t, p->batch, "q's batch", s.row_slots, &s.capacity, &e.table));
     s.pages_per_sequence = t.shape[1];
   } else {
     s.capacity = s.row_slots;
     if (o.cache_batch_idx.present()) {
       std::vector<int64_t> ignored;
       FLASHCTE_RETURN_IF_ERROR(read_int32_vector("cache_batch_idx", o.cache_batch_idx, "(batch,)",
-                                                 s.batch, "q's batch", &ignored, &e.batch_idx));
-    } else if (s.cache_rows != s.batch) {
+                                                 p->batch, "q's batch", &ignored, &e.batch_idx));
+    } else if (s.cache_rows != p->batch) {
       return error("k_cache: batch_cache = " + to_string(s.cache_rows) +
-                   " must be q's batch = " + to_string(s.batch) + " without cache_batch_idx");
+                   " must be q's batch = " + to_string(p->batch) + " without cache_batch_idx");
     }
   }
   p->max_len = s.capacity;
 
   // The lengths: cached tokens, left padding, the new tokens' slots.
-  std::vector<int64_t> seqlens(static_cast<size_t>(s.batch), s.capacity), leftpad(seqlens.size());
+  std::vector<int64_t> seqlens(static_cast<size_t>(p->batch), s.capacity), leftpad(seqlens.size());
   if (o.cache_seqlens.present()) {
     FLASHCTE_RETURN_IF_ERROR(read_int32_vector("cache_seqlens", o.cache_seqlens, "(batch,)",
-                                               s.batch, "q's batch", &seqlens, &e.seqlens));
+                                               p->batch, "q's batch", &seqlens, &e.seqlens));
   } else if (a->tokens > 0) {
     return error(
         "cache_seqlens: is required to append k and v (where each sequence's new tokens "
@@ -248,9 +240,9 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   }
   if (o.cache_leftpad.present()) {
     FLASHCTE_RETURN_IF_ERROR(read_int32_vector("cache_leftpad", o.cache_leftpad, "(batch,)",
-                                               s.batch, "q's batch", &leftpad, &e.leftpad));
+                                               p->batch, "q's batch", &leftpad, &e.leftpad));
   }
-  for (int64_t b = 0; b < s.batch; ++b) {
+  for (int64_t b = 0; b < p->batch; ++b) {
     if (seqlens[b] < 0 || seqlens[b] + a->tokens > s.capacity) {
       return error("cache_seqlens: [" + to_string(b) + "] = " + to_string(seqlens[b]) +
                    (a->tokens > 0 ? " plus seqlen_new = " + to_string(a->tokens) : "") +
@@ -267,8 +259,8 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   a->start = seqlens;
   if (a->rotary_dim > 0) {
     const int64_t rows = a->cos.shape[0];
-    for (int64_t b = 0; b < s.batch; ++b) {
-      const int64_t last = seqlens[b] + std::max(a->tokens, a->q_per_token ? s.seqlen_q : 1) - 1;
+    for (int64_t b = 0; b < p->batch; ++b) {
+      const int64_t last = seqlens[b] + std::max(a->tokens, a->q_per_token ? p->tokens : 1) - 1;
       if (last >= rows) {
         return error("rotary_cos: has " + to_string(rows) + " positions; sequence " + to_string(b) +
                      " needs position " + to_string(last));
@@ -281,11 +273,11 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
     return error("window_size: entries must be >= -1 (-1: unbounded), got (" +
                  to_string(o.window_left) + ", " + to_string(o.window_right) + ")");
   }
-  const float scale =
-      o.softmax_scale.value_or(static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.d))));
+  const float scale = o.softmax_scale.value_or(
+      static_cast<float>(1.0 / std::sqrt(static_cast<double>(p->head_dim))));
   FLASHCTE_RETURN_IF_ERROR(read_scalars("softmax_scale", scale, o.softcap, o.num_threads, p));
   if (o.alibi_slopes.present()) {
-    FLASHCTE_RETURN_IF_ERROR(check_alibi(o.alibi_slopes, s, p, &e.alibi));
+    FLASHCTE_RETURN_IF_ERROR(check_alibi(o.alibi_slopes, p, &e.alibi));
   }
   if (o.sinks.present())
     FLASHCTE_RETURN_IF_ERROR(read_sinks(layout, "sinks", o.sinks, p, &e.shared));
@@ -295,23 +287,23 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
   request->window_left = left;
   request->window_right = right;
   if (o.cache_leftpad.present()) request->leftpad = leftpad;
-  p->slots.resize(static_cast<size_t>(s.batch * s.seqlen_q));
+  p->slots.resize(static_cast<size_t>(p->batch * p->tokens));
   p->diagonal.resize(p->slots.size());
-  std::vector<SlotRange> read(static_cast<size_t>(s.batch)), written(read.size());
-  for (int64_t b = 0; b < s.batch; ++b) {
+  std::vector<SlotRange> read(static_cast<size_t>(p->batch)), written(read.size());
+  for (int64_t b = 0; b < p->batch; ++b) {
     const int64_t seqlen_k = seqlens[b] + a->tokens;
     SlotRange& r = read[b];
     r = {seqlen_k, 0};
-    for (int64_t i = 0; i < s.seqlen_q; ++i) {
-      const int64_t diagonal = seqlen_k - s.seqlen_q + i;
+    for (int64_t i = 0; i < p->tokens; ++i) {
+      const int64_t diagonal = seqlen_k - p->tokens + i;
       const int64_t hi = right < 0 ? seqlen_k : std::min(seqlen_k, diagonal + right + 1);
       const int64_t lo = left < 0 ? leftpad[b] : std::max(leftpad[b], diagonal - left);
-      p->slots[b * s.seqlen_q + i] = lo < hi ? SlotRange{lo, hi} : SlotRange{0, 0};
-      p->diagonal[b * s.seqlen_q + i] = diagonal;
+      p->slots[b * p->tokens + i] = lo < hi ? SlotRange{lo, hi} : SlotRange{0, 0};
+      p->diagonal[b * p->tokens + i] = diagonal;
       if (lo < hi) r = {std::min(r.lo, lo), std::max(r.hi, hi)};
     }
     written[b] = {seqlens[b], seqlen_k};
-    if (s.seqlen_q > kDecodeMaxQueries && seqlen_k > 0) r = {0, seqlen_k};  // whole tiles
+    if (p->tokens > kDecodeMaxQueries && seqlen_k > 0) r = {0, seqlen_k};  // whole tiles
   }
   if (paged || o.cache_batch_idx.present()) {
     if (!paged) s.pages_per_sequence = 1;
