@@ -205,6 +205,41 @@ double AttentionKernel::cost(int64_t item, int64_t kv_begin, int64_t kv_end) con
   return pairs * static_cast<double>(problem_.group);
 }
 
+const simd::NativeOps* AttentionKernel::native_ops() const {
+  // bfloat16 inputs run on the native kernels where the policy says so (simd/native_ops.h).
+  return problem_.dtype == DType::kBFloat16 ? simd::native_ops_for(ops_) : nullptr;
+}
+
+void AttentionKernel::reserve_scratch() const {
+  const Problem& problem = problem_;
+  if (num_items() == 0) return;
+  // Query block 0 has the most rows; the KV batch with the longest section needs the widest
+  // blocks, and the most sections and tiles bound every plan.
+  int64_t widest = 0, sections = 0, tiles = 0;
+  for (int64_t kv_b = 0; kv_b < problem.kv_batch; ++kv_b) {
+    const int64_t section = section_length(problem, tiles_, kv_b);
+    const int64_t n = ceil_div(problem.kv_total(kv_b), section);
+    if (section > section_length(problem, tiles_, widest)) widest = kv_b;
+    sections = std::max(sections, n);
+    tiles = std::max(tiles, n * ceil_div(section, tiles_.kv_tile));
+  }
+  Scratch& scratch = thread_scratch();
+  const ItemShape item = item_shape(problem, tiles_, widest, 0);
+  const bool native = native_ops() != nullptr;
+  ensure_scratch(problem, item, native, scratch);
+  ensure(scratch.intervals, item.rows);
+  ensure(scratch.sub_plans, item.sub_blocks);
+  ensure(scratch.sub_cursor, item.sub_blocks);
+  scratch.plan.tiles.reserve(tiles);
+  scratch.plan.sections.reserve(sections);
+  for (BlockPlan& plan : scratch.sub_plans) {
+    plan.tiles.reserve(tiles);
+    plan.sections.reserve(sections);
+  }
+  reserve_pack_buffers(problem, item.rows, tiles_.kv_tile, item.section, native, scratch);
+  ensure(scratch.merged, problem.value_dim);
+}
+
 void AttentionKernel::run(int64_t item_index, int64_t kv_begin, int64_t kv_end,
                           float* partial) const {
   const Problem& problem = problem_;
@@ -212,9 +247,7 @@ void AttentionKernel::run(int64_t item_index, int64_t kv_begin, int64_t kv_end,
   const int64_t blocks = num_q_blocks(problem, tiles_);
   const ItemShape item = item_shape(problem, tiles_, item_index / blocks, item_index % blocks);
   plan_item(problem, tiles_, item, kv_begin, kv_end, scratch);
-  // bfloat16 inputs run on the native kernels where the policy says so (simd/native_ops.h).
-  const simd::NativeOps* dot =
-      problem.dtype == DType::kBFloat16 ? simd::native_ops_for(ops_) : nullptr;
+  const simd::NativeOps* dot = native_ops();
   ensure_scratch(problem, item, dot != nullptr, scratch);
 
   // Q resident: every head's rows packed once; each head's state seeded with its sink (splits
@@ -254,7 +287,8 @@ void AttentionKernel::merge(int64_t item, const float* partials, int64_t splits)
   const int64_t blocks = num_q_blocks(problem, tiles_), kv_b = item / blocks;
   const QueryBlock block = query_block(problem, tiles_, item % blocks);
   const int64_t saved_floats = SoftmaxState::saved_row_floats(problem.value_dim);
-  std::vector<float> o(static_cast<size_t>(problem.value_dim));
+  std::vector<float>& o = thread_scratch().merged;
+  ensure(o, static_cast<size_t>(problem.value_dim));
   float neg_max = 0, sum = 0, alpha = 0;
   SoftmaxState state(&neg_max, &sum, &alpha, o.data(), problem.value_dim, 1, problem.value_dim);
   for (int64_t h = 0; h < problem.group; ++h) {

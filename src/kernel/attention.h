@@ -9,6 +9,7 @@
 
 #include "flashcte/flashcte.h"
 #include "src/core/problem.h"
+#include "src/simd/native_ops.h"
 #include "src/simd/ops.h"
 
 namespace flashcte::internal {
@@ -37,6 +38,9 @@ class AttentionKernel {
   // Uses this thread's reusable scratch.
   void run(int64_t item, int64_t kv_begin, int64_t kv_end, float* partial) const;
   int64_t partial_floats() const;
+  // Sizes this thread's scratch for every item and merge of the kernel, so that run() and merge()
+  // allocate nothing: called by each thread of a call before any of them writes a row.
+  void reserve_scratch() const;
   // Merges the `splits` partial states of `item`, stored consecutively, in a fixed order (so the
   // result does not depend on which thread ran which split) and writes the rows.
   void merge(int64_t item, const float* partials, int64_t splits) const;
@@ -49,6 +53,9 @@ class AttentionKernel {
   // shorter (a decode-shaped call: the state of 1 row, not of a 192..768-row block, in memory the
   // call touches; B = 8 one-query problems as one rank-4 call faulted in ~36 MB of them).
   int64_t partial_rows() const;
+  // The native bfloat16 kernels the items run on (bfloat16 inputs, where the policy says so), or
+  // null.
+  const simd::NativeOps* native_ops() const;
 
   const Problem& problem_;
   TileConfig tiles_;  // resolved: every field set

@@ -84,6 +84,7 @@ struct DecodeScratch {
   std::vector<unsigned char> gather_k, gather_v;  // a block of K / V rows when not unit stride
   std::vector<const void*> gather_k_rows, gather_v_rows;
   std::vector<float> token_scale;  // a block's per-token scales
+  std::vector<float> merged;       // one output row, merged from a pair's chunks
 };
 
 // This thread's scratch for `heads` pairs computed together (one per pair).
@@ -360,6 +361,33 @@ int64_t DecodeKernel::partial_floats() const {
   return problem_.rows() * SoftmaxState::saved_row_floats(problem_.value_dim);
 }
 
+void DecodeKernel::reserve_scratch(int64_t heads) const {
+  const DecodeProblem& p = problem_;
+  if (num_pairs() == 0) return;
+  heads = std::max<int64_t>(heads, 1);  // a merge uses the first head's scratch
+  std::vector<DecodeScratch>& scratch = decode_scratch(heads);
+  // Every pair has the same rows and leading dimensions; a chunk has at most kChunkSlots slots
+  // and a block (what gathers and per-token scales hold) at most kBlockSlots.
+  const PairShape ps = pair_shape(p, ops_, 0, heads);
+  const auto chunk = static_cast<size_t>(std::min(kChunkSlots, p.max_len));
+  for (int64_t h = 0; h < heads; ++h) {
+    DecodeScratch& sc = scratch[static_cast<size_t>(h)];
+    ensure_scratch(ps, sc);
+    for (auto [src, rows, gather, gather_rows, channels] :
+         {std::tuple{&p.k, &sc.k_rows, &sc.gather_k, &sc.gather_k_rows, p.head_dim},
+          std::tuple{&p.v, &sc.v_rows, &sc.gather_v, &sc.gather_v_rows, p.value_dim}}) {
+      if (src->strides[3] == 1) {
+        if (src->paged()) ensure(*rows, chunk);
+        continue;
+      }
+      ensure(*gather, static_cast<size_t>(kBlockSlots * channels * src->element_bytes()));
+      ensure(*gather_rows, static_cast<size_t>(kBlockSlots));
+    }
+    if (p.k_token_scale.data || p.v_token_scale.data) ensure(sc.token_scale, kBlockSlots);
+  }
+  ensure(scratch[0].merged, static_cast<size_t>(p.value_dim));
+}
+
 void DecodeKernel::run(int64_t pair, int64_t heads, int64_t chunk, float* partial) const {
   const DecodeProblem& p = problem_;
   std::vector<DecodeScratch>& scratch = decode_scratch(heads);
@@ -411,7 +439,8 @@ void DecodeKernel::merge(int64_t pair, const float* partials) const {
   const DecodeProblem& p = problem_;
   const PairShape ps = pair_shape(p, ops_, pair, 1);
   const int64_t chunks = num_chunks(ps.b), saved = SoftmaxState::saved_row_floats(p.value_dim);
-  std::vector<float> o(static_cast<size_t>(p.value_dim));
+  std::vector<float>& o = decode_scratch(1)[0].merged;
+  ensure(o, static_cast<size_t>(p.value_dim));
   float neg_max = 0, sum = 0, alpha = 0;
   SoftmaxState state(&neg_max, &sum, &alpha, o.data(), p.value_dim, 1, p.value_dim);
   for (int64_t r = 0; r < ps.rows; ++r) {

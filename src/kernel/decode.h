@@ -92,6 +92,10 @@ class DecodeKernel {
   // chunk). Uses this thread's scratch.
   void run(int64_t pair, int64_t heads, int64_t chunk, float* partial) const;
   int64_t partial_floats() const;
+  // Sizes this thread's scratch for every item of up to `heads` pairs and every merge, so that
+  // run() and merge() allocate nothing: called by each thread of a call before any of them writes
+  // a row.
+  void reserve_scratch(int64_t heads) const;
   // Folds the num_chunks partials of `pair` (stored consecutively) in chunk order, from the
   // sink, and writes the rows.
   void merge(int64_t pair, const float* partials) const;

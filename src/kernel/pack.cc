@@ -12,6 +12,9 @@
 namespace flashcte::internal {
 namespace {
 
+// Rows pack_matrix converts at a time when it transposes them.
+constexpr int64_t kRowBlock = 16;
+
 // Copies the rows x cols matrix src(r, c) = base[r * row_stride + c * col_stride] (dtype) into
 // dst[r * dst_row + c * dst_col] as float32. Runs along whichever source axis is contiguous go
 // through the vector converter; the scatter into dst is then one scalar store per element.
@@ -28,7 +31,6 @@ void pack_matrix(const simd::Ops& ops, const void* base, DType dtype, int64_t ro
   if (col_stride == 1 || row_stride != 1 || row_table != nullptr) {
     // Contiguous (or neither) along columns: convert row by row, kRowBlock rows at a time so a
     // transposing store (K: dst_row 1) writes kRowBlock consecutive floats, not one per line.
-    constexpr int64_t kRowBlock = 16;
     if (tmp.size() < static_cast<size_t>(kRowBlock * cols)) tmp.resize(kRowBlock * cols);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
       const int64_t n = std::min(kRowBlock, rows - r0);
@@ -85,10 +87,10 @@ void prior_scales(const Problem& problem, const std::vector<float>& per_batch,
 // product is float32's rounding of code x scale, the dequantized cache's value.
 void scale_prior_keys(const Problem& problem, const std::vector<float>& per_batch,
                       const KvSource& per_slot, int64_t kv_b, int64_t begin, int64_t end,
-                      float* dst, int64_t key_step, int64_t channel_step, int64_t channels) {
+                      float* dst, int64_t key_step, int64_t channel_step, int64_t channels,
+                      std::vector<float>& scales) {
   const int64_t n = end - begin;
-  thread_local std::vector<float> scales;
-  scales.resize(static_cast<size_t>(n));
+  ensure(scales, static_cast<size_t>(n));
   prior_scales(problem, per_batch, per_slot, kv_b, begin, end, scales.data());
   if (key_step == 1) {  // K, transposed: a channel's keys are contiguous
     for (int64_t c = 0; c < channels; ++c) {
@@ -104,17 +106,18 @@ void scale_prior_keys(const Problem& problem, const std::vector<float>& per_batc
 }
 
 // The packed codes of an 8-bit prior's keys [begin, end) (pack_kv's layout from `base`; V unless
-// null) times their scales: the dequantized cache's values. A prior in the problem's dtype is
-// left as it is.
+// null) times their scales (read into `scales`): the dequantized cache's values. A prior in the
+// problem's dtype is left as it is.
 void dequantize_prior(const Problem& problem, int64_t kv_b, int64_t begin, int64_t end,
-                      int64_t base, float* k, int64_t ldk, float* v, int64_t ldv) {
+                      int64_t base, float* k, int64_t ldk, float* v, int64_t ldv,
+                      std::vector<float>& scales) {
   if (problem.k_prior.dtype != problem.dtype) {
     scale_prior_keys(problem, problem.k_prior_scale, problem.k_prior_token_scale, kv_b, begin, end,
-                     k + (begin - base), 1, ldk, problem.head_dim);
+                     k + (begin - base), 1, ldk, problem.head_dim, scales);
   }
   if (v != nullptr && problem.v_prior.dtype != problem.dtype) {
     scale_prior_keys(problem, problem.v_prior_scale, problem.v_prior_token_scale, kv_b, begin, end,
-                     v + (begin - base) * ldv, ldv, 1, problem.value_dim);
+                     v + (begin - base) * ldv, ldv, 1, problem.value_dim, scales);
   }
 }
 
@@ -124,8 +127,9 @@ void dequantize_prior(const Problem& problem, int64_t kv_b, int64_t begin, int64
 // k[c * ldk + (j - base)], V (unless null) into v[(j - base) * ldv + c]. An 8-bit prior's values
 // are its codes times their scales, or with `codes_only` its codes alone.
 void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
-             int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp,
+             int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, Scratch& scratch,
              bool codes_only) {
+  std::vector<float>& tmp = scratch.convert;
   const int64_t prior = problem.prior_used[kv_b];
   // The prior part [begin, min(end, prior)): a dense prior as one strided matrix, a paged one with
   // its rows' addresses gathered across the pages; then the new part [max(begin, prior), end).
@@ -134,8 +138,8 @@ void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t
   if (const int64_t prior_end = std::min(end, prior); begin < prior_end) {
     const int64_t n = prior_end - begin;
     if (kp.paged()) {
-      thread_local std::vector<const unsigned char*> rows;
-      rows.resize(static_cast<size_t>(n));
+      std::vector<const unsigned char*>& rows = scratch.prior_rows;
+      ensure(rows, static_cast<size_t>(n));
       for (int64_t j = begin; j < prior_end; ++j) rows[j - begin] = problem.prior_row(kp, kv_b, j);
       pack_matrix(ops, nullptr, kp.dtype, 0, kp.strides[3], n, problem.head_dim, k + (begin - base),
                   1, ldk, tmp, rows.data());
@@ -154,7 +158,9 @@ void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t
                     n, problem.value_dim, v + (begin - base) * ldv, ldv, 1, tmp);
       }
     }
-    if (!codes_only) dequantize_prior(problem, kv_b, begin, prior_end, base, k, ldk, v, ldv);
+    if (!codes_only) {
+      dequantize_prior(problem, kv_b, begin, prior_end, base, k, ldk, v, ldv, scratch.prior_scales);
+    }
   }
   if (const int64_t j0 = std::max(begin, prior); j0 < end) {
     const View3& kt = problem.k;
@@ -346,7 +352,7 @@ PackedSection pack_section(const Problem& problem, const simd::Ops& ops, const s
   bool subnormal = false;
   for (int64_t t = 0; t < num_tiles; ++t) {
     pack_kv(problem, ops, kv_b, tiles[t].begin, tiles[t].end, section.begin, scratch.k.data(), ldk,
-            v_tensor ? nullptr : scratch.v.data(), ldv, scratch.convert, kv8 && dot != nullptr);
+            v_tensor ? nullptr : scratch.v.data(), ldv, scratch, kv8 && dot != nullptr);
     // v_nonfinite matters on masked tiles only (section.cc); the native path's check reads all.
     if (!dot && !tiles[t].masked) continue;
     const int64_t off = tiles[t].begin - section.begin, n = tiles[t].end - tiles[t].begin;
@@ -371,7 +377,7 @@ PackedSection pack_section(const Problem& problem, const simd::Ops& ops, const s
         const int64_t end = std::min(tiles[t].end, prior_end);
         if (tiles[t].begin < end) {
           dequantize_prior(problem, kv_b, tiles[t].begin, end, section.begin, scratch.k.data(), ldk,
-                           scratch.v.data(), ldv);
+                           scratch.v.data(), ldv, scratch.prior_scales);
         }
       }
     }
@@ -396,6 +402,19 @@ PackedSection pack_section(const Problem& problem, const simd::Ops& ops, const s
     }
   }
   return packed;
+}
+
+void reserve_pack_buffers(const Problem& problem, int64_t rows, int64_t keys, int64_t section,
+                          bool native, Scratch& scratch) {
+  const int64_t widest = std::max(problem.head_dim, problem.value_dim);
+  ensure(scratch.convert, static_cast<size_t>(std::max({kRowBlock * widest, rows, keys})));
+  if (problem.k_prior.paged()) ensure(scratch.prior_rows, static_cast<size_t>(keys));
+  if (!problem.prior_is_kv8()) return;
+  ensure(scratch.prior_scales, static_cast<size_t>(keys));
+  if (!native) return;
+  for (std::vector<float>* scales : {&scratch.k_col_scale, &scratch.v_col_scale}) {
+    ensure(*scales, static_cast<size_t>(section));
+  }
 }
 
 }  // namespace flashcte::internal

@@ -39,7 +39,7 @@ void for_each_run(const TileWork* tiles, int64_t num_tiles, int64_t origin, cons
 // k[c * ldk + (j - base)], V (unless null) into v[(j - base) * ldv + c], V's padding columns zero.
 // An 8-bit prior's keys hold code x scale, or with `codes_only` the codes' values alone.
 void pack_kv(const Problem& problem, const simd::Ops& ops, int64_t kv_b, int64_t begin, int64_t end,
-             int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, std::vector<float>& tmp,
+             int64_t base, float* k, int64_t ldk, float* v, int64_t ldv, Scratch& scratch,
              bool codes_only);
 
 // Packs query rows [row0, row0 + rows) of batch b, multiplied by scale, into q [rows][d]; with
@@ -63,6 +63,12 @@ bool can_pack_pairs_directly(const Problem& problem);
 bool pack_pairs_directly(const Problem& problem, const simd::Ops& ops, int64_t kv_b,
                          const TileWork* tiles, int64_t num_tiles, int64_t sec_begin, int64_t ldk,
                          int64_t ldv, uint32_t* k2, uint32_t* v2);
+
+// Sizes the buffers packing uses in `scratch` for any work item of `problem`: query blocks of
+// up to `rows` rows, tiles of up to `keys` keys, sections of up to `section` keys, on the native
+// bfloat16 path or not.
+void reserve_pack_buffers(const Problem& problem, int64_t rows, int64_t keys, int64_t section,
+                          bool native, Scratch& scratch);
 
 // Packs section `section` of the work item's plan (scratch.plan) for the path it runs on: the
 // native bfloat16 kernels when `dot` is non-null and the section's values allow it, else float32

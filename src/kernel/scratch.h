@@ -1,11 +1,12 @@
 // Per-thread scratch of the attention kernel: the packed blocks, scores, accumulators and plans
-// of one work item, grown on demand and kept across calls so that the hot path allocates
-// nothing once warm.
+// of one work item, kept across calls so that the hot path allocates nothing once warm. Before a
+// call writes its first row, every thread of it sizes its scratch for the call's largest item
+// (AttentionKernel::reserve_scratch): a call short of memory fails before it has written
+// anything.
 #ifndef FLASHCTE_SRC_KERNEL_SCRATCH_H_
 #define FLASHCTE_SRC_KERNEL_SCRATCH_H_
 
 #include <cstdint>
-#include <cstdlib>
 #include <memory>
 #include <new>
 #include <vector>
@@ -23,19 +24,19 @@ class LineAligned {
  public:
   T* data() { return data_.get(); }
   T& operator[](size_t i) { return data_.get()[i]; }
-  // At least n elements; the contents are not kept when it grows.
+  // At least n elements; the contents are not kept when it grows. Throws std::bad_alloc.
   void ensure(size_t n) {
     if (n <= size_) return;
-    constexpr int64_t kLine = 64;
     const auto bytes = static_cast<size_t>(round_up(static_cast<int64_t>(n * sizeof(T)), kLine));
-    data_.reset(static_cast<T*>(std::aligned_alloc(kLine, bytes)));
-    if (!data_) throw std::bad_alloc();
+    data_.reset(static_cast<T*>(::operator new(bytes, kAlign)));
     size_ = n;
   }
 
  private:
+  static constexpr int64_t kLine = 64;
+  static constexpr std::align_val_t kAlign{kLine};
   struct Free {
-    void operator()(T* p) const { std::free(p); }
+    void operator()(T* p) const { ::operator delete(p, kAlign); }
   };
   std::unique_ptr<T, Free> data_;
   size_t size_ = 0;
@@ -65,7 +66,11 @@ struct Scratch {
   LineAligned<uint16_t> p2;  // [sub-block][lds]
   // An 8-bit prior on the native path: each section column's K and V scale (1 past the prior).
   std::vector<float> k_col_scale, v_col_scale;
-  std::vector<float> convert;  // one row or column being converted
+  std::vector<float> convert;  // rows or columns being converted (pack.h)
+  // A paged or 8-bit prior's rows of one tile: their addresses and their scales.
+  std::vector<const unsigned char*> prior_rows;
+  std::vector<float> prior_scales;
+  std::vector<float> merged;  // one output row, merged from a split item's partial states
   std::vector<RowInterval> intervals;
   BlockPlan plan;                    // the whole work item: what gets packed
   std::vector<BlockPlan> sub_plans;  // each sub-block: what it computes

@@ -1,11 +1,14 @@
-// The one parallel region of the schedule: every work item, then every merge, on `threads` OpenMP
-// threads with dynamic hand-out (largest first when the items are sorted so), or inline on one
-// thread (no region at all: for tiny problems its fork and join cost more than the work).
+// The one parallel region of the schedule: every thread prepares (sizes its scratch for any item),
+// then every work item and then every merge runs, on `threads` OpenMP threads with dynamic
+// hand-out (largest first when the items are sorted so), or inline on one thread (no region at
+// all: for tiny problems its fork and join cost more than the work).
 //
 // An exception must not leave an OpenMP region (that terminates the process): the first one (a
 // failed scratch allocation) is kept, the remaining items are skipped, and it is rethrown here
-// for the API layer to turn into a Status. Which thread runs which item never changes a result:
-// each item and each merge writes its own rows.
+// for the API layer to turn into a Status. The items and merges allocate nothing once every
+// thread has prepared, and none starts before all have: a call short of memory fails before it
+// writes a row. Which thread runs which item never changes a result: each item and each merge
+// writes its own rows.
 #ifndef FLASHCTE_SRC_SCHEDULE_PARALLEL_H_
 #define FLASHCTE_SRC_SCHEDULE_PARALLEL_H_
 
@@ -20,12 +23,13 @@
 
 namespace flashcte::internal {
 
-template <class RunItem, class Merge>
-void run_then_merge(int threads, int64_t items, const RunItem& run_item, int64_t merges,
-                    const Merge& merge, ThreadProfile* profile = nullptr) {
+template <class Prepare, class RunItem, class Merge>
+void run_then_merge(int threads, const Prepare& prepare, int64_t items, const RunItem& run_item,
+                    int64_t merges, const Merge& merge, ThreadProfile* profile = nullptr) {
   const double start = profile ? omp_get_wtime() : 0.0;
   if (profile) profile->busy_seconds.assign(static_cast<size_t>(threads), 0.0);
   if (threads == 1) {
+    prepare();
     for (int64_t i = 0; i < items; ++i) run_item(i);
     for (int64_t i = 0; i < merges; ++i) merge(i);
     if (profile) profile->busy_seconds[0] = profile->wall_seconds = omp_get_wtime() - start;
@@ -52,6 +56,8 @@ void run_then_merge(int threads, int64_t items, const RunItem& run_item, int64_t
       guarded(body);
       busy += omp_get_wtime() - t0;
     };
+    timed(prepare);
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) timed([&] { run_item(i); });
 #pragma omp for schedule(dynamic, 1)

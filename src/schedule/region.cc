@@ -37,6 +37,7 @@ struct DecodeWork {
   std::vector<DecodeItem> items;
   std::vector<float> partials;
   std::vector<DecodeItem> merges;
+  int64_t max_heads = 1;  // the most pairs an item computes together
 };
 
 PrefillWork prefill_work(const Problem& problem) {
@@ -51,10 +52,11 @@ PrefillWork prefill_work(const Problem& problem) {
 }
 
 DecodeWork decode_work(const DecodeProblem& problem) {
-  DecodeWork w{DecodeKernel(problem), {}, {}, {}};
+  DecodeWork w{DecodeKernel(problem), {}, {}, {}, 1};
   const DecodeKernel& kernel = w.kernel;
   int64_t partials = 0;
   w.items = make_decode_items(kernel, &partials);
+  for (const DecodeItem& it : w.items) w.max_heads = std::max(w.max_heads, it.heads);
   w.partials.resize(static_cast<size_t>(partials * kernel.partial_floats()));
   for (const DecodeItem& it : w.items) {
     if (it.chunk != 0 || it.partial < 0) continue;
@@ -120,8 +122,11 @@ void run_kernels(const std::vector<Problem>& prefill, const std::vector<DecodePr
   }
   // Largest first with dynamic hand-out: the longest-processing-time rule, so the long items (a
   // causal triangle's long rows, a long prompt chunk) start first and short ones fill the tail.
-  std::stable_sort(items.begin(), items.end(),
-                   [](const RegionItem& a, const RegionItem& b) { return a.ns > b.ns; });
+  // (std::stable_sort takes a buffer from the heap even for one item: a one-token decode's cost.)
+  if (items.size() > 1) {
+    std::stable_sort(items.begin(), items.end(),
+                     [](const RegionItem& a, const RegionItem& b) { return a.ns > b.ns; });
+  }
 
   const auto run_item = [&](int64_t i) {
     const RegionItem& r = items[static_cast<size_t>(i)];
@@ -157,9 +162,15 @@ void run_kernels(const std::vector<Problem>& prefill, const std::vector<DecodePr
     const auto item = static_cast<int64_t>(r.index);
     kernel.merge(item, w.partials.data() + item * w.splits * kernel.partial_floats(), w.splits);
   };
+  // Each thread sizes its scratch for every kernel's largest item before any row is written, so
+  // that a call short of memory fails with out as it was (README: a failed call writes nothing).
+  const auto reserve = [&] {
+    for (const PrefillWork& w : prefill_works) w.kernel.reserve_scratch();
+    for (const DecodeWork& w : decode_works) w.kernel.reserve_scratch(w.max_heads);
+  };
   const auto n = static_cast<int64_t>(items.size());
-  run_then_merge(resolve_threads(threads, n), n, run_item, static_cast<int64_t>(merges.size()),
-                 merge, profile);
+  run_then_merge(resolve_threads(threads, n), reserve, n, run_item,
+                 static_cast<int64_t>(merges.size()), merge, profile);
 }
 
 }  // namespace flashcte::internal
