@@ -44,20 +44,28 @@ HWY_INLINE void PvTile(const float* HWY_RESTRICT p, int64_t ldp, int64_t n, cons
                        int64_t ldo, int64_t prefetch_bytes, int64_t ahead) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  // A bfloat16 panel of whole pairs of vectors widens 2N values per load (LoadBf16Pairs).
+  constexpr bool kPairs = kBf16Pairs<T> && !kTail && C % 2 == 0;
   const auto load_v = [&](int64_t j, auto&... b) FLASHCTE_TILE_LAMBDA {
     const T* row = v.template at<T>(j) + col;
     if (prefetch_bytes) {
       prefetch_lines<2>(v.prefetch_address(j + ahead), prefetch_bytes);
       prefetch_lines<3>(v.prefetch_address(j + kL1PrefetchRows), prefetch_bytes);
     }
-    ForEach(
-        [&](auto c, auto& x) FLASHCTE_TILE_LAMBDA {
-          const T* at = row + c * N;
-          x = kTail && c == C - 1 ? LoadTailAsFloat(df, at, tail) : LoadAsFloat(df, at);
-        },
-        b...);
+    if constexpr (kPairs) {
+      ForEachPair([&](auto m, auto& even, auto& odd)
+                      FLASHCTE_TILE_LAMBDA { LoadBf16Pairs(df, row + 2 * m * N, even, odd); },
+                  b...);
+    } else {
+      ForEach(
+          [&](auto c, auto& x) FLASHCTE_TILE_LAMBDA {
+            const T* at = row + c * N;
+            x = kTail && c == C - 1 ? LoadTailAsFloat(df, at, tail) : LoadAsFloat(df, at);
+          },
+          b...);
+    }
   };
-  RescaledPvTile<R, C>(df, p, ldp, n, load_v, alpha, o, ldo);
+  RescaledPvTile<R, C, kPairs>(df, p, ldp, n, load_v, alpha, o, ldo);
 }
 
 // Rows [0, rows) of one panel of C vectors, in row blocks of the most rows the budget allows (at

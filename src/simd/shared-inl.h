@@ -139,6 +139,27 @@ HWY_INLINE hn::Vec<DF> LoadAsFloat(DF df, const T* HWY_RESTRICT p) {
   return LoadAsFloatWith(df, p, [](auto d, const auto* q) HWY_ATTR { return hn::LoadU(d, q); });
 }
 
+// bfloat16 rows on the targets that widen them (no bf16 dot product): 2N values read as N 32-bit
+// lanes, lane i holding value 2i in its low half and 2i + 1 in its high half (little-endian), widen
+// to two float32 vectors with one shift and one mask, the even-indexed values and the odd-indexed:
+// one load and two integer ops, where LoadAsFloat takes two widening loads and two shifts for the
+// same 2N values. The decode kernels take their Q rows and output rows split the same way
+// (hn::LoadInterleaved2 / StoreInterleaved2), once per tile. Fixed-width targets with N >= 2 only
+// (the scalar target's one lane gains nothing; SVE's lanes are known at run time).
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "bf16 pairs: value 2i is the low half");
+
+template <class T>
+inline constexpr bool kBf16Pairs =
+    !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR && std::is_same_v<T, hwy::bfloat16_t>;
+
+HWY_INLINE void LoadBf16Pairs(DF df, const hwy::bfloat16_t* HWY_RESTRICT p, hn::Vec<DF>& even,
+                              hn::Vec<DF>& odd) {
+  const hn::RebindToUnsigned<DF> du;
+  const auto pairs = hn::LoadU(du, reinterpret_cast<const uint32_t*>(p));
+  even = hn::BitCast(df, hn::ShiftLeft<16>(pairs));
+  odd = hn::BitCast(df, hn::And(pairs, hn::Set(du, 0xFFFF0000u)));
+}
+
 // The `count` (< N) values at p, zero-extended to N, as float32: the tail of a row that may end
 // a mapping. Where the target's masked loads never touch the lanes they leave out (AVX-512, SVE),
 // one masked load of the lanes' bits; elsewhere through a zeroed copy.

@@ -118,6 +118,12 @@ HWY_INLINE void OuterProduct(D d, const float* HWY_RESTRICT a, int64_t lda, int6
   }
   ForEachRow<C, C>(std::index_sequence<Rows...>(), finish, v...);
 }
+template <class F, size_t... I, class... V>
+HWY_INLINE void ForEachPair(std::index_sequence<I...> /* pairs */, const F& f, V&... v) {
+  (f(static_cast<int64_t>(I), Nth<2 * static_cast<int64_t>(I)>(v...),
+     Nth<2 * static_cast<int64_t>(I) + 1>(v...)),
+   ...);
+}
 }  // namespace tile_detail
 
 // The pack as rows of C vectors, row-major: f(r, v_{rC}, ..., v_{rC + C - 1}) for each row r in
@@ -155,21 +161,46 @@ HWY_INLINE void OuterProductTile(D d, const float* HWY_RESTRICT a, int64_t lda, 
   });
 }
 
+// f(i, v_{2i}, v_{2i + 1}) for each pair of the pack in order.
+template <class F, class... V>
+HWY_INLINE void ForEachPair(const F& f, V&... v) {
+  static_assert(sizeof...(V) % 2 == 0, "whole pairs");
+  tile_detail::ForEachPair(std::make_index_sequence<sizeof...(V) / 2>(), f, v...);
+}
+
 // O[r][panel] = alpha[r] O[r][panel] + sum_j P[r][j] V_j[panel] for R rows and a panel of C
 // vectors of columns (no rescale with a null alpha), where load_v(j, v_0, ..., v_{C-1}) loads the
-// panel of V's row j: the register tile of MM2 and of decode's PV (decode_pv-inl.h).
-template <int64_t R, int64_t C, class D, class LoadV>
+// panel of V's row j: the register tile of MM2 and of decode's PV (decode_pv-inl.h). With kPairs
+// (C even), vectors 2m and 2m + 1 hold the even- and odd-indexed columns of the panel's 2N columns
+// from 2mN (LoadBf16Pairs' order): O's rows are split so on load and interleaved back on store.
+template <int64_t R, int64_t C, bool kPairs = false, class D, class LoadV>
 HWY_INLINE void RescaledPvTile(D d, const float* HWY_RESTRICT p, int64_t ldp, int64_t n,
                                const LoadV& load_v, const float* alpha, float* HWY_RESTRICT o,
                                int64_t ldo) {
+  static_assert(!kPairs || C % 2 == 0, "pairs of vectors");
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const auto init = [&](int64_t r, int64_t c) FLASHCTE_TILE_LAMBDA {
-    const auto prior = hn::LoadU(d, o + r * ldo + c * N);
+    hn::Vec<D> prior;
+    if constexpr (kPairs) {
+      hn::Vec<D> even, odd;
+      hn::LoadInterleaved2(d, o + r * ldo + (c & ~int64_t{1}) * N, even, odd);
+      prior = (c & 1) != 0 ? odd : even;
+    } else {
+      prior = hn::LoadU(d, o + r * ldo + c * N);
+    }
     return alpha ? hn::Mul(prior, hn::Set(d, alpha[r])) : prior;
   };
   const auto store = [&](auto r, auto&... row) FLASHCTE_TILE_LAMBDA {
-    ForEach([&](auto c, auto& x) FLASHCTE_TILE_LAMBDA { hn::StoreU(x, d, o + r * ldo + c * N); },
-            row...);
+    if constexpr (kPairs) {
+      ForEachPair(
+          [&](auto m, auto& even, auto& odd) FLASHCTE_TILE_LAMBDA {
+            hn::StoreInterleaved2(even, odd, d, o + r * ldo + 2 * m * N);
+          },
+          row...);
+    } else {
+      ForEach([&](auto c, auto& x) FLASHCTE_TILE_LAMBDA { hn::StoreU(x, d, o + r * ldo + c * N); },
+              row...);
+    }
   };
   OuterProductTile<R, C>(d, p, ldp, n, init, load_v, store);
 }
