@@ -152,20 +152,20 @@ HWY_INLINE void SplitQRows(const float* HWY_RESTRICT q, int64_t ldq, int64_t row
   }
 }
 
-// One QK tile: rows [r0, r0 + R) x keys [j0, j0 + N / R). Rows and keys past the ends are
-// computed on the last row / key (clamped pointers) and not stored.
+// One QK tile: rows [0, R) of a block of `rows` x keys [j0, j0 + N / R), prefetching K `ahead`
+// rows on. Rows and keys past the ends are computed on the last row / key (clamped pointers) and
+// not stored.
 template <int64_t R, class T, class Rows>
-HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, int64_t r0,
-                       const Rows& k, int64_t n, int64_t j0, int64_t d, float scale,
+HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, const Rows& k,
+                       int64_t n, int64_t j0, int64_t d, int64_t ahead, float scale,
                        float* HWY_RESTRICT s, int64_t lds) {
   const DF df;
   constexpr int64_t N = kMaxLanes, K = N / R;
   static_assert(R * K == N, "the ladder sums exactly N accumulators");
   const float* qr[R];
-  for (int64_t r = 0; r < R; ++r) qr[r] = q + std::min(r0 + r, rows - 1) * ldq;
+  for (int64_t r = 0; r < R; ++r) qr[r] = q + std::min(r, rows - 1) * ldq;
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
-  const int64_t ahead = prefetch_rows(k.prefetch_bytes, row_bytes);
-  HWY_ALIGN float sums[N];  // sums[r * K + c]: row r0 + r, key j0 + c
+  HWY_ALIGN float sums[N];  // sums[r * K + c]: row r, key j0 + c
   // The N accumulators as R rows of K keys, filled key by key (a column of the tile each), each
   // K row read from start to end: sequential lines for the prefetchers. A bfloat16 cache's pairs
   // fill all the keys together (DotPairs).
@@ -204,8 +204,8 @@ HWY_INLINE void QkTile(const float* HWY_RESTRICT q, int64_t ldq, int64_t rows, i
 #endif
   });
   const int64_t keys = std::min(K, n - j0);
-  for (int64_t r = 0; r < R && r0 + r < rows; ++r) {
-    float* dst = s + (r0 + r) * lds + j0;
+  for (int64_t r = 0; r < R && r < rows; ++r) {
+    float* dst = s + r * lds + j0;
     if (keys == K) {
       std::memcpy(dst, sums + r * K, sizeof(float) * K);
     } else {
@@ -218,6 +218,7 @@ template <class T, class Rows>
 void QkTyped(const float* q, int64_t ldq, int64_t rows, const Rows& k, int64_t n, int64_t d,
              float scale, float* s, int64_t lds) {
   constexpr int64_t R = kDecodeQkRows;
+  const int64_t ahead = prefetch_rows(k.prefetch_bytes, d * static_cast<int64_t>(sizeof(T)));
   // A bfloat16 cache's block of Q rows, split into pairs (SplitQRows); 16 KiB at d = 1024.
   constexpr int64_t kSplitStride = (kMaxHeadDim + kMaxLanes - 1) / kMaxLanes * kMaxLanes;
   HWY_ALIGN float split[kBf16Pairs<T> ? R * kSplitStride : 1];
@@ -239,18 +240,18 @@ void QkTyped(const float* q, int64_t ldq, int64_t rows, const Rows& k, int64_t n
       if (block <= 2) {
         if (block == 2) {
           for (int64_t j0 = 0; j0 < n; j0 += kMaxLanes / 2) {
-            QkTile<2, T, Rows>(qb, ldb, block, 0, k, n, j0, d, scale, sb, lds);
+            QkTile<2, T, Rows>(qb, ldb, block, k, n, j0, d, ahead, scale, sb, lds);
           }
         } else {
           for (int64_t j0 = 0; j0 < n; j0 += kMaxLanes) {
-            QkTile<1, T, Rows>(qb, ldb, block, 0, k, n, j0, d, scale, sb, lds);
+            QkTile<1, T, Rows>(qb, ldb, block, k, n, j0, d, ahead, scale, sb, lds);
           }
         }
         continue;
       }
     }
     for (int64_t j0 = 0; j0 < n; j0 += kMaxLanes / R) {
-      QkTile<R, T, Rows>(qb, ldb, block, 0, k, n, j0, d, scale, sb, lds);
+      QkTile<R, T, Rows>(qb, ldb, block, k, n, j0, d, ahead, scale, sb, lds);
     }
   }
 }

@@ -143,9 +143,9 @@ HWY_INLINE hn::Vec<DF> LoadAsFloat(DF df, const T* HWY_RESTRICT p) {
 // lanes, lane i holding value 2i in its low half and 2i + 1 in its high half (little-endian), widen
 // to two float32 vectors with one shift and one mask, the even-indexed values and the odd-indexed:
 // one load and two integer ops, where LoadAsFloat takes two widening loads and two shifts for the
-// same 2N values. The decode kernels take their Q rows and output rows split the same way
-// (hn::LoadInterleaved2 / StoreInterleaved2), once per tile. Fixed-width targets with N >= 2 only
-// (the scalar target's one lane gains nothing; SVE's lanes are known at run time).
+// same 2N values. The decode kernels split their Q rows the same way once per block of rows and
+// their output rows once per tile (hn::LoadInterleaved2 / StoreInterleaved2). Fixed-width targets
+// with N >= 2 only (the scalar target's one lane gains nothing; SVE's lanes are known at run time).
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "bf16 pairs: value 2i is the low half");
 
 template <class T>
