@@ -212,6 +212,17 @@ TEST(VarlenPaged, PagesNoRowSeesAreNotLookedAt) {
   EXPECT_TRUE(refused_for(run_varlen(c, seen).status, "block_table"));
 }
 
+// A chunk of more than 16 query rows goes to attention_cte, whose tiles read every slot of
+// [0, seqused_k): each of those pages must be in range, even one its window leaves out.
+TEST(VarlenPaged, AChunkPastSixteenRowsHoldsEveryPageOfItsSlots) {
+  VarlenCase c = mixed("chunk_past_window", {1, 17}, {300, 300});
+  c.page = 16, c.left = 50;
+  VarlenInputs in(c);
+  ASSERT_TRUE(run_varlen(c, in).status.ok);
+  in.table[c.pages_per_sequence()] = -1;  // sequence 1's first page, before its window
+  EXPECT_TRUE(refused_for(run_varlen(c, in).status, "block_table"));
+}
+
 // Each sequence of the mixed batch is bitwise what flash_attn_with_kvcache computes for it alone
 // (the decode kernel for its few queries, attention_cte for its long chunk).
 TEST(VarlenMixed, EachSequenceBitwiseItsOwnCall) {
@@ -382,7 +393,7 @@ TEST(VarlenValidation, EveryBadInputIsRefusedByName) {
   refuses(in.options(c), in.q.view(), "out", "out over k_cache", in.k_cache.bytes().data(), true);
 }
 
-// The rules of each sequence's call bind sequences without query rows, and a batch of none: a
+// The call's rules bind sequences without query rows, and a batch of none, as any other: a
 // fuzzer finding of issue 41 (they were checked only in the calls of sequences with rows).
 TEST(VarlenValidation, ABatchWithoutQueryRowsIsHeldToTheSameRules) {
   const int64_t heads = 4, kv_heads = 2, d = 16, slots = 8;

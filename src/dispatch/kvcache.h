@@ -1,8 +1,9 @@
-// flash_attn_with_kvcache (include/flashcte/kvcache.h) inside the dispatch layer: the validator
-// turns the call into a request, the decode kernel's problem (each query row's slot range from the
-// cache lengths, the bottom-right causal alignment, the window and the left padding), the append
-// that precedes it and the masks a longer chunk's prefill kernel takes; kvcache_api.cc applies the
-// append and routes each sequence to its kernel.
+// The KV-cache calls (include/flashcte/kvcache.h) inside the dispatch layer: each call's
+// validator (flash_attn_with_kvcache's, flash_attn_varlen_kvcache's) turns it into one request,
+// the decode kernel's problem (each query row's slot range from the cache lengths, the
+// bottom-right causal alignment, the window and the left padding), the append that precedes it
+// and the masks a longer chunk's prefill kernel takes; the router (step.h) sends each sequence to
+// its kernel, after kvcache_api.cc applies the append.
 #ifndef FLASHCTE_SRC_DISPATCH_KVCACHE_H_
 #define FLASHCTE_SRC_DISPATCH_KVCACHE_H_
 
@@ -34,9 +35,10 @@ struct KvAppend {
   bool q_per_token = false;
 };
 
-// A validated flash_attn_with_kvcache call, the one form between the caller's arguments and the
-// kernels: the decode kernel reads `decode` as it is, a longer chunk's sequence becomes the
-// prefill kernel's problem through prefill_problem(), and the append precedes either.
+// A validated KV-cache call (flash_attn_with_kvcache, or flash_attn_varlen_kvcache's whole
+// batch), the one form between the caller's arguments and the kernels: the decode kernel reads
+// `decode` as it is when every sequence has the same few rows, route() cuts it by sequence
+// otherwise (decode_problem(), prefill_problem()), and the append precedes either.
 struct KvCacheRequest {
   DecodeProblem decode;  // its K/V sources address the caches, written through them by the append
   KvAppend append;
@@ -45,6 +47,17 @@ struct KvCacheRequest {
   // FlashAttention's window (-1 unbounded; causal is a right bound of 0) and the left padding.
   int64_t window_left = -1, window_right = -1;
   std::vector<int64_t> leftpad;  // per sequence; empty without cache_leftpad
+  // A varlen call's rows: sequence b's are rows [row_start[b], row_start[b + 1]) of the token
+  // axis of q, out and lse, whose batch strides are 0; decode.tokens is then 0 and decode.slots
+  // (and .diagonal) hold the rows one after another. Empty: every sequence has decode.tokens.
+  std::vector<int64_t> row_start;
+
+  int64_t first_row(int64_t b) const { return row_start.empty() ? 0 : row_start[b]; }
+  int64_t rows(int64_t b) const {
+    return row_start.empty() ? decode.tokens : row_start[b + 1] - row_start[b];
+  }
+  // Where row t of sequence b is in decode.slots and decode.diagonal.
+  int64_t row_index(int64_t b, int64_t t) const { return b * decode.tokens + first_row(b) + t; }
 };
 
 // Checks every argument (nothing is written before it returns Ok) and fills the request.
@@ -52,6 +65,16 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
                         const MutableTensorView& v_cache, const MutableTensorView& out,
                         const MutableTensorView& lse, const KvCacheOptions& options,
                         KvCacheRequest* request);
+
+// flash_attn_varlen_kvcache's checks (every rule, the sequences without query rows included)
+// and its whole batch as one request with row_start.
+Status validate_varlen_kvcache(const TensorView& q, const TensorView& k_cache,
+                               const TensorView& v_cache, const MutableTensorView& out,
+                               const MutableTensorView& lse, const VarlenKvCacheOptions& options,
+                               KvCacheRequest* request);
+
+// Sequence b of a validated request as the decode kernel's problem of batch 1.
+DecodeProblem decode_problem(const KvCacheRequest& request, int64_t b);
 
 // Sequence b of a validated request as attention_cte's problem: its query heads as the batch,
 // its pages (or cache row) as the prior of length seqlen_k with no new keys, FlashAttention's

@@ -5,6 +5,7 @@
 // its prior, read from the pages in place. Should the kernel fail (memory), the saved slots go
 // back, so a failed call leaves the caches as they were.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -12,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -194,10 +196,6 @@ void append(const DecodeProblem& p, const KvAppend& a) {
   });
 }
 
-}  // namespace
-
-namespace {
-
 // Sequence b's slots of a cache source (the caches' or their per-token scales') as a source of one
 // sequence, its sequence 0: its row of the page table, or its row of a dense cache
 // (cache_batch_idx's, held as a table of one page per sequence, or b).
@@ -217,11 +215,68 @@ KvSource sequence_source(const KvSource& s, bool paged, int64_t b) {
   return one;
 }
 
+// Where row `first` of sequence b is in a (batch, head, token, channel) view of elements of
+// `elem` bytes.
+template <class T>
+T* sequence_rows(T* data, const std::array<int64_t, 4>& strides, int64_t elem, int64_t b,
+                 int64_t first) {
+  using Byte = std::conditional_t<std::is_const_v<T>, const unsigned char, unsigned char>;
+  return static_cast<Byte*>(data) + (b * strides[0] + first * strides[2]) * elem;
+}
+
 }  // namespace
+
+DecodeProblem decode_problem(const KvCacheRequest& request, int64_t b) {
+  const DecodeProblem& p = request.decode;
+  const int64_t elem = dtype_size(p.dtype), first = request.first_row(b);
+  DecodeProblem one;
+  one.dtype = p.dtype;
+  one.batch = 1;
+  one.q_heads = p.q_heads;
+  one.kv_heads = p.kv_heads;
+  one.group = p.group;
+  one.tokens = request.rows(b);
+  one.max_len = p.max_len;
+  one.head_dim = p.head_dim;
+  one.value_dim = p.value_dim;
+  one.q = sequence_rows(p.q, p.q_strides, elem, b, first);
+  one.q_strides = p.q_strides;
+  one.k = sequence_source(p.k, request.paged, b);
+  one.v = sequence_source(p.v, request.paged, b);
+  one.k_scale = p.k_scale;
+  one.v_scale = p.v_scale;
+  if (p.k_token_scale.data != nullptr) {
+    one.k_token_scale = sequence_source(p.k_token_scale, request.paged, b);
+  }
+  if (p.v_token_scale.data != nullptr) {
+    one.v_token_scale = sequence_source(p.v_token_scale, request.paged, b);
+  }
+  one.out = sequence_rows(p.out, p.out_strides, elem, b, first);
+  one.out_strides = p.out_strides;
+  if (p.lse != nullptr) {
+    one.lse = p.lse + b * p.lse_strides[0] + first * p.lse_strides[2];
+    one.lse_strides = p.lse_strides;
+  }
+  const auto rows = p.slots.begin() + request.row_index(b, 0);
+  one.slots.assign(rows, rows + one.tokens);
+  const auto diagonals = p.diagonal.begin() + request.row_index(b, 0);
+  one.diagonal.assign(diagonals, diagonals + one.tokens);
+  one.sink = p.sink;
+  one.sink_stride = p.sink_stride;
+  one.scale = p.scale;
+  one.softcap = p.softcap;
+  if (p.alibi != nullptr) {
+    one.alibi = p.alibi + b * p.alibi_strides[0];
+    one.alibi_strides = p.alibi_strides;
+  }
+  one.threads = p.threads;
+  return one;
+}
 
 Problem prefill_problem(const KvCacheRequest& request, int64_t b) {
   const DecodeProblem& p = request.decode;
-  const int64_t elem = dtype_size(p.dtype);
+  const int64_t elem = dtype_size(p.dtype), first = request.first_row(b);
+  const int64_t tokens = request.rows(b);
   const int64_t seqlen_k = request.append.start[b] + request.append.tokens;
   Problem r;
   r.dtype = p.dtype;
@@ -229,11 +284,11 @@ Problem prefill_problem(const KvCacheRequest& request, int64_t b) {
   r.batch = p.q_heads;
   r.kv_batch = p.q_heads > 0 ? p.kv_heads : 0;
   r.group = p.q_heads > 0 ? p.group : 1;
-  r.seqlen_q = p.tokens;
+  r.seqlen_q = tokens;
   r.head_dim = p.head_dim;
   r.value_dim = p.value_dim;
-  r.q = {static_cast<const unsigned char*>(p.q) + b * p.q_strides[0] * elem, p.q_strides[1],
-         p.q_strides[2], p.q_strides[3]};
+  r.q = {sequence_rows(p.q, p.q_strides, elem, b, first), p.q_strides[1], p.q_strides[2],
+         p.q_strides[3]};
   // No new keys (Skv = 0): every key is in the prior. The strides are those of an empty
   // (bs_kv, Skv, d) k and v, for the packing's layout choice.
   r.seqlen_kv = 0;
@@ -269,15 +324,15 @@ Problem prefill_problem(const KvCacheRequest& request, int64_t b) {
   };
   r.window_left = bound(request.window_left);
   r.window_right = bound(request.window_right);
-  r.q_pos_offset = -p.tokens;
+  r.q_pos_offset = -tokens;
   if (!request.leftpad.empty()) {
-    r.bound_lo.assign(static_cast<size_t>(p.tokens), request.leftpad[static_cast<size_t>(b)]);
-    r.bound_hi.assign(static_cast<size_t>(p.tokens), seqlen_k);
+    r.bound_lo.assign(static_cast<size_t>(tokens), request.leftpad[static_cast<size_t>(b)]);
+    r.bound_hi.assign(static_cast<size_t>(tokens), seqlen_k);
   }
-  r.out = {static_cast<unsigned char*>(p.out) + b * p.out_strides[0] * elem, p.out_strides[1],
-           p.out_strides[2], p.out_strides[3]};
+  r.out = {sequence_rows(p.out, p.out_strides, elem, b, first), p.out_strides[1], p.out_strides[2],
+           p.out_strides[3]};
   if (p.lse != nullptr) {
-    r.lse.data = p.lse + b * p.lse_strides[0];
+    r.lse.data = p.lse + b * p.lse_strides[0] + first * p.lse_strides[2];
     r.lse.batch_stride = p.lse_strides[1];
     r.lse.row_stride = p.lse_strides[2];
   }

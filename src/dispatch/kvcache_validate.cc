@@ -13,6 +13,7 @@
 
 #include "src/dispatch/decode_args.h"
 #include "src/dispatch/kvcache.h"
+#include "src/dispatch/kvcache_args.h"
 #include "src/dispatch/views.h"
 
 namespace flashcte::internal {
@@ -143,16 +144,8 @@ Status check_aliasing(const Extents& e, bool appending) {
        {std::pair{Named{"k_scale", d.k_scale}, e.k_scale_written},
         std::pair{Named{"v_scale", d.v_scale}, e.v_scale_written}}) {
     (is_written ? written : inputs).push_back(scale);
-    for (const Named& cache : {Named{"k_cache", d.k_cache}, Named{"v_cache", d.v_cache}}) {
-      if (overlaps(scale.extent, cache.extent)) {
-        return error(std::string(scale.name) + ": overlaps " + cache.name +
-                     "; a cache's scales are memory of their own");
-      }
-    }
   }
-  if (e.k_scale_written && e.v_scale_written && overlaps(d.k_scale, d.v_scale)) {
-    return error("v_scale: overlaps k_scale; the append writes both (one scale per token each)");
-  }
+  FLASHCTE_RETURN_IF_ERROR(check_scales_apart(d, e.k_scale_written && e.v_scale_written));
   for (const Named& w : written) {
     for (const Named& in : inputs) {
       if (overlaps(w.extent, in.extent)) {
@@ -175,6 +168,78 @@ Status check_aliasing(const Extents& e, bool appending) {
 }
 
 }  // namespace
+
+Status check_scales_apart(const DecodeExtents& d, bool both_written) {
+  for (const auto& [scale, scale_extent] :
+       {std::pair{"k_scale", d.k_scale}, std::pair{"v_scale", d.v_scale}}) {
+    for (const auto& [cache, cache_extent] :
+         {std::pair{"k_cache", d.k_cache}, std::pair{"v_cache", d.v_cache}}) {
+      if (overlaps(scale_extent, cache_extent)) {
+        return error(std::string(scale) + ": overlaps " + cache +
+                     "; a cache's scales are memory of their own");
+      }
+    }
+  }
+  if (both_written && overlaps(d.k_scale, d.v_scale)) {
+    return error("v_scale: overlaps k_scale; the append writes both (one scale per token each)");
+  }
+  return Status::Ok();
+}
+
+template <class Options>
+Status read_call_options(const Options& o, Extent* alibi, DecodeExtents* e,
+                         KvCacheRequest* request) {
+  DecodeProblem* p = &request->decode;
+  if (o.window_left < -1 || o.window_right < -1) {
+    return error("window_size: entries must be >= -1 (-1: unbounded), got (" +
+                 to_string(o.window_left) + ", " + to_string(o.window_right) + ")");
+  }
+  const float scale = o.softmax_scale.value_or(
+      static_cast<float>(1.0 / std::sqrt(static_cast<double>(p->head_dim))));
+  FLASHCTE_RETURN_IF_ERROR(read_scalars("softmax_scale", scale, o.softcap, o.num_threads, p));
+  if (o.alibi_slopes.present()) FLASHCTE_RETURN_IF_ERROR(check_alibi(o.alibi_slopes, p, alibi));
+  if (o.sinks.present()) {
+    FLASHCTE_RETURN_IF_ERROR(read_sinks(kFlashAttentionLayout, "sinks", o.sinks, p, e));
+  }
+  request->window_left = o.window_left;
+  request->window_right = o.causal ? 0 : o.window_right;
+  return Status::Ok();
+}
+template Status read_call_options(const KvCacheOptions&, Extent*, DecodeExtents*, KvCacheRequest*);
+template Status read_call_options(const VarlenKvCacheOptions&, Extent*, DecodeExtents*,
+                                  KvCacheRequest*);
+
+Status place_rows(const char* table_name, const TensorView& table, int64_t cache_rows,
+                  int64_t row_slots, int64_t pages_per_sequence,
+                  const std::vector<int64_t>& seqlens, const std::vector<int64_t>& leftpad,
+                  KvCacheRequest* request) {
+  DecodeProblem* p = &request->decode;
+  const int64_t left = request->window_left, right = request->window_right;
+  const int64_t new_tokens = request->append.tokens;
+  const auto rows = static_cast<size_t>(request->row_index(p->batch, 0));
+  p->slots.resize(rows);
+  p->diagonal.resize(rows);
+  std::vector<SlotRange> read(static_cast<size_t>(p->batch)), written(read.size());
+  for (int64_t b = 0; b < p->batch; ++b) {
+    const int64_t seqlen_k = seqlens[b] + new_tokens, tokens = request->rows(b);
+    SlotRange& r = read[b];
+    r = {seqlen_k, 0};
+    for (int64_t i = 0; i < tokens; ++i) {
+      const int64_t diagonal = seqlen_k - tokens + i;
+      const int64_t hi = right < 0 ? seqlen_k : std::min(seqlen_k, diagonal + right + 1);
+      const int64_t lo = left < 0 ? leftpad[b] : std::max(leftpad[b], diagonal - left);
+      const int64_t row = request->row_index(b, i);
+      p->slots[row] = lo < hi ? SlotRange{lo, hi} : SlotRange{0, 0};
+      p->diagonal[row] = diagonal;
+      if (lo < hi) r = {std::min(r.lo, lo), std::max(r.hi, hi)};
+    }
+    written[b] = {seqlens[b], seqlen_k};
+    if (tokens > kDecodeMaxQueries && seqlen_k > 0) r = {0, seqlen_k};  // whole tiles
+  }
+  if (table_name == nullptr) return Status::Ok();
+  return read_pages(table_name, table, request->paged, cache_rows, row_slots, pages_per_sequence,
+                    read, written, p);
+}
 
 Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
                         const MutableTensorView& v_cache, const MutableTensorView& out,
@@ -268,49 +333,15 @@ Status validate_kvcache(const TensorView& q, const MutableTensorView& k_cache,
     }
   }
 
-  // Scalars.
-  if (o.window_left < -1 || o.window_right < -1) {
-    return error("window_size: entries must be >= -1 (-1: unbounded), got (" +
-                 to_string(o.window_left) + ", " + to_string(o.window_right) + ")");
-  }
-  const float scale = o.softmax_scale.value_or(
-      static_cast<float>(1.0 / std::sqrt(static_cast<double>(p->head_dim))));
-  FLASHCTE_RETURN_IF_ERROR(read_scalars("softmax_scale", scale, o.softcap, o.num_threads, p));
-  if (o.alibi_slopes.present()) {
-    FLASHCTE_RETURN_IF_ERROR(check_alibi(o.alibi_slopes, p, &e.alibi));
-  }
-  if (o.sinks.present())
-    FLASHCTE_RETURN_IF_ERROR(read_sinks(layout, "sinks", o.sinks, p, &e.shared));
-
-  // Each query row's slots: FlashAttention's bottom-right alignment, window and left padding.
-  const int64_t left = o.window_left, right = o.causal ? 0 : o.window_right;
-  request->window_left = left;
-  request->window_right = right;
+  FLASHCTE_RETURN_IF_ERROR(read_call_options(o, &e.alibi, &e.shared, request));
   if (o.cache_leftpad.present()) request->leftpad = leftpad;
-  p->slots.resize(static_cast<size_t>(p->batch * p->tokens));
-  p->diagonal.resize(p->slots.size());
-  std::vector<SlotRange> read(static_cast<size_t>(p->batch)), written(read.size());
-  for (int64_t b = 0; b < p->batch; ++b) {
-    const int64_t seqlen_k = seqlens[b] + a->tokens;
-    SlotRange& r = read[b];
-    r = {seqlen_k, 0};
-    for (int64_t i = 0; i < p->tokens; ++i) {
-      const int64_t diagonal = seqlen_k - p->tokens + i;
-      const int64_t hi = right < 0 ? seqlen_k : std::min(seqlen_k, diagonal + right + 1);
-      const int64_t lo = left < 0 ? leftpad[b] : std::max(leftpad[b], diagonal - left);
-      p->slots[b * p->tokens + i] = lo < hi ? SlotRange{lo, hi} : SlotRange{0, 0};
-      p->diagonal[b * p->tokens + i] = diagonal;
-      if (lo < hi) r = {std::min(r.lo, lo), std::max(r.hi, hi)};
-    }
-    written[b] = {seqlens[b], seqlen_k};
-    if (p->tokens > kDecodeMaxQueries && seqlen_k > 0) r = {0, seqlen_k};  // whole tiles
-  }
-  if (paged || o.cache_batch_idx.present()) {
-    if (!paged) s.pages_per_sequence = 1;
-    FLASHCTE_RETURN_IF_ERROR(read_pages(
-        paged ? "block_table" : "cache_batch_idx", paged ? o.block_table : o.cache_batch_idx, paged,
-        s.cache_rows, s.row_slots, s.pages_per_sequence, read, written, p));
-  }
+  // Dense caches without cache_batch_idx: sequence b's row is b, no table to read.
+  const char* table = paged                         ? "block_table"
+                      : o.cache_batch_idx.present() ? "cache_batch_idx"
+                                                    : nullptr;
+  FLASHCTE_RETURN_IF_ERROR(place_rows(table, paged ? o.block_table : o.cache_batch_idx,
+                                      s.cache_rows, s.row_slots, s.pages_per_sequence, seqlens,
+                                      leftpad, request));
 
   // After the pages: a per-token scale reads (and the append writes) the cache's pages.
   attach_token_scales(layout, k_per_token, as_input(o.k_scale), v_per_token, as_input(o.v_scale),

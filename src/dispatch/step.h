@@ -22,8 +22,10 @@ struct Step {
 };
 
 // A validated KV-cache request's sequences onto their kernels, added to `step`: the whole batch
-// as one decode problem when each sequence has at most kDecodeMaxQueries query rows, else each
-// sequence as a prefill problem over its cache (prefill_problem). The request is consumed.
+// as one decode problem when every sequence has the same kDecodeMaxQueries query rows or fewer,
+// else sequence by sequence (a varlen request, longer chunks): a decode problem of its own
+// (decode_problem) up to kDecodeMaxQueries rows, a prefill problem over its cache
+// (prefill_problem) past them, none without rows. The request is consumed.
 void route(KvCacheRequest&& request, Step* step);
 
 // Every kernel of the step in one parallel region (src/schedule/region.h) on `threads` threads
