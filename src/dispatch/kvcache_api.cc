@@ -200,6 +200,7 @@ void append(const DecodeProblem& p, const KvAppend& a) {
 // sequence, its sequence 0: its row of the page table, or its row of a dense cache
 // (cache_batch_idx's, held as a table of one page per sequence, or b).
 KvSource sequence_source(const KvSource& s, bool paged, int64_t b) {
+  if (s.data == nullptr) return s;  // an absent source (no per-token scales) stays absent
   KvSource one = s;
   if (paged) {
     const auto first = s.table.begin() + b * s.pages_per_sequence;
@@ -245,12 +246,8 @@ DecodeProblem decode_problem(const KvCacheRequest& request, int64_t b) {
   one.v = sequence_source(p.v, request.paged, b);
   one.k_scale = p.k_scale;
   one.v_scale = p.v_scale;
-  if (p.k_token_scale.data != nullptr) {
-    one.k_token_scale = sequence_source(p.k_token_scale, request.paged, b);
-  }
-  if (p.v_token_scale.data != nullptr) {
-    one.v_token_scale = sequence_source(p.v_token_scale, request.paged, b);
-  }
+  one.k_token_scale = sequence_source(p.k_token_scale, request.paged, b);
+  one.v_token_scale = sequence_source(p.v_token_scale, request.paged, b);
   one.out = sequence_rows(p.out, p.out_strides, elem, b, first);
   one.out_strides = p.out_strides;
   if (p.lse != nullptr) {
@@ -302,12 +299,8 @@ Problem prefill_problem(const KvCacheRequest& request, int64_t b) {
   r.prior_used.assign(static_cast<size_t>(p.kv_heads), seqlen_k);
   r.k_prior_scale = p.k_scale;
   r.v_prior_scale = p.v_scale;
-  if (p.k_token_scale.data != nullptr) {
-    r.k_prior_token_scale = sequence_source(p.k_token_scale, request.paged, b);
-  }
-  if (p.v_token_scale.data != nullptr) {
-    r.v_prior_token_scale = sequence_source(p.v_token_scale, request.paged, b);
-  }
+  r.k_prior_token_scale = sequence_source(p.k_token_scale, request.paged, b);
+  r.v_prior_token_scale = sequence_source(p.v_token_scale, request.paged, b);
   r.sink = p.sink;
   r.sink_stride = p.sink_stride;
   r.scale = p.scale;
