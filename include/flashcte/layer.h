@@ -69,6 +69,18 @@ struct LayerConfig {
 // The config itself when tp_degree is 1. Checks the config as AttentionLayer::create does.
 Status rank_config(const LayerConfig& config, LayerConfig* rank);
 
+// The heads rank config.tp_rank of config.tp_degree holds, numbered as the full layer's (LAYER.md
+// section 4): per local query head its source query head, per local KV head its source KV head,
+// -1 for a pad head (zero weights). A replicated KV head appears on each rank that holds it. The
+// rank's shard of the weights (AttentionLayer::create_from_shard) is, in this order, these
+// heads' blocks of head_dim rows of q_proj / k_proj / v_proj and of their biases, head_dim
+// columns of o_proj and entries of sinks, zero for a pad head; q_norm and k_norm whole.
+struct RankHeads {
+  std::vector<int64_t> query_heads;
+  std::vector<int64_t> kv_heads;
+};
+Status rank_heads(const LayerConfig& config, RankHeads* heads);
+
 // torch.nn.Linear layout (out_features, in_features), float32 row-major. Optional parts are empty
 // exactly when the config turns them off.
 struct LayerWeights {
@@ -165,6 +177,12 @@ class AttentionLayer {
   // projections run on. The weights are rounded to the activation dtype (LAYER.md R1).
   static Status create(const LayerConfig& config, const LayerWeights& weights,
                        std::unique_ptr<AttentionLayer>* layer);
+  // create() from the weights rank config.tp_rank holds rather than the full layer's, so that a
+  // rank never holds the whole layer: `shard` is sized for rank_config(config) (its num_heads and
+  // num_kv_heads; no o_bias past tp_degree 1, the caller adds it once after the sum) and laid out
+  // by rank_heads(config). The layer is bitwise create()'s from the full weights.
+  static Status create_from_shard(const LayerConfig& config, const LayerWeights& shard,
+                                  std::unique_ptr<AttentionLayer>* layer);
   ~AttentionLayer();
 
   // The config this layer runs: with tp_degree > 1, the rank's (num_heads and num_kv_heads per

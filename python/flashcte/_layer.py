@@ -23,6 +23,8 @@ from . import _flashcte
 from ._attention import _float, _int
 from ._errors import ArgumentError, ArgumentTypeError
 from ._layer_cache import KvCache, _activation_dtype, _cache_dtype
+from ._layer_weights import WEIGHT_NAMES, checked, rank_sinks, read_shard
+from ._layer_weights import float32 as _float32
 from ._tensors import (
     BFLOAT16,
     TORCH,
@@ -86,25 +88,6 @@ def _rope_scaling(rope_scaling: Any, rope_theta: float) -> Any:
     return s
 
 
-def _float32(name: str, x: Any) -> np.ndarray:
-    """Any real array (numpy, torch, DLPack, sequence) as a C-contiguous float32 numpy array."""
-    a = float32_array(name, x)
-    torch = torch_module()
-    if torch is not None and isinstance(a, torch.Tensor):
-        return a.contiguous().numpy()
-    return np.ascontiguousarray(a)
-
-
-def _weight(name: str, x: Any, shape: tuple, layout: str) -> np.ndarray:
-    a = _float32(name, x)
-    if a.shape != shape:
-        hint = ""
-        if a.shape == shape[::-1] and len(shape) == 2:
-            hint = "; this is the transpose: pass the nn.Linear weight itself"
-        raise ArgumentError(f"{name}: shape {a.shape} must be {layout} = {shape}{hint}")
-    return a
-
-
 def _positions(x: Any) -> Any:
     """Positions as int64 (numpy or torch, read in place when already int64)."""
     torch = torch_module()
@@ -159,8 +142,9 @@ class AttentionLayer:
             :func:`flashcte.quantize_kv`), halving a bf16 cache; attention reads
             ``code * scale``.
         tp_degree, tp_rank: build the layer as rank ``tp_rank`` of a tensor-parallel group of
-            ``tp_degree`` (LAYER.md section 4): :meth:`set_weights` still takes the full weights
-            and keeps this rank's heads after GQA sharding, :meth:`new_cache` holds this rank's
+            ``tp_degree`` (LAYER.md section 4): :meth:`set_weights` takes the full weights and
+            keeps this rank's heads after GQA sharding, or the rank's own shard
+            (``shard=True``, :meth:`load_safetensors`), :meth:`new_cache` holds this rank's
             KV heads, and forward returns the rank's *partial* output without ``o_bias``: the
             ranks' outputs summed plus ``o_bias`` are the whole layer's
             (:class:`flashcte.distributed.TensorParallelAttention` does the sum).
@@ -350,6 +334,8 @@ class AttentionLayer:
         o_bias: ArrayLike | None = None,
         q_norm: ArrayLike | None = None,
         k_norm: ArrayLike | None = None,
+        *,
+        shard: bool = False,
     ) -> None:
         """Builds the C++ layer from weights in ``torch.nn.Linear`` layout
         ``(out_features, in_features)``: numpy arrays or torch tensors of any float dtype,
@@ -362,38 +348,43 @@ class AttentionLayer:
             q_bias, k_bias, v_bias: ``(out_features,)``; required with ``qkv_bias``, else None.
             o_bias: ``(hidden_size,)``; required with ``o_bias``, else None.
             q_norm, k_norm: ``(head_dim,)`` RMSNorm weights; required with ``qk_norm``.
+            shard: the weights are this tensor-parallel rank's own shard rather than the full
+                layer's: the blocks of its :attr:`rank_heads` (``head_dim`` rows of q/k/v_proj
+                and their biases, ``head_dim`` columns of o_proj per head, zeros for a pad head),
+                sized by :attr:`local_num_heads` / :attr:`local_num_kv_heads`; no ``o_bias``
+                past ``tp_degree`` 1. The rank never holds the full weights, and computes
+                bitwise what it computes from them. :meth:`load_safetensors` reads a shard.
 
         Calling it again replaces the weights; caches stay valid (they depend on the shapes).
         """
-        c, d = self._config, self._head_dim
-        hidden, q_out, kv_out = c.hidden_size, c.num_heads * d, c.num_kv_heads * d
-        linear = "(out_features, in_features)"
-        w = {
-            "q_proj": _weight("q_proj", q_proj, (q_out, hidden), linear),
-            "k_proj": _weight("k_proj", k_proj, (kv_out, hidden), linear),
-            "v_proj": _weight("v_proj", v_proj, (kv_out, hidden), linear),
-            "o_proj": _weight("o_proj", o_proj, (hidden, q_out), linear),
-        }
-        optional = (
-            ("q_bias", q_bias, "qkv_bias", (q_out,)),
-            ("k_bias", k_bias, "qkv_bias", (kv_out,)),
-            ("v_bias", v_bias, "qkv_bias", (kv_out,)),
-            ("o_bias", o_bias, "o_bias", (hidden,)),
-            ("q_norm", q_norm, "qk_norm", (d,)),
-            ("k_norm", k_norm, "qk_norm", (d,)),
-        )
-        for name, value, flag, shape in optional:
-            wanted = getattr(c, flag)
-            if value is None:
-                if wanted:
-                    raise ArgumentError(f"{name}: required, the layer was built with {flag}=True")
-                w[name] = None
-            elif not wanted:
-                raise ArgumentError(f"{name}: given, but the layer was built with {flag}=False")
-            else:
-                layout = "(head_dim,)" if flag == "qk_norm" else "(out_features,)"
-                w[name] = _weight(name, value, shape, layout)
-        self._native = _flashcte.Layer(self._config, sinks=self._sinks, **w)
+        args = locals()
+        weights = {name: args[name] for name in WEIGHT_NAMES}
+        config = self._rank_config if shard else self._config
+        w = checked(config, self._head_dim, weights, shard)
+        sinks = self._sinks
+        if shard and sinks is not None:
+            sinks = rank_sinks(sinks, self.rank_heads[0])
+        self._native = _flashcte.Layer(self._config, sinks=sinks, shard=shard, **w)
+
+    def load_safetensors(self, path: Any, prefix: str = "") -> None:
+        """Builds the layer from a safetensors checkpoint of the *full* layer, reading this rank's
+        shard only (:meth:`set_weights` with ``shard=True``): the head blocks of its
+        :attr:`rank_heads` from ``q_proj.weight``, ``k_proj.weight``, ``v_proj.weight``,
+        ``o_proj.weight`` (columns), and with the config's flags ``q_proj.bias`` ... ,
+        ``o_proj.bias`` (at tp_degree 1), ``q_norm.weight``, ``k_norm.weight``, each name after
+        ``prefix`` (Hugging Face's, e.g. ``"model.layers.0.self_attn."``). Sinks are the
+        constructor's. Any float dtype of the file (bfloat16 needs torch)."""
+        if not isinstance(prefix, str):
+            raise ArgumentTypeError(f"prefix: must be a str, got {type(prefix).__name__}")
+        c = self._config
+        weights = read_shard(path, prefix, c, self._head_dim, self.rank_heads, c.tp_degree == 1)
+        self.set_weights(**weights, shard=True)
+
+    @property
+    def rank_heads(self) -> tuple[list[int], list[int]]:
+        """The full layer's heads this rank holds: (per local query head its query head, per local
+        KV head its KV head), -1 for a pad head (zero weights)."""
+        return _flashcte.layer_rank_heads(self._config)
 
     def new_cache(self, batch: int, max_len: int) -> KvCache:
         """An empty cache for ``batch`` sequences of up to ``max_len`` tokens (this rank's KV

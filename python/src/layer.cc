@@ -1,6 +1,8 @@
 // The attention layer (flashcte/layer.h): AttentionLayer and its KvCache.
 #include "flashcte/layer.h"
 
+#include <nanobind/stl/pair.h>
+
 #include <memory>
 #include <string>
 #include <utility>
@@ -57,6 +59,14 @@ void layer_check_config(const flashcte::LayerConfig& config) {
   if (!s.ok && s.message.rfind("q_proj:", 0) != 0) raise_status(s);
 }
 
+std::pair<std::vector<int64_t>, std::vector<int64_t>> layer_rank_heads(
+    const flashcte::LayerConfig& config) {
+  flashcte::RankHeads heads;
+  const flashcte::Status s = flashcte::rank_heads(config, &heads);
+  if (!s.ok) raise_status(s);
+  return {std::move(heads.query_heads), std::move(heads.kv_heads)};
+}
+
 flashcte::LayerConfig layer_rank_config(const flashcte::LayerConfig& config) {
   flashcte::LayerConfig rank;
   const flashcte::Status s = flashcte::rank_config(config, &rank);
@@ -80,7 +90,7 @@ flashcte::LayerConfig::GqaStrategy gqa_strategy(const std::string& name) {
 void layer_init(PyLayer* self, const flashcte::LayerConfig& config, nb::handle q_proj,
                 nb::handle k_proj, nb::handle v_proj, nb::handle o_proj, nb::handle q_bias,
                 nb::handle k_bias, nb::handle v_bias, nb::handle o_bias, nb::handle q_norm,
-                nb::handle k_norm, nb::handle sinks) {
+                nb::handle k_norm, nb::handle sinks, bool shard) {
   flashcte::LayerWeights w;
   w.q_proj = weight_values("q_proj", q_proj);
   w.k_proj = weight_values("k_proj", k_proj);
@@ -97,7 +107,8 @@ void layer_init(PyLayer* self, const flashcte::LayerConfig& config, nb::handle q
   flashcte::Status status;
   {
     nb::gil_scoped_release release;  // rounding and relayout of the weights: large for real models
-    status = flashcte::AttentionLayer::create(config, w, &layer);
+    status = shard ? flashcte::AttentionLayer::create_from_shard(config, w, &layer)
+                   : flashcte::AttentionLayer::create(config, w, &layer);
   }
   if (!status.ok) raise_status(status);
   new (self) PyLayer{std::shared_ptr<const flashcte::AttentionLayer>(std::move(layer))};
@@ -276,6 +287,8 @@ void bind_layer(nb::module_& m) {
 
   m.def("layer_check_config", &layer_check_config, nb::arg("config"),
         "Raises ValueError/TypeError with the library's message when the config is invalid.");
+  m.def("layer_rank_heads", &layer_rank_heads, nb::arg("config"),
+        "flashcte::rank_heads: the full layer's query and KV heads a rank holds (-1: a pad).");
   m.def("layer_rank_config", &layer_rank_config, nb::arg("config"),
         "flashcte::rank_config: the config a tensor-parallel rank runs (its heads, no o_bias).");
 
@@ -283,8 +296,9 @@ void bind_layer(nb::module_& m) {
       .def("__init__", &layer_init, nb::arg("config"), nb::arg("q_proj"), nb::arg("k_proj"),
            nb::arg("v_proj"), nb::arg("o_proj"), nb::arg("q_bias").none(), nb::arg("k_bias").none(),
            nb::arg("v_bias").none(), nb::arg("o_bias").none(), nb::arg("q_norm").none(),
-           nb::arg("k_norm").none(), nb::arg("sinks").none(),
-           "AttentionLayer::create from float32 C-contiguous weights (None: absent).")
+           nb::arg("k_norm").none(), nb::arg("sinks").none(), nb::arg("shard") = false,
+           "AttentionLayer::create (shard: create_from_shard, the rank's own) from float32 "
+           "C-contiguous weights (None: absent).")
       .def_prop_ro("head_dim", [](const PyLayer& l) { return l.layer->head_dim(); })
       .def("forward", &layer_forward, nb::kw_only(), nb::arg("x"), nb::arg("positions"),
            nb::arg("cache"), nb::arg("out"), nb::arg("num_threads"), nb::arg("bf16_bits"),

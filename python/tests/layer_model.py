@@ -347,3 +347,43 @@ def raises(exc, prefix, fn, *args, **kwargs):
         fn(*args, **kwargs)
     assert str(info.value).startswith(prefix), str(info.value)
     return str(info.value)
+
+
+# A layer's weights by their names in a Hugging Face checkpoint, after the layer's prefix.
+HF_NAMES = {
+    "q_proj": "q_proj.weight",
+    "k_proj": "k_proj.weight",
+    "v_proj": "v_proj.weight",
+    "o_proj": "o_proj.weight",
+    "q_bias": "q_proj.bias",
+    "k_bias": "k_proj.bias",
+    "v_bias": "v_proj.bias",
+    "o_bias": "o_proj.bias",
+    "q_norm": "q_norm.weight",
+    "k_norm": "k_norm.weight",
+}
+
+
+def cut_shard(full: dict, layer: flashcte.AttentionLayer, o_bias: bool | None = None) -> dict:
+    """A tensor-parallel rank's shard cut from the full weights by its rank_heads, written here
+    apart from the library: head_dim rows of q/k/v_proj and their biases and head_dim columns of
+    o_proj per head, zeros for a pad head; the norms whole; o_bias (whole) at tp_degree 1, or
+    as ``o_bias`` says."""
+    query_heads, kv_heads = layer.rank_heads
+    d = layer.head_dim
+
+    def blocks(a, of, axis=0):
+        zero = np.zeros_like(np.take(a, range(d), axis=axis))
+        parts = [np.take(a, range(h * d, (h + 1) * d), axis=axis) if h >= 0 else zero for h in of]
+        return np.concatenate(parts, axis=axis)
+
+    of = {"q_proj": query_heads, "k_proj": kv_heads, "v_proj": kv_heads, "q_bias": query_heads,
+          "k_bias": kv_heads, "v_bias": kv_heads}
+    shard = {k: blocks(v, of[k]) for k, v in full.items() if k in of}
+    shard["o_proj"] = blocks(full["o_proj"], query_heads, axis=1)
+    for k in ("q_norm", "k_norm"):
+        if k in full:
+            shard[k] = full[k]
+    if "o_bias" in full and (layer.tp_degree == 1 if o_bias is None else o_bias):
+        shard["o_bias"] = full["o_bias"]
+    return shard

@@ -17,16 +17,21 @@ raise on every rank with the failing rank's message, or after the timeout, never
 from __future__ import annotations
 
 import math
+import os
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
+safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import _ranks  # python/tests/_ranks.py: the spawned ranks
 import flashcte
 from conftest import check_close
+from layer_model import HF_NAMES, cut_shard
 from flashcte import distributed as fd
 
 WORLD = 4
@@ -98,11 +103,14 @@ def tp_case(
     gqa_strategy: str = "auto",
     local_heads: dict | None = None,
     block_size: int = 0,
+    weights_from: str = "full",
 ):
     """The conversation through TensorParallelAttention on the group and through the whole
     layer, on every rank; ``local_heads[p]`` = (query heads, KV heads) a rank holds at tp p.
     With ``block_size``, the ranks' caches are block pools with the same shuffled pages on every
-    rank (the whole layer keeps a dense cache)."""
+    rank (the whole layer keeps a dense cache). The ranks' weights: the full ones on every rank
+    ("full"), each rank's own shard as tensors ("shard"), or read by each rank from a
+    safetensors file of the full layer ("safetensors")."""
 
     def run(rank, p, group):
         seed = 11
@@ -118,7 +126,20 @@ def tp_case(
             got = (tp.local_num_heads, tp.local_num_kv_heads)
             assert got == local_heads[p], f"local heads {got} != {local_heads[p]} at tp {p}"
         assert tp.tp_degree == p and tp.tp_rank == rank
-        tp.set_weights(**{k: torch.from_numpy(v) for k, v in weights.items()})
+        if weights_from == "full":
+            tp.set_weights(**{k: torch.from_numpy(v) for k, v in weights.items()})
+        elif weights_from == "shard":
+            shard = cut_shard(weights, tp.layer, o_bias=True)
+            tp.set_weights(**{k: torch.from_numpy(v) for k, v in shard.items()}, shard=True)
+        else:
+            path = Path(tempfile.gettempdir()) / f"flashcte_tp_{os.getpid()}.safetensors"
+            safetensors_torch.save_file(
+                {"attn." + HF_NAMES[k]: torch.from_numpy(v) for k, v in weights.items()}, path
+            )
+            try:
+                tp.load_safetensors(path, "attn.")
+            finally:
+                path.unlink()
         cache, whole_cache = tp.new_cache(2, 64), whole.new_cache(2, 64)
         if block_size:
             pages = 64 // block_size
@@ -295,6 +316,21 @@ CASES = {
             torch_in=False,
         ),
         (4,),
+    ),
+    # each rank built from its own shard, never the full weights: tensors, a safetensors file
+    "gqa_8_2_shard_tensors": (
+        tp_case(
+            dict(BASE, num_heads=8, num_kv_heads=2, qkv_bias=True, o_bias=True, sinks=True),
+            weights_from="shard",
+        ),
+        (2, 4),
+    ),
+    "gqa_6_3_pad_safetensors": (
+        tp_case(
+            dict(BASE, hidden_size=24, num_heads=6, num_kv_heads=3, o_bias=True, qk_norm=True),
+            weights_from="safetensors",
+        ),
+        (2, 4),
     ),
     "error_group_size_is_not_tp_degree": (group_size_is_not_tp_degree, (2,)),
     "error_strategy_cannot_shard": (strategy_cannot_shard, (4,)),

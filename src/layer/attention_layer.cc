@@ -28,6 +28,7 @@
 #include "src/layer/config.h"
 #include "src/layer/gqa.h"
 #include "src/layer/rope.h"
+#include "src/layer/shard.h"
 
 namespace flashcte {
 namespace {
@@ -267,85 +268,6 @@ Status AttentionLayer::Impl::attend(const void* q_act, const void* k_new, const 
   return Status::Ok();
 }
 
-namespace {
-
-// The GQA sharding of the config's tensor-parallel rank (LAYER.md section 4, src/layer/gqa.h).
-Status plan_sharding(const LayerConfig& config, layer::GqaSharding* sharding) {
-  if (config.tp_degree < 1) {
-    return Status::Error("tp_degree: must be >= 1, got " + std::to_string(config.tp_degree));
-  }
-  if (config.tp_rank < 0 || config.tp_rank >= config.tp_degree) {
-    return Status::Error("tp_rank: must be in [0, tp_degree = " + std::to_string(config.tp_degree) +
-                         "), got " + std::to_string(config.tp_rank));
-  }
-  using Strategy = LayerConfig::GqaStrategy;
-  switch (config.gqa_strategy) {
-    case Strategy::kAuto:
-      return layer::plan_gqa_sharding(config.tp_degree, config.num_heads, config.num_kv_heads,
-                                      sharding);
-    case Strategy::kReplicateToTpDegree:
-    case Strategy::kConvertToMha:
-      return layer::plan_gqa_sharding(config.tp_degree, config.num_heads, config.num_kv_heads,
-                                      config.gqa_strategy == Strategy::kConvertToMha
-                                          ? layer::GqaStrategy::kConvertToMha
-                                          : layer::GqaStrategy::kReplicateToTpDegree,
-                                      sharding);
-  }
-  return Status::Error("gqa_strategy: not one of kAuto, kReplicateToTpDegree, kConvertToMha");
-}
-
-LayerConfig rank_config_of(const LayerConfig& config, const layer::GqaSharding& sharding) {
-  LayerConfig rank = config;
-  rank.num_heads = sharding.heads_per_rank;
-  rank.num_kv_heads = sharding.kv_heads_per_rank;
-  rank.head_dim = layer::head_dim_of(config);
-  rank.o_bias = false;  // added once, after the ranks' outputs are summed
-  rank.tp_degree = 1;
-  rank.tp_rank = 0;
-  rank.gqa_strategy = LayerConfig::GqaStrategy::kAuto;
-  return rank;
-}
-
-// The config and weights of rank tp_rank of tp_degree.
-Status rank_layer(const LayerConfig& config, const LayerWeights& weights, LayerConfig* rank_config,
-                  LayerWeights* rank_weights) {
-  layer::GqaSharding sharding;
-  if (Status s = plan_sharding(config, &sharding); !s.ok) return s;
-  const int64_t d = layer::head_dim_of(config);
-  layer::ProjectionWeights full{weights.q_proj, weights.k_proj, weights.v_proj, weights.o_proj,
-                                weights.q_bias, weights.k_bias, weights.v_bias, {},
-                                weights.sinks};
-  layer::ProjectionWeights local;
-  if (Status s =
-          layer::shard_weights(sharding, config.hidden_size, d, full, config.tp_rank, &local);
-      !s.ok) {
-    return s;
-  }
-  *rank_config = rank_config_of(config, sharding);
-  *rank_weights = LayerWeights{std::move(local.q_proj), std::move(local.k_proj),
-                               std::move(local.v_proj), std::move(local.o_proj),
-                               std::move(local.q_bias), std::move(local.k_bias),
-                               std::move(local.v_bias), {},
-                               weights.q_norm,          weights.k_norm,
-                               std::move(local.sinks)};
-  return Status::Ok();
-}
-
-}  // namespace
-
-Status rank_config(const LayerConfig& config, LayerConfig* rank) {
-  if (rank == nullptr) return Status::Error("rank: must not be null");
-  if (Status s = layer::check_config(config); !s.ok) return s;
-  if (config.tp_degree == 1 && config.tp_rank == 0) {  // the whole layer
-    *rank = config;
-    return Status::Ok();
-  }
-  layer::GqaSharding sharding;
-  if (Status s = plan_sharding(config, &sharding); !s.ok) return s;
-  *rank = rank_config_of(config, sharding);
-  return Status::Ok();
-}
-
 AttentionLayer::AttentionLayer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 AttentionLayer::~AttentionLayer() = default;
 
@@ -361,11 +283,28 @@ Status AttentionLayer::create(const LayerConfig& config, const LayerWeights& wei
     if (config.tp_degree != 1 || config.tp_rank != 0) {
       LayerConfig rank_config;
       LayerWeights rank_weights;
-      if (Status s = rank_layer(config, weights, &rank_config, &rank_weights); !s.ok) return s;
+      if (Status s = layer::rank_layer(config, weights, &rank_config, &rank_weights); !s.ok) {
+        return s;
+      }
       layer->reset(new AttentionLayer(std::make_unique<Impl>(rank_config, rank_weights)));
       return Status::Ok();
     }
     layer->reset(new AttentionLayer(std::make_unique<Impl>(config, weights)));
+  } catch (const std::bad_alloc&) {
+    return Status::Error("weights: allocation of the layer's weight copies failed",
+                         ErrorKind::kMemory);
+  }
+  return Status::Ok();
+}
+
+Status AttentionLayer::create_from_shard(const LayerConfig& config, const LayerWeights& shard,
+                                         std::unique_ptr<AttentionLayer>* layer) {
+  if (layer == nullptr) return Status::Error("layer: must not be null");
+  LayerConfig rank;
+  if (Status s = rank_config(config, &rank); !s.ok) return s;
+  if (Status s = layer::check_shard(config, rank, shard); !s.ok) return s;
+  try {
+    layer->reset(new AttentionLayer(std::make_unique<Impl>(rank, shard)));
   } catch (const std::bad_alloc&) {
     return Status::Error("weights: allocation of the layer's weight copies failed",
                          ErrorKind::kMemory);

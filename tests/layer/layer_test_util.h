@@ -112,6 +112,46 @@ inline LayerWeights random_weights(const LayerConfig& c, std::mt19937* rng) {
   return w;
 }
 
+// Rank `heads`' shard cut from the full weights (the blocks include/flashcte/layer.h's RankHeads
+// names, zero for a pad head): what a loader reading only the rank's rows and columns of a
+// checkpoint hands AttentionLayer::create_from_shard.
+inline LayerWeights cut_shard(const LayerConfig& c, const RankHeads& heads,
+                              const LayerWeights& full) {
+  const int64_t d = c.head_dim, hidden = c.hidden_size, full_q = c.num_heads * d;
+  const auto rows = [d](const std::vector<float>& source, const std::vector<int64_t>& of,
+                        int64_t row_length) {
+    std::vector<float> out;
+    if (source.empty()) return out;
+    for (const int64_t h : of) {
+      for (int64_t i = 0; i < d * row_length; ++i) {
+        out.push_back(h < 0 ? 0.0f : source[static_cast<size_t>(h * d * row_length + i)]);
+      }
+    }
+    return out;
+  };
+  LayerWeights w;
+  w.q_proj = rows(full.q_proj, heads.query_heads, hidden);
+  w.k_proj = rows(full.k_proj, heads.kv_heads, hidden);
+  w.v_proj = rows(full.v_proj, heads.kv_heads, hidden);
+  for (int64_t r = 0; r < hidden; ++r) {
+    for (const int64_t h : heads.query_heads) {
+      for (int64_t i = 0; i < d; ++i) {
+        w.o_proj.push_back(h < 0 ? 0.0f : full.o_proj[static_cast<size_t>(r * full_q + h * d + i)]);
+      }
+    }
+  }
+  w.q_bias = rows(full.q_bias, heads.query_heads, 1);
+  w.k_bias = rows(full.k_bias, heads.kv_heads, 1);
+  w.v_bias = rows(full.v_bias, heads.kv_heads, 1);
+  if (c.tp_degree == 1) w.o_bias = full.o_bias;  // past one rank, added once after the sum
+  w.q_norm = full.q_norm;
+  w.k_norm = full.k_norm;
+  for (const int64_t h : heads.query_heads) {
+    if (!full.sinks.empty()) w.sinks.push_back(h < 0 ? 0.0f : full.sinks[static_cast<size_t>(h)]);
+  }
+  return w;
+}
+
 // GQA with 2 query heads per KV head equals MHA with each KV head's weights duplicated for its
 
 inline void expect_error(const Status& s, const std::string& prefix) {

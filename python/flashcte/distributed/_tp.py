@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .._errors import ArgumentError, ArgumentTypeError
 from .._layer import AttentionLayer, _float32, _positions
 from .._layer_cache import KvCache
+from .._layer_weights import WEIGHT_NAMES, read_shard
 from .._tensors import BFLOAT16, TORCH, Tensor
 from . import _comm
 
@@ -177,26 +178,28 @@ class TensorParallelAttention:
         o_bias: ArrayLike | None = None,
         q_norm: ArrayLike | None = None,
         k_norm: ArrayLike | None = None,
+        *,
+        shard: bool = False,
     ) -> None:
-        """The full, unsharded weights in ``torch.nn.Linear`` layout, on every rank
-        (:meth:`flashcte.AttentionLayer.set_weights`' shapes); each rank keeps its shard.
-        ``o_bias`` is kept here and added once to the summed output."""
-        weights = {
-            "q_proj": q_proj,
-            "k_proj": k_proj,
-            "v_proj": v_proj,
-            "o_proj": o_proj,
-            "q_bias": q_bias,
-            "k_bias": k_bias,
-            "v_bias": v_bias,
-            "o_bias": o_bias,
-            "q_norm": q_norm,
-            "k_norm": k_norm,
-        }
+        """The weights in ``torch.nn.Linear`` layout, on every rank: the full, unsharded ones
+        (:meth:`flashcte.AttentionLayer.set_weights`' shapes), of which each rank keeps its shard,
+        or with ``shard=True`` each rank's own shard (the blocks of its
+        :attr:`flashcte.AttentionLayer.rank_heads`; :meth:`load_safetensors` reads them), so that
+        no rank holds the full projections. ``o_bias`` (the whole vector either way) is kept
+        here and added once to the summed output."""
+        args = locals()
+        weights = {name: args[name] for name in WEIGHT_NAMES}
+        self._set_weights(lambda: weights, shard)
+
+    def _set_weights(self, get_weights: Any, shard: bool) -> None:
+        """set_weights with the weights from ``get_weights()``, called inside the agreement so
+        that a rank's failure to produce them reaches every rank."""
 
         def describe() -> dict:
+            weights = get_weights()
+            o_bias = weights.get("o_bias")
             record = {name: _shape(w) for name, w in weights.items()}
-            self._layer.set_weights(**weights)
+            self._layer.set_weights(**dict(weights, o_bias=None if shard else o_bias), shard=shard)
             if o_bias is None:
                 self._o_bias = None
             else:
@@ -208,6 +211,20 @@ class TensorParallelAttention:
         what = f"{_WHAT}.set_weights"
         metas = _comm.agree(self._g, describe, what)
         _comm.fail_unless_same([{"shapes": m} for m in metas], "shapes", what)
+
+    def load_safetensors(self, path: Any, prefix: str = "") -> None:
+        """Each rank reads its own shard of the full layer from the safetensors file ``path``
+        (:meth:`flashcte.AttentionLayer.load_safetensors`: its heads' rows and columns only,
+        names after ``prefix``) and ``o_proj.bias`` with the config's ``o_bias``. Collective; a
+        rank that cannot read its shard makes every rank raise."""
+
+        def read() -> dict:
+            if not isinstance(prefix, str):
+                raise ArgumentTypeError(f"prefix: must be a str, got {type(prefix).__name__}")
+            layer = self._layer
+            return read_shard(path, prefix, layer._config, layer.head_dim, layer.rank_heads, True)
+
+        self._set_weights(read, shard=True)
 
     def new_cache(self, batch: int, max_len: int) -> KvCache:
         """This rank's cache: ``batch`` sequences of up to ``max_len`` tokens of its
