@@ -211,6 +211,7 @@ FLASHCTE_DECODE_NATIVE inline void qk_rows(const uint16_t* q, int64_t ldq, int64
 #pragma GCC unroll 16
     for (int64_t c = 0; c < K; ++c) {
       kr[c] = k.template at<unsigned char>(std::min(j0 + c, n - 1));
+      if (ahead == 0) continue;
       prefetch_lines<2>(k.prefetch_address(j0 + c + ahead), row_bytes);
       prefetch_lines<3>(k.prefetch_address(j0 + c + kL1PrefetchRows), row_bytes);
     }
@@ -252,10 +253,12 @@ FLASHCTE_DECODE_NATIVE inline void Qk(const uint16_t* q, int64_t ldq, int64_t ro
   with_load(dtype, [&](const auto& load) FLASHCTE_DECODE_NATIVE {
     using Load = std::decay_t<decltype(load)>;
     const int64_t row_bytes = Load::kBytes * d;
-    const int64_t ahead = prefetch_rows(k.prefetch_bytes, row_bytes);
+    const int64_t first_ahead = prefetch_rows(k.prefetch_bytes, row_bytes);
     with_rows(k, [&](const auto& kr) FLASHCTE_DECODE_NATIVE {
       for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         const int64_t left = rows - r0;  // 3 rows take a 4-row tile, as in decode_qk-inl.h
+        // Only the first row block prefetches (decode_qk-inl.h); 0 prefetches nothing.
+        const int64_t ahead = r0 == 0 ? first_ahead : 0;
         if (left >= 3) {
           qk_rows<4>(q, ldq, rows, r0, kr, load, n, d, scale, s, lds, ahead);
         } else if (left == 2) {
