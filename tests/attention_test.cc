@@ -80,6 +80,30 @@ TEST(ValueDim, DiffersFromHeadDim) {
   }
 }
 
+// A GQA group whose output state outgrows one pass over the KV axis (attention.cc,
+// kPassStateBytes: 4 MiB, 31 heads of 64 rows at dv 512): 33 heads over one KV head run in two
+// passes (17 and 16), each seeded with its heads' sinks, whole and split over the KV axis
+// (threads).
+TEST(ValueDim, AGroupBeyondOnePassOfOutputState) {
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    Case c = base_case(dt, 64, 64, 576);
+    c.dv = 512;
+    c.bs = 33;
+    c.bs_kv = 1;
+    c.sink = true;
+    c.sink_lo = -2;  // sinks that leave the keys most of the weight
+    c.sink_hi = 2;
+    c.lse = true;
+    c.options.scale = static_cast<float>(1 / std::sqrt(192.0));
+    c.options.causal_mask = true;
+    c.has_prior = true;
+    c.s_prior = 48;
+    EXPECT_TRUE(check_case(c));
+    c.options.num_threads = 1;
+    EXPECT_TRUE(check_case(c));
+  }
+}
+
 // ---- sequence lengths --------------------------------------------------------------------------
 
 struct Lengths {

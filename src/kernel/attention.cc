@@ -1,10 +1,12 @@
 // The attention_cte algorithm on one work item (shared/spec/attention_cte_kernel.txt):
 //
-//   for each softmax section of the KV axis (one tile by default; 8K tokens on Neuron):
-//     pack the section's computed K tiles ([d][keys], the k_sb layout) and V tiles once, for
-//       every head of the GQA group ("Q resident, KV streams"; pack.h);
-//     for each query sub-block and head of the group: MM1, max, exp, MM2 (section.h), the
-//       online softmax in SoftmaxState (softmax_state.h);
+//   for each pass over the heads of the GQA group (all of them, unless their output state
+//   outgrows kPassStateBytes: MLA's 128 heads of dv 512):
+//     for each softmax section of the KV axis (one tile by default; 8K tokens on Neuron):
+//       pack the section's computed K tiles ([d][keys], the k_sb layout) and V tiles once, for
+//         every head of the pass ("Q resident, KV streams"; pack.h);
+//       for each query sub-block and head of the pass: MM1, max, exp, MM2 (section.h), the
+//         online softmax in SoftmaxState (softmax_state.h);
 //   out = O * (1 / l): one reciprocal per row, at the end.
 //
 // bfloat16 inputs run either on float32 blocks (widened at packing, the Ops table's FMA kernels)
@@ -17,8 +19,9 @@
 // MHA. Q and O stay resident per item.
 //
 // The Neuron kernel keeps O in HBM between sections; here O stays in per-thread scratch
-// (G x q_block x dv floats), which fits L2. Its 3-stage software pipeline is not reproduced:
-// out-of-order cores and the hardware prefetcher overlap loads and arithmetic by themselves.
+// (G x q_block x dv floats, of which a pass touches at most kPassStateBytes). Its 3-stage software
+// pipeline is not reproduced: out-of-order cores and the hardware prefetcher overlap loads and
+// arithmetic by themselves.
 #include "src/kernel/attention.h"
 
 #include <algorithm>
@@ -116,8 +119,7 @@ void plan_item(const Problem& problem, const TileConfig& tiles, const ItemShape&
     plan_block(problem, tiles, item.kv_batch, scratch.intervals.data() + r0,
                std::min(kSubBlockRows, item.rows - r0), &scratch.sub_plans[sb]);
   }
-  ensure(scratch.sub_cursor, item.sub_blocks);
-  std::fill(scratch.sub_cursor.begin(), scratch.sub_cursor.begin() + item.sub_blocks, 0);
+  ensure(scratch.sub_cursor, item.sub_blocks);  // reset by each pass over the heads (run)
 }
 
 void ensure_scratch(const Problem& problem, const ItemShape& item, bool native, Scratch& scratch) {
@@ -139,9 +141,26 @@ void ensure_scratch(const Problem& problem, const ItemShape& item, bool native, 
   ensure(scratch.p2, sub_rows * item.lds());
 }
 
-// Every sub-block and head of the item through one packed section.
+// The heads of one pass over the item's KV axis: passes of equal size that keep their output
+// state (rows x ldo floats a head) within kPassStateBytes. A pass packs every section again, once
+// per rows x heads of its query rows. MLA's 16-128 heads (dv 512) make the state of a 64-row chunk
+// 2-16 MiB. AMD EPYC Zen 5, 2 threads, chunks of 64 over 4096 cached, batch 1 and 8
+// (bench/mla.py, 2 interleaved rounds), fraction of the fp32 FMA / vdpbf16ps peak, whole group
+// -> 4 MiB passes: 128 heads 0.46-0.48 -> 0.61-0.63 fp32, 0.36 -> 0.46 bf16 (x1.23-1.30);
+// 64 heads x1.01-1.09; 16 and 32 heads (one pass either way) unchanged. 1 MiB passes ran at
+// 0.92-1.04x the speed of 4 MiB ones (median 0.96).
+constexpr int64_t kPassStateBytes = int64_t{4} << 20;
+
+int64_t heads_per_pass(const Problem& problem, const ItemShape& item) {
+  const int64_t head_bytes = item.rows * item.ldo() * static_cast<int64_t>(sizeof(float));
+  const int64_t most = std::max<int64_t>(kPassStateBytes / std::max<int64_t>(head_bytes, 1), 1);
+  return ceil_div(problem.group, ceil_div(problem.group, most));  // passes of equal size
+}
+
+// Every sub-block of the item and its heads [h0, h1) through one packed section.
 void attend_packed_section(const Problem& problem, const simd::Ops& ops, const ItemShape& item,
-                           const PackedSection& packed, bool q_pairs, Scratch& scratch) {
+                           const PackedSection& packed, bool q_pairs, int64_t h0, int64_t h1,
+                           Scratch& scratch) {
   const int64_t d = problem.head_dim, d2 = pair_dim(d);
   for (int64_t sb = 0; sb < item.sub_blocks; ++sb) {
     // The sub-block's sections are a subset of the item's, in the same order.
@@ -152,7 +171,7 @@ void attend_packed_section(const Problem& problem, const simd::Ops& ops, const I
     }
     const SectionWork& sub_section = sub_plan.sections[cursor++];
     const int64_t r0 = sb * kSubBlockRows, rows = std::min(kSubBlockRows, item.rows - r0);
-    for (int64_t h = 0; h < problem.group; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       HeadBlock head;
       head.batch = item.kv_batch * problem.group + h;
       head.first_row = item.row0 + r0;
@@ -263,10 +282,16 @@ void AttentionKernel::run(int64_t item_index, int64_t kv_begin, int64_t kv_end,
   }
   // The native kernels would flush a subnormal query: such items widen.
   const simd::NativeOps* item_dot = q_subnormal ? nullptr : dot;
-  for (const SectionWork& section : scratch.plan.sections) {
-    const PackedSection packed =
-        pack_section(problem, ops_, item_dot, item.kv_batch, section, item.ldk, item.ldv, scratch);
-    attend_packed_section(problem, ops_, item, packed, item_dot != nullptr, scratch);
+  // Each head's arithmetic is the same in any pass: packing a section gives the same blocks.
+  const int64_t pass = heads_per_pass(problem, item);
+  for (int64_t h0 = 0; h0 < problem.group; h0 += pass) {
+    std::fill(scratch.sub_cursor.begin(), scratch.sub_cursor.begin() + item.sub_blocks, 0);
+    for (const SectionWork& section : scratch.plan.sections) {
+      const PackedSection packed = pack_section(problem, ops_, item_dot, item.kv_batch, section,
+                                                item.ldk, item.ldv, scratch);
+      attend_packed_section(problem, ops_, item, packed, item_dot != nullptr, h0,
+                            std::min(problem.group, h0 + pass), scratch);
+    }
   }
 
   const int64_t saved_floats = SoftmaxState::saved_row_floats(problem.value_dim);
