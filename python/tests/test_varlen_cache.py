@@ -182,3 +182,24 @@ def test_hnd_caches_are_named_in_the_shapes_passed(rng):
         codes = np.zeros((10, 2, 16, 64), np.int8)
         flashcte.paged_attention(q, codes, codes, **call, k_scale=np.ones((10, 16, 2), np.float32),
                                  v_scale=np.ones((10, 2, 16), np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mla_latent_cache_with_the_value_inside_the_key(rng, dtype):
+    """MLA (DeepSeek-V2/V3): one latent KV head of d 576 whose first 512 channels are the value,
+    the value cache a view of the key cache (no copy). 36 heads make 36 decode rows (nine QK row
+    blocks) and, for the 64-token chunk, 4.6 MiB of output state: two passes over the heads in
+    attention_cte (src/kernel/attention.cc)."""
+    heads, d, dv = 36, 576, 512
+    q, k_cache, _, args = setup(rng, dtype, [1, 64, 3], [70, 130, 3], 16, heads=heads,
+                                kv_heads=1, d=d)
+    k_hnd = np.ascontiguousarray(k_cache.transpose(0, 2, 1, 3))
+    sinks = rng.standard_normal(heads).astype(np.float32)
+    out = flashcte.paged_attention(
+        q, k_hnd, k_hnd[..., :dv], args["block_table"], args["seqused_k"], args["cu_seqlens_q"],
+        1 / np.sqrt(192.0), causal=True, sinks=sinks)
+    assert out.shape == (q.shape[0], heads, dv)
+    ref_out, _ = varlen_kvcache_ref(q, k_cache, k_cache[..., :dv], args["cu_seqlens_q"],
+                                    args["seqused_k"], args["block_table"], causal=True,
+                                    softmax_scale=1 / np.sqrt(192.0), sinks=sinks)
+    assert_close(out, ref_out, dtype)
